@@ -1,0 +1,350 @@
+"""Bits and rounding: the numerical ground floor of lowprec.
+
+This module knows tensors and bit patterns only; it has no optimizers and no modules.
+
+**Split representation.** An FP32 value ``x`` is stored as two 16-bit halves: ``top``, a bfloat16
+that forward and backward use directly, and ``trail``, an int16. ``top`` is ``x`` rounded to the
+nearest bfloat16 with **ties away from zero**, and ``trail`` is exactly the low 16 bits of ``x``
+reinterpreted as a signed int16. Rounding happens when bit 15 of ``x`` (the highest bit that
+bfloat16 drops) is set, and bit 15 is also the sign bit of ``trail``; so ``join`` knows whether
+``top`` was rounded up from the trail's sign alone, and the pair is an exact, bijective encoding of
+all 2**32 FP32 bit patterns. Ties away from zero (rather than IEEE ties-to-even) is forced: with
+ties-to-even the low half of a tie could lie a full half-ulp on either side of ``top``, which needs a
+17th bit. The two rules differ only for values exactly halfway between two bfloat16 numbers.
+
+Consequences at the edges, all exact under ``join``: finite values above the largest bfloat16
+(``|x| >= 0x7F7F8000`` as bits, about 3.3961e38) have ``top = ±inf``, as IEEE rounding gives; NaNs
+whose payload sits only in the low 16 bits have ``top = ±inf``; and NaNs whose upper half is
+``0x7FFF``/``0xFFFF`` with bit 15 set (patterns no arithmetic produces; a canonical NaN is
+``0x7FC00000``) wrap to ``top = ∓0``. A counting argument shows some NaN must map to a non-NaN top
+in any exact 16+16-bit encoding whose top is the rounded value.
+
+**Stochastic rounding** rounds up with probability equal to the fraction of the gap to the next
+representable value, so it is unbiased: the mean over many draws equals the input. The random bits
+come either from a ``torch.Generator`` (``round_stochastic``) or from a counter-based hash of a key
+and the element index (``counter_bits``), which is reproducible, identical on every rank and device,
+and needs no generator state in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FormatInfo",
+    "counter_bits",
+    "format_info",
+    "join",
+    "round_nearest_split",
+    "round_stochastic",
+    "round_stochastic_with_bits",
+    "split",
+    "stream_key",
+    "ulp",
+]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _sign_extend16(v: torch.Tensor) -> torch.Tensor:
+    """Interpret the low 16 bits of an integer tensor as a signed 16-bit value."""
+    # (v & 0xFFFF) is in [0, 65535]; flipping bit 15 then subtracting 2**15 maps
+    # [0, 32767] -> itself and [32768, 65535] -> [-32768, -1] (two's complement).
+    return ((v & 0xFFFF) ^ 0x8000) - 0x8000
+
+
+def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split FP32 values into a rounded bfloat16 top half and an int16 trail.
+
+    Args:
+        x: A float32 tensor.
+
+    Returns:
+        ``(top, trail)``: ``top`` (bfloat16) is ``x`` rounded to the nearest bfloat16, ties away
+        from zero; ``trail`` (int16) is the low 16 bits of ``x``. ``join(top, trail)`` gives back
+        ``x`` bit for bit, for every FP32 bit pattern (see the module docstring for the edges).
+
+    Raises:
+        TypeError: ``x`` is not float32.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"split() takes a float32 tensor, got {x.dtype}; convert with x.float().")
+    bits = x.contiguous().view(torch.int32)
+    upper = bits >> 16  # arithmetic shift: the upper 16 bits as a signed value in [-32768, 32767]
+    round_up = (bits >> 15) & 1  # bit 15: the dropped half is >= half a bfloat16 ulp
+    # Adding 1 to the upper half's bit pattern increases the magnitude by one bfloat16 ulp (the sign
+    # is bit 15 of the half, untouched unless the magnitude was already all ones, i.e. a NaN). The
+    # sum is reduced modulo 2**16 back into int16 range.
+    top = _sign_extend16(upper + round_up).to(torch.int16).view(torch.bfloat16)
+    trail = _sign_extend16(bits).to(torch.int16)  # the low half, reinterpreted as int16
+    return top, trail
+
+
+def join(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
+    """Rebuild the FP32 values from a bfloat16 top half and an int16 trail (inverse of ``split``).
+
+    Args:
+        top: A bfloat16 tensor.
+        trail: An int16 tensor of the same shape.
+
+    Returns:
+        The float32 tensor ``x`` with ``split(x) == (top, trail)``.
+
+    Raises:
+        TypeError: wrong dtypes.
+        ValueError: shapes differ.
+    """
+    if top.dtype != torch.bfloat16 or trail.dtype != torch.int16:
+        raise TypeError(
+            f"join() takes (bfloat16, int16) tensors, got ({top.dtype}, {trail.dtype}); "
+            "the pair must come from lowprec.numerics.split()."
+        )
+    if top.shape != trail.shape:
+        raise ValueError(f"join(): top has shape {tuple(top.shape)} but trail {tuple(trail.shape)}.")
+    t = top.contiguous().view(torch.int16).to(torch.int32)
+    low = trail.to(torch.int32)
+    # A negative trail means bit 15 was set, so split() rounded the upper half up by one: undo it,
+    # modulo 2**16 so that the NaN wrap-around case inverts too.
+    upper = _sign_extend16(t - (low < 0).to(torch.int32))
+    # upper * 2**16 is in [-2**31, 2**31 - 2**16] and (low & 0xFFFF) < 2**16: no int32 overflow.
+    return (upper * 65536 + (low & 0xFFFF)).view(torch.float32)
+
+
+def round_nearest_split(x: torch.Tensor) -> torch.Tensor:
+    """Round FP32 to bfloat16 with the split rule (nearest, ties away from zero)."""
+    return split(x)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based random bits
+# ---------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+# Constants of the "lowbias32" integer hash (Chris Wellons' hash-prospector), a well-mixed
+# 32-bit permutation: xor-shift, multiply, xor-shift, multiply, xor-shift.
+_H1 = 0x7FEB352D
+_H2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32_py(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _H1) & _M32
+    x ^= x >> 15
+    x = (x * _H2) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32), without signed overflow."""
+    # Split c into 16-bit halves: x*c = x*c_lo + (x*c_hi << 16); each product is < 2**48.
+    c_lo, c_hi = c & 0xFFFF, c >> 16
+    return (x * c_lo + (((x * c_hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _H1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _H2)
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, *counters: int) -> int:
+    """Fold a seed and counters (step, parameter index, ...) into a 64-bit key for ``counter_bits``.
+
+    Pure Python integer arithmetic, so every process computes the same key.
+    """
+    lo = _mix32_py(seed & _M32)
+    hi = _mix32_py((seed >> 32) ^ _GOLDEN)
+    for c in counters:
+        lo = _mix32_py(lo ^ _mix32_py((c & _M32) + _GOLDEN))
+        hi = _mix32_py(hi + lo + (c >> 32))
+    return (hi << 32) | lo
+
+
+def counter_bits(
+    numel: int, key: int, *, device: torch.device | str | None = None, offset: int = 0
+) -> torch.Tensor:
+    """32 random bits per element from a counter-based hash of ``(key, element index)``.
+
+    Args:
+        numel: How many values.
+        key: A 64-bit key, typically ``stream_key(seed, step, param_index)``.
+        device: Where to make them (default: CPU).
+        offset: Index of the first element (default: 0), so a tensor can be processed in pieces.
+
+    Returns:
+        An int64 tensor of ``numel`` values in ``[0, 2**32)``, the same for the same arguments on
+        every device, process and PyTorch build.
+    """
+    idx = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    lo, hi = key & _M32, (key >> 32) & _M32
+    return _mix32(_mix32((idx + lo) & _M32) ^ hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stochastic rounding
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_sr_args(x: torch.Tensor, dtype: torch.dtype) -> None:
+    if x.dtype != torch.float32:
+        raise TypeError(
+            f"stochastic rounding takes a float32 tensor, got {x.dtype}; convert with x.float()."
+        )
+    if dtype not in _LOW_PRECISION:
+        raise ValueError(
+            f"stochastic rounding targets torch.bfloat16 or torch.float16, got {dtype}."
+        )
+
+
+def round_stochastic_with_bits(
+    x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Stochastically round FP32 to ``dtype`` using caller-supplied random bits.
+
+    Args:
+        x: A float32 tensor.
+        bits: An integer tensor of ``x``'s shape (or numel) holding at least 24 uniformly random
+            low bits per element, e.g. from ``counter_bits``.
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (default: bfloat16).
+
+    Returns:
+        A tensor of ``dtype``: each value is one of the two representable neighbours of ``x``,
+        the upper one with probability proportional to ``x``'s distance from the lower one. Exact
+        values stay exact; NaN and inf pass through; a finite ``x`` within the format's range never
+        becomes inf.
+    """
+    _check_sr_args(x, dtype)
+    bits = bits.reshape(x.shape)
+    finfo = torch.finfo(dtype)
+    if dtype == torch.bfloat16:
+        xb = x.contiguous().view(torch.int32)
+        noise = (bits & 0xFFFF).to(torch.int32)  # 16 uniform bits: the width bfloat16 drops
+        # Adding noise in [0, 2**16) to the bit pattern carries into the kept half exactly when
+        # noise >= 2**16 - (dropped bits), i.e. with probability (dropped bits) / 2**16: an
+        # unbiased round of the magnitude (the sign bit is separate). A NaN's all-ones magnitude
+        # could overflow int32, so NaNs are replaced by 0 here and restored below.
+        nan = torch.isnan(x)
+        xb = torch.where(nan, torch.zeros_like(xb), xb)
+        rounded = ((xb + noise) & -65536).view(torch.float32).to(dtype)  # low half zero: exact
+    else:
+        nearest = x.to(dtype)
+        near32 = nearest.float()
+        # The other neighbour lies on the far side of x from the nearest value.
+        toward = torch.where(near32 > x, -math.inf, math.inf).to(dtype)
+        other = torch.nextafter(nearest, toward)
+        lo = torch.minimum(nearest, other).float()
+        hi = torch.maximum(nearest, other).float()
+        # x - lo is exact (Sterbenz) and hi - lo a power of two, so p is exact up to FP32 range.
+        p = (x - lo) / (hi - lo)
+        u = (bits & 0xFFFFFF).to(torch.float32) * (1.0 / 16777216.0)  # 24-bit uniform in [0, 1)
+        rounded = torch.where(u < p, hi, lo).to(dtype)
+        rounded = torch.where(near32 == x, nearest, rounded)  # exact values (and ±inf) stay
+        nan = torch.isnan(x)
+    # Never produce inf from a finite value inside the format's range: saturate instead.
+    in_range = x.abs() <= finfo.max
+    rounded = torch.where(
+        torch.isinf(rounded) & in_range, torch.sign(x).to(dtype) * finfo.max, rounded
+    )
+    return torch.where(nan, x.to(dtype), rounded)
+
+
+def round_stochastic(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Round FP32 to bfloat16 or float16 stochastically (unbiased).
+
+    Args:
+        x: A float32 tensor.
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (default: bfloat16).
+        generator: Source of randomness (default: PyTorch's default generator for ``x``'s device).
+            The same seed gives the same result, on every rank.
+
+    Returns:
+        A tensor of ``dtype`` whose expectation over draws equals ``x``.
+    """
+    _check_sr_args(x, dtype)
+    bits = torch.randint(
+        0, 1 << 24, x.shape, dtype=torch.int32, device=x.device, generator=generator
+    )
+    return round_stochastic_with_bits(x, bits, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Format facts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """Facts about a floating-point format.
+
+    Attributes:
+        dtype: The torch dtype.
+        bits: Total width in bits.
+        mantissa_bits: Explicitly stored fraction bits (7 for bfloat16, 10 for float16).
+        exponent_bits: Exponent field width.
+        eps: Gap between 1.0 and the next larger value (2**-mantissa_bits).
+        max: Largest finite value.
+        smallest_normal: Smallest positive normal value.
+        smallest_subnormal: Smallest positive subnormal value.
+    """
+
+    dtype: torch.dtype
+    bits: int
+    mantissa_bits: int
+    exponent_bits: int
+    eps: float
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+
+
+def format_info(dtype: torch.dtype) -> FormatInfo:
+    """Facts about ``dtype`` (float16, bfloat16, float32 or float64)."""
+    if not dtype.is_floating_point or dtype.is_complex:
+        raise ValueError(f"format_info() needs a real floating-point dtype, got {dtype}.")
+    fi = torch.finfo(dtype)
+    mant = round(-math.log2(fi.eps))
+    return FormatInfo(
+        dtype=dtype,
+        bits=fi.bits,
+        mantissa_bits=mant,
+        exponent_bits=fi.bits - 1 - mant,
+        eps=fi.eps,
+        max=fi.max,
+        smallest_normal=fi.smallest_normal,
+        smallest_subnormal=fi.smallest_normal * fi.eps,
+    )
+
+
+def ulp(x: torch.Tensor | float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The unit in the last place of ``dtype`` at the magnitude of ``x``.
+
+    The spacing of ``dtype``'s representable numbers in the binade ``[2**e, 2**(e+1))`` that holds
+    ``|x|`` (``smallest_subnormal`` for zero and subnormal magnitudes). An update smaller than half
+    this value is lost when added to ``x`` stored in ``dtype`` with round-to-nearest.
+
+    Args:
+        x: Values (any float dtype; computed in float64).
+        dtype: The format (default: bfloat16).
+
+    Returns:
+        A float64 tensor of ``x``'s shape; NaN where ``x`` is not finite.
+    """
+    info = format_info(dtype)
+    t = torch.as_tensor(x, dtype=torch.float64)
+    _, e = torch.frexp(t.abs())  # |x| = m * 2**e with m in [0.5, 1)
+    spacing = torch.ldexp(torch.full_like(t, info.eps), (e - 1).to(torch.int32))
+    spacing = torch.where(t == 0, info.smallest_subnormal, spacing)  # frexp(0) gives e = 0
+    spacing = torch.clamp(spacing, min=info.smallest_subnormal)
+    return torch.where(torch.isfinite(t), spacing, torch.full_like(t, math.nan))

@@ -1,0 +1,202 @@
+"""Master-weight storage strategies: how the FP32 value an optimizer updates is kept between steps.
+
+An update rule (SGD, AdamW, ...) sees only FP32 tensors: it receives the master value ``w`` and
+returns the new one. A storage strategy owns the other half of the contract:
+
+* ``buffers(param)`` names the extra state tensors it keeps for ``param`` and their dtypes;
+* ``init(param)`` creates them from the parameter's current value;
+* ``load(param, bufs)`` rebuilds the FP32 master value;
+* ``store(w, param, bufs, bits)`` turns a new FP32 value into the parameter's new stored value and
+  new buffer values.
+
+``load`` and ``store`` are pure tensor functions (they return new tensors and write nothing), so an
+eager driver can copy their results into place and a compiled driver can fuse them with the update
+rule into one pass. To add a strategy, subclass ``MasterStorage``, implement those four methods and
+register it in ``STORAGES``; no optimizer changes.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from lowprec.numerics import counter_bits, join, round_stochastic_with_bits, split
+
+__all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "resolve_master"]
+
+_HIGH = (torch.float32, torch.float64)
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class MasterStorage:
+    """Base class of the master-weight strategies (see the module docstring)."""
+
+    name: ClassVar[str]
+    #: Whether ``store`` needs random bits (``bits`` argument).
+    needs_random_bits: ClassVar[bool] = False
+
+    def check(self, dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` if parameters of ``dtype`` cannot use this strategy."""
+
+    def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
+        return {}
+
+    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+
+class NoMaster(MasterStorage):
+    """The parameter is its own master: updates are rounded to nearest in the parameter's dtype.
+
+    Exact for FP32 parameters; the naive baseline for BF16/FP16 ones (small updates are lost).
+    """
+
+    name = "none"
+
+    def load(self, param, bufs):
+        return param.float()
+
+    def store(self, w, param, bufs, bits=None):
+        return w.to(param.dtype), {}
+
+
+class FP32Copy(MasterStorage):
+    """An FP32 copy in optimizer state (classic mixed precision); the parameter is its rounding."""
+
+    name = "fp32"
+
+    def buffers(self, param):
+        return {"master_weight": torch.float32}
+
+    def init(self, param):
+        return {"master_weight": param.detach().float().clone()}
+
+    def load(self, param, bufs):
+        return bufs["master_weight"]
+
+    def store(self, w, param, bufs, bits=None):
+        return w.to(param.dtype), {"master_weight": w}
+
+
+class Split(MasterStorage):
+    """Split SGD: the BF16 parameter is the rounded top half of the FP32 master, the trail its low half.
+
+    See ``lowprec.numerics.split`` for the exact encoding (round to nearest, ties away from zero).
+    """
+
+    name = "split"
+
+    def check(self, dtype):
+        if dtype != torch.bfloat16:
+            hint = (
+                "use master='fp32' (or 'kahan') for float16 parameters"
+                if dtype == torch.float16
+                else "an FP32 parameter is already its own master: use master='none' or 'auto' for"
+                " it, e.g. in a separate parameter group"
+            )
+            raise ValueError(
+                f"master='split' keeps a BF16 parameter plus a 16-bit trail, so it needs bfloat16 "
+                f"parameters, got {dtype}; {hint}."
+            )
+
+    def buffers(self, param):
+        return {"trail": torch.int16}
+
+    def init(self, param):
+        # The master starts as the parameter's exact value: a zero trail.
+        return {"trail": torch.zeros_like(param, dtype=torch.int16)}
+
+    def load(self, param, bufs):
+        return join(param, bufs["trail"])
+
+    def store(self, w, param, bufs, bits=None):
+        top, trail = split(w)
+        return top, {"trail": trail}
+
+
+class Kahan(MasterStorage):
+    """Kahan-compensated summation: a buffer in the parameter's dtype holds what rounding dropped.
+
+    The master value is ``param + compensation``; after an update the parameter is the new value
+    rounded to nearest and the compensation is the remainder, rounded to the parameter's dtype.
+    """
+
+    name = "kahan"
+
+    def buffers(self, param):
+        return {"compensation": param.dtype}
+
+    def init(self, param):
+        return {"compensation": torch.zeros_like(param)}
+
+    def load(self, param, bufs):
+        return param.float() + bufs["compensation"].float()
+
+    def store(self, w, param, bufs, bits=None):
+        new = w.to(param.dtype)
+        return new, {"compensation": (w - new.float()).to(param.dtype)}
+
+
+class Stochastic(MasterStorage):
+    """Stochastic rounding of the new value into the parameter's dtype; no extra buffer.
+
+    The random bits come from a counter-based hash of (seed, step, parameter index, element), so a
+    run is reproducible, identical on every rank and resumes bit for bit from a checkpoint.
+    """
+
+    name = "stochastic"
+    needs_random_bits = True
+
+    def load(self, param, bufs):
+        return param.float()
+
+    def store(self, w, param, bufs, bits=None):
+        if bits is None:
+            raise ValueError("master='stochastic' needs random bits for its store step.")
+        return round_stochastic_with_bits(w, bits, param.dtype), {}
+
+    @staticmethod
+    def random_bits(param: torch.Tensor, key: int) -> torch.Tensor:
+        return counter_bits(param.numel(), key, device=param.device)
+
+
+STORAGES: dict[str, MasterStorage] = {
+    s.name: s for s in (NoMaster(), FP32Copy(), Split(), Kahan(), Stochastic())
+}
+
+#: Values accepted by the optimizers' ``master=`` argument.
+MASTER_CHOICES = ("auto", *STORAGES)
+
+
+def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
+    """The storage strategy used for a parameter of ``dtype`` under the ``master=`` option.
+
+    ``"auto"`` is ``"none"`` for FP32/FP64 parameters and ``"kahan"`` for BF16/FP16 ones. The
+    strategies that exist to recover bits a low-precision parameter loses (``"fp32"``, ``"kahan"``,
+    ``"stochastic"``) leave FP32/FP64 parameters plain: those are already their own master. This
+    lets a model keep some layers in FP32 under one optimizer. ``"split"`` raises for anything
+    but bfloat16, since its memory layout (the parameter is the top half) cannot hold otherwise.
+    """
+    if master not in MASTER_CHOICES:
+        raise ValueError(f"unknown master={master!r}; choose one of {', '.join(MASTER_CHOICES)}.")
+    if master == "split":
+        STORAGES["split"].check(dtype)
+        return STORAGES["split"]
+    if dtype in _HIGH:
+        return STORAGES["none"]
+    if master == "auto":
+        return STORAGES["kahan"]
+    return STORAGES[master]
