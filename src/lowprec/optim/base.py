@@ -320,7 +320,7 @@ class LowPrecisionOptimizer(Optimizer):
                 f"{len(self.param_groups)}."
             )
         id_map: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
-        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(
                     f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
@@ -328,7 +328,7 @@ class LowPrecisionOptimizer(Optimizer):
                 )
             merged = {**_COMMON_DEFAULTS, **self.defaults, **sg, "params": g["params"]}
             self._validate_group(merged, gi)
-            for sid, p in zip(sg["params"], g["params"]):
+            for sid, p in zip(sg["params"], g["params"], strict=True):
                 id_map[sid] = (p, merged)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for sid, st in saved_state.items():
