@@ -55,6 +55,11 @@ class LowPrecisionOptimizer(Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        if isinstance(params, set):
+            raise TypeError(
+                "parameters must be an ordered collection (a list), not a set: a set's order "
+                "changes between runs, and checkpoints map state to parameters by position."
+            )
         super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
 
     # ------------------------------------------------------------------ subclass interface
