@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lowprec.numerics import join, split
-from lowprec.optim import SGD, AdamW, master_state_dict
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
+from tests.reference.lamb import ReferenceLamb
 
 # ----------------------------------------------------------------------------------- helpers
 
@@ -68,9 +69,17 @@ ADAMW_CASES = [
     dict(lr=1e-2, amsgrad=True),
     dict(lr=3e-3, amsgrad=True, maximize=True, weight_decay=0.05),
 ]
-CASES = [(SGD, torch.optim.SGD, kw) for kw in SGD_CASES] + [
-    (AdamW, torch.optim.AdamW, kw) for kw in ADAMW_CASES
+ADAGRAD_CASES = [
+    dict(),
+    dict(lr=0.1, lr_decay=0.01),
+    dict(lr=0.05, weight_decay=0.1, initial_accumulator_value=0.5),
+    dict(lr=0.05, eps=1e-6, maximize=True),
 ]
+CASES = (
+    [(SGD, torch.optim.SGD, kw) for kw in SGD_CASES]
+    + [(AdamW, torch.optim.AdamW, kw) for kw in ADAMW_CASES]
+    + [(Adagrad, torch.optim.Adagrad, kw) for kw in ADAGRAD_CASES]
+)
 
 
 @pytest.mark.parametrize(("ours", "ref", "kw"), CASES, ids=lambda v: getattr(v, "__name__", v))
@@ -88,7 +97,43 @@ def test_none_on_fp32_matches_torch(ours, ref, kw):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("ours", "ref", "kw"), [CASES[1], CASES[-2]], ids=["sgd", "adamw"])
+LAMB_CASES = [
+    dict(lr=1e-2),
+    dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-8),
+    dict(lr=5e-3, weight_decay=0.1),
+]
+
+
+@pytest.mark.parametrize("kw", LAMB_CASES)
+def test_lamb_none_on_fp32_matches_the_paper(kw):
+    params = make_params()
+    ref = ReferenceLamb(params, **kw)
+    opt = Lamb(params, master="none", **kw)
+    for grads in grad_sequence(SHAPES, 100):
+        feed(params, grads)
+        opt.step()
+        ref.step(grads)
+    for p, w in zip(params, ref.w, strict=True):
+        torch.testing.assert_close(p.detach().double(), w, rtol=2e-5, atol=1e-6)
+
+
+def test_lamb_trust_ratio_is_one_for_zero_norms():
+    w = torch.zeros(10, requires_grad=True)  # ||w|| = 0: the step is lr * u
+    opt = Lamb([w], lr=0.1)
+    w.grad = torch.ones(10)
+    opt.step()  # m_hat = 1, v_hat = 1: u = 1 / (1 + eps)
+    torch.testing.assert_close(w.detach(), torch.full((10,), -0.1 / (1 + 1e-6)))
+    z = torch.ones(4, requires_grad=True)  # ||u|| = 0 (zero gradient, no decay): nothing moves
+    opt = Lamb([z], lr=0.1)
+    z.grad = torch.zeros(4)
+    opt.step()
+    assert torch.equal(z.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("ours", "ref", "kw"), [CASES[1], CASES[len(SGD_CASES) + 4], CASES[-3]],
+    ids=["sgd", "adamw", "adagrad"],
+)
 def test_param_groups_and_scheduler_match_torch(ours, ref, kw):
     a, b = make_params(shapes=[(10, 10)]), make_params(shapes=[(7,)])
     ra, rb = ([p.detach().clone().requires_grad_() for p in ps] for ps in (a, b))
@@ -149,6 +194,8 @@ def test_params_without_grad_are_skipped_and_zero_size_works():
 
 
 SPLIT_CASES = [
+    (Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.01)),
+    (Lamb, dict(lr=1e-3, weight_decay=0.01)),
     (SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     (SGD, dict(lr=0.01, momentum=0.9, nesterov=True, maximize=True)),
     (AdamW, dict(lr=1e-3, weight_decay=0.1)),
@@ -209,37 +256,45 @@ def _small_update_errors(cls, kw, steps=1000):
 
 @pytest.mark.parametrize(
     ("cls", "kw"),
-    [(SGD, dict(lr=1e-4, momentum=0.0)), (AdamW, dict(lr=1e-4, weight_decay=0.0))],
-    ids=["sgd", "adamw"],
+    [(SGD, dict(lr=1e-4, momentum=0.0)), (AdamW, dict(lr=1e-4, weight_decay=0.0)),
+     (Adagrad, dict(lr=1e-3)), (Lamb, dict(lr=1e-4))],
+    ids=["sgd", "adamw", "adagrad", "lamb"],
 )
 def test_compensated_strategies_follow_fp32_where_nearest_loses_updates(cls, kw):
     err = _small_update_errors(cls, kw)
-    # Measured (SGD / AdamW): none 1.0 / 1.0 (every update rounded away); fp32 and split 0.0
-    # (bit-exact masters); kahan 0.001 / 0.022; stochastic 0.28 / 0.30 (unbiased, but every step
-    # adds rounding noise that averages out only as 1/sqrt(steps)). Asserted with margin:
+    # Measured (SGD / AdamW / Adagrad / LAMB): none 1.0 for all (every update rounded away);
+    # fp32 and split 0.0 (bit-exact masters); kahan 0.001 / 0.022 / 0.034 / 0.006; stochastic
+    # 0.28 / 0.30 / 0.38 / 0.23 (unbiased, but every step adds rounding noise that averages out
+    # only as 1/sqrt(steps)). Asserted with margin:
     assert err["none"] > 0.99, err
     assert err["fp32"] == 0.0 and err["split"] == 0.0, err
     assert err["kahan"] < err["none"] / 20, err
     assert err["stochastic"] < err["none"] / 2.5, err
 
 
-@pytest.mark.parametrize("cls", [SGD, AdamW])
+DECAY_CASES = [  # (optimizer, options, decay factor per step with zero gradients)
+    (SGD, dict(lr=1e-3, weight_decay=0.1), 1 - 1e-4),
+    (AdamW, dict(lr=1e-3, weight_decay=0.1), 1 - 1e-4),
+    (Lamb, dict(lr=1e-4, weight_decay=0.1), 1 - 1e-4),  # u = wd * w, ratio = 1 / wd
+]
+
+
+@pytest.mark.parametrize(("cls", "kw", "factor"), DECAY_CASES, ids=["sgd", "adamw", "lamb"])
 @pytest.mark.parametrize("master", ["kahan", "fp32", "split", "stochastic"])
-def test_weight_decay_below_half_ulp_still_acts(cls, master):
-    # Decay alone: lr * wd = 1e-4 per step, far below a BF16 half-ulp (2**-9 relative).
-    lr, wd, steps = 1e-3, 0.1, 1000
+def test_weight_decay_below_half_ulp_still_acts(cls, kw, factor, master):
+    # Decay alone: 1e-4 of the weight per step, far below a BF16 half-ulp (2**-9 relative).
+    steps = 1000
     w = (torch.rand(4096) + 1.0).to(torch.bfloat16).requires_grad_()  # |w| in [1, 2]
     w0 = w.detach().float().clone()
-    kw = dict(momentum=0.0) if cls is SGD else dict(eps=1e-8)
-    opt = cls([w], lr=lr, weight_decay=wd, master=master, seed=11, **kw)
+    opt = cls([w], master=master, seed=11, **kw)
     naive = w.detach().clone().requires_grad_()
-    opt_naive = cls([naive], lr=lr, weight_decay=wd, master="none", **kw)
+    opt_naive = cls([naive], master="none", **kw)
     for _ in range(steps):
         w.grad = torch.zeros_like(w)
         naive.grad = torch.zeros_like(naive)
         opt.step()
         opt_naive.step()
-    expected = w0 * (1 - lr * wd) ** steps  # about 0.905 * w0
+    expected = w0 * factor**steps  # about 0.905 * w0
     assert torch.equal(naive.detach().float(), w0), "round-to-nearest should lose the decay"
     ratio = (opt.master_weight(w) / expected).mean().item()
     assert abs(ratio - 1) < 2e-3, ratio
@@ -265,20 +320,24 @@ def test_weight_decay_below_half_ulp_still_acts(cls, master):
         (torch.float16, "kahan", None, 10),
     ],
 )
-def test_adamw_bytes_per_param(dtype, master, state_dtype, expected):
+@pytest.mark.parametrize("cls", [AdamW, Lamb])
+def test_adam_family_bytes_per_param(cls, dtype, master, state_dtype, expected):
     params = make_params(dtype, [(128, 64), (64,)])
-    opt = AdamW(params, master=master, state_dtype=state_dtype)
+    opt = cls(params, master=master, state_dtype=state_dtype)
     feed(params, grad_sequence([(128, 64), (64,)], 1)[0])
     opt.step()
     assert state_bytes(opt, params) == expected
 
 
-def test_sgd_bytes_per_param():
+@pytest.mark.parametrize(
+    ("cls", "kw"), [(SGD, dict(lr=0.1, momentum=0.9)), (Adagrad, dict())], ids=["sgd", "adagrad"]
+)
+def test_one_buffer_optimizers_bytes_per_param(cls, kw):
     params = make_params(torch.bfloat16, [(128, 64)])
     cases = {"none": 6, "kahan": 8, "split": 10, "fp32": 12, "stochastic": 6}
     for master, expected in cases.items():
         ps = [p.detach().clone().requires_grad_() for p in params]
-        opt = SGD(ps, lr=0.1, momentum=0.9, master=master)
+        opt = cls(ps, master=master, **kw)
         feed(ps, grad_sequence([(128, 64)], 1)[0])
         opt.step()
         assert state_bytes(opt, ps) == expected, master
@@ -340,7 +399,9 @@ def test_master_weight_and_export(master):
 RESUME_CASES = [
     (cls, dtype, master, kw)
     for cls, kw in [(SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
-                    (AdamW, dict(lr=1e-3, amsgrad=True))]
+                    (AdamW, dict(lr=1e-3, amsgrad=True)),
+                    (Adagrad, dict(lr=1e-2, lr_decay=1e-3)),
+                    (Lamb, dict(lr=1e-3, weight_decay=0.01))]
     for dtype, master in [
         (torch.float32, "none"), (torch.bfloat16, "none"), (torch.bfloat16, "kahan"),
         (torch.bfloat16, "split"), (torch.bfloat16, "stochastic"), (torch.bfloat16, "fp32"),
@@ -409,12 +470,12 @@ def test_resume_in_a_new_process(tmp_path):
     script = textwrap.dedent(
         """
         import sys, torch
-        from lowprec.optim import SGD, AdamW
+        from lowprec.optim import SGD, Adagrad, AdamW, Lamb
         mode, path = sys.argv[1], sys.argv[2]
         torch.manual_seed(0)
         seq = [torch.randn(64, 32) for _ in range(20)]
         out = {}
-        for name, cls in [("sgd", SGD), ("adamw", AdamW)]:
+        for name, cls in [("sgd", SGD), ("adamw", AdamW), ("adagrad", Adagrad), ("lamb", Lamb)]:
             for master in ["none", "kahan", "split", "stochastic", "fp32"]:
                 key = f"{name}-{master}"
                 w = torch.linspace(-1, 1, 64 * 32).reshape(64, 32).bfloat16().requires_grad_()
@@ -444,7 +505,7 @@ def test_resume_in_a_new_process(tmp_path):
         subprocess.run([sys.executable, str(f), mode, prefix], check=True, timeout=300)
     full = torch.load(prefix + "full", weights_only=True)
     second = torch.load(prefix + "second", weights_only=True)
-    assert full.keys() == second.keys() and len(full) == 10
+    assert full.keys() == second.keys() and len(full) == 20
     for key in full:
         assert torch.equal(_bits(full[key]), _bits(second[key])), key
 
@@ -494,6 +555,14 @@ BAD_CONSTRUCTION = [
     (lambda: AdamW([torch.zeros(3, requires_grad=True)], betas=(0.9,)), ValueError,
      "betas must be a pair"),
     (lambda: AdamW([torch.zeros(3, requires_grad=True)], eps=-1.0), ValueError, "invalid eps"),
+    (lambda: Lamb([torch.zeros(3, requires_grad=True)], betas=(0.9, -0.1)), ValueError,
+     r"invalid betas\[1\]"),
+    (lambda: Lamb([torch.zeros(3, dtype=torch.float16, requires_grad=True)], master="split"),
+     ValueError, "needs bfloat16"),
+    (lambda: Adagrad([torch.zeros(3, requires_grad=True)], lr_decay=-1.0), ValueError,
+     "invalid lr_decay"),
+    (lambda: Adagrad([torch.zeros(3, requires_grad=True)], initial_accumulator_value=-1.0),
+     ValueError, "invalid initial_accumulator_value"),
     (lambda: AdamW([torch.zeros(3, requires_grad=True)], state_dtype=torch.int8), ValueError,
      "state_dtype must be"),
     (lambda: AdamW([torch.zeros(3, requires_grad=True)], seed=-3), ValueError, "seed must be"),

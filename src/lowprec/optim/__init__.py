@@ -14,8 +14,10 @@ Every optimizer takes ``master=``, how the FP32 master weight is kept:
 ============== ================================================================ =================
 """
 
+from lowprec.optim.adagrad import Adagrad, adagrad_update
 from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
+from lowprec.optim.lamb import Lamb, lamb_update
 from lowprec.optim.sgd import SGD, sgd_update
 from lowprec.optim.storage import MASTER_CHOICES, STORAGES, MasterStorage, resolve_master
 
@@ -23,10 +25,14 @@ __all__ = [
     "MASTER_CHOICES",
     "SGD",
     "STORAGES",
+    "Adagrad",
     "AdamW",
+    "Lamb",
     "LowPrecisionOptimizer",
     "MasterStorage",
+    "adagrad_update",
     "adamw_update",
+    "lamb_update",
     "master_state_dict",
     "resolve_master",
     "sgd_update",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float
+from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _validate_betas
 
 __all__ = ["AdamW", "adamw_update"]
 
@@ -115,12 +115,7 @@ class AdamW(LowPrecisionOptimizer):
         for name in ("lr", "eps", "weight_decay"):
             if _as_float(group[name], name) < 0:
                 raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
-        for i, b in enumerate(betas):
-            if not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
-                raise ValueError(f"invalid betas[{i}]={b}: must be in [0, 1).")
+        _validate_betas(group["betas"])
 
     def _math_buffers(self, group):
         names = ("exp_avg", "exp_avg_sq")

@@ -46,6 +46,14 @@ def _as_float(value: Any, name: str) -> float:
     return float(value)
 
 
+def _validate_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
+            raise ValueError(f"invalid betas[{i}]={b}: must be in [0, 1).")
+
+
 class LowPrecisionOptimizer(Optimizer):
     """Base class: an update rule in FP32 over a pluggable master-weight storage.
 

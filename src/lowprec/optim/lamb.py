@@ -1,0 +1,125 @@
+"""LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2).
+
+Adam moments with bias correction, then a per-tensor trust ratio::
+
+    u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
+    ratio = ||w|| / ||u||        (1 when either norm is 0)
+    w = w - lr * ratio * u
+
+No options beyond the paper's except ``maximize``; in particular no clamp on ``||w||`` and no
+gradient-norm pre-scaling (clip gradients yourself if needed). The norms are of the FP32 master
+weight and update, and the ratio stays a tensor (no host synchronisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _validate_betas
+
+__all__ = ["Lamb", "lamb_update"]
+
+
+def lamb_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One LAMB update of one tensor in FP32 (pure: the inputs are not modified).
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        exp_avg: First moment.
+        exp_avg_sq: Second moment.
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        weight_decay: Decoupled weight decay inside the trust-ratio update.
+        step: The step number, from 1, for bias correction.
+        maximize: Ascend instead of descend (default: False).
+
+    Returns:
+        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
+    """
+    if maximize:
+        g = -g
+    m = torch.lerp(exp_avg, g, 1 - beta1)
+    v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+    m_hat = m / (1 - beta1**step)
+    v_hat = v / (1 - beta2**step)
+    u = m_hat / (v_hat.sqrt() + eps)
+    if weight_decay != 0:
+        u = u.add(w, alpha=weight_decay)
+    w_norm = torch.linalg.vector_norm(w)
+    u_norm = torch.linalg.vector_norm(u)
+    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+    return w.add(u * ratio, alpha=-lr), m, v
+
+
+class Lamb(LowPrecisionOptimizer):
+    """LAMB with a choice of master-weight storage.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate (default: 1e-3).
+        betas: Moment decay rates (default: (0.9, 0.999)).
+        eps: Added to the denominator (default: 1e-6, as in the paper).
+        weight_decay: Weight decay inside the trust-ratio update (default: 0).
+        maximize: Maximize the objective (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+            master=master, state_dtype=state_dtype, seed=seed,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_hparams(self, group):
+        for name in ("lr", "eps", "weight_decay"):
+            if _as_float(group[name], name) < 0:
+                raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+        _validate_betas(group["betas"])
+
+    def _math_buffers(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def _update(self, w, g, bufs, group, step):
+        beta1, beta2 = group["betas"]
+        new_w, m, v = lamb_update(
+            w, g, bufs["exp_avg"], bufs["exp_avg_sq"], lr=_as_float(group["lr"], "lr"),
+            beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+            weight_decay=group["weight_decay"], step=step, maximize=group["maximize"],
+        )
+        return new_w, {"exp_avg": m, "exp_avg_sq": v}
