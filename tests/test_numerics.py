@@ -1,0 +1,731 @@
+"""lowprec.numerics against trusted references.
+
+References: torch's own casts (``x.to(torch.bfloat16)`` rounds to nearest even) and
+``torch.nextafter``, brute-force Python integer arithmetic on bit patterns, and statistics (means
+of many stochastic draws compared with the input, with the standard error in the message).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowprec.numerics import (
+    counter_bits,
+    format_info,
+    join,
+    round_nearest_split,
+    round_stochastic,
+    round_stochastic_with_bits,
+    split,
+    stream_key,
+    ulp,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+INF = math.inf
+Z = 5.0  # statistical bounds are Z standard errors (two-sided p ~ 6e-7 per check)
+
+# --------------------------------------------------------------------------------- bit helpers
+
+
+def u32_to_f32(values) -> torch.Tensor:
+    """Unsigned 32-bit patterns (ints or an int64 tensor) -> float32 tensor with those bits."""
+    v = torch.as_tensor(values, dtype=torch.int64) & 0xFFFFFFFF
+    v = torch.where(v >= 2**31, v - 2**32, v)
+    return v.to(torch.int32).view(FP32)
+
+
+def f32_to_u32(x: torch.Tensor) -> torch.Tensor:
+    """float32 tensor -> its bit patterns as unsigned values in an int64 tensor."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def h16_to_u16(t: torch.Tensor) -> torch.Tensor:
+    """bfloat16/float16 tensor -> its bit patterns as unsigned values in an int64 tensor."""
+    return t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def u16_to_h16(values, dtype) -> torch.Tensor:
+    v = torch.as_tensor(values, dtype=torch.int64) & 0xFFFF
+    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16).view(dtype)
+
+
+def full_like_inf(t: torch.Tensor, sign) -> torch.Tensor:
+    """±inf in t's dtype; ``sign`` is a scalar or a tensor broadcastable to t."""
+    return torch.copysign(torch.full_like(t, INF), torch.as_tensor(sign, dtype=t.dtype))
+
+
+def assert_top_as_documented(x: torch.Tensor, top: torch.Tensor) -> None:
+    """Check ``top`` for every float32 pattern in ``x`` against the documented rule.
+
+    Finite values: nearest bfloat16, ties away from zero. Reference: torch's RNE cast where the
+    low half is not exactly 0x8000; at exact ties, the bfloat16 neighbour of larger magnitude,
+    ``nextafter(truncated, ±inf)``. ±inf: unchanged. NaN: NaN top of the same sign, except a
+    payload only in the low half (upper magnitude 0x7F80, bit 15 clear) gives ±inf, and upper
+    magnitude 0x7FFF with bit 15 set wraps to ∓0.
+    """
+    x, top = x.reshape(-1), top.reshape(-1)
+    u = f32_to_u32(x)
+    tb = h16_to_u16(top)
+    low = u & 0xFFFF
+    upper = u >> 16
+    sign = upper >> 15
+    mag_upper = upper & 0x7FFF
+    bit15 = (u >> 15) & 1
+    finite = torch.isfinite(x)
+    tie = finite & (low == 0x8000)
+    plain = finite & ~tie
+
+    cast = h16_to_u16(x.to(BF16))
+    bad = plain & (tb != cast)
+    assert not bad.any(), f"top != RNE cast at {f32_to_u32(x[bad])[:5].tolist()}"
+
+    truncated = u32_to_f32(u & 0xFFFF0000).to(BF16)  # exact: low half zero
+    away = h16_to_u16(torch.nextafter(truncated, full_like_inf(truncated, torch.sign(x))))
+    bad = tie & (tb != away)
+    assert not bad.any(), f"tie not rounded away from zero at {u[bad][:5].tolist()}"
+    # At ties the result has the larger magnitude of the two neighbours.
+    assert (top[tie].float().abs() > x[tie].abs()).all()
+
+    inf = torch.isinf(x)
+    assert torch.equal(tb[inf], cast[inf])
+
+    nan = torch.isnan(x)
+    to_inf = nan & (mag_upper == 0x7F80) & (bit15 == 0)
+    to_zero = nan & (mag_upper == 0x7FFF) & (bit15 == 1)
+    stays_nan = nan & ~to_inf & ~to_zero
+    assert torch.equal(tb[to_inf], upper[to_inf])  # ±inf with x's sign
+    assert torch.equal(tb[to_zero], (sign[to_zero] ^ 1) << 15)  # ∓0
+    assert torch.isnan(top[stays_nan]).all()
+    assert torch.equal(tb[stays_nan] >> 15, sign[stays_nan])
+
+
+def assert_roundtrip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    top, trail = split(x)
+    assert top.dtype == BF16 and trail.dtype == torch.int16
+    assert top.shape == x.shape == trail.shape
+    back = join(top, trail)
+    assert back.dtype == FP32 and back.shape == x.shape
+    assert torch.equal(back.view(torch.int32), x.view(torch.int32)), "join(*split(x)) != x"
+    return top, trail
+
+
+# ------------------------------------------------------------------------------- split / join
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=500))
+def test_split_join_roundtrip_every_pattern(patterns):
+    x = torch.tensor(patterns, dtype=torch.int32).view(FP32)  # includes NaN payloads, subnormals
+    top, _ = assert_roundtrip(x)
+    assert_top_as_documented(x, top)
+
+
+# (name, float32 bits, documented top bits)
+EDGES = [
+    ("+0", 0x00000000, 0x0000),
+    ("-0", 0x80000000, 0x8000),
+    ("smallest subnormal", 0x00000001, 0x0000),
+    ("-smallest subnormal", 0x80000001, 0x8000),
+    ("largest subnormal", 0x007FFFFF, 0x0080),  # rounds up to the smallest normal
+    ("smallest normal", 0x00800000, 0x0080),
+    ("1.0", 0x3F800000, 0x3F80),
+    ("-1.0", 0xBF800000, 0xBF80),
+    ("1.0 + just under half ulp", 0x3F807FFF, 0x3F80),
+    ("tie above 1.0 (even below)", 0x3F808000, 0x3F81),  # RNE would give 0x3F80
+    ("tie (odd below)", 0x3F818000, 0x3F82),
+    ("-tie", 0xBF808000, 0xBF81),
+    ("largest bf16", 0x7F7F0000, 0x7F7F),
+    ("just under overflow", 0x7F7F7FFF, 0x7F7F),
+    ("overflow tie", 0x7F7F8000, 0x7F80),
+    ("largest finite", 0x7F7FFFFF, 0x7F80),
+    ("-largest finite", 0xFF7FFFFF, 0xFF80),
+    ("+inf", 0x7F800000, 0x7F80),
+    ("-inf", 0xFF800000, 0xFF80),
+    ("canonical NaN", 0x7FC00000, 0x7FC0),
+    ("-canonical NaN", 0xFFC00000, 0xFFC0),
+    ("NaN, low payload", 0x7F800001, 0x7F80),  # top = +inf
+    ("-NaN, low payload", 0xFF800001, 0xFF80),
+    ("NaN, bit 15 payload", 0x7F808000, 0x7F81),
+    ("NaN all ones", 0x7FFFFFFF, 0x8000),  # wraps to -0
+    ("-NaN all ones", 0xFFFFFFFF, 0x0000),  # wraps to +0
+    ("NaN 0x7FFF7FFF", 0x7FFF7FFF, 0x7FFF),
+]
+
+
+@pytest.mark.parametrize(("name", "bits", "top_bits"), EDGES, ids=[e[0] for e in EDGES])
+def test_split_edges(name, bits, top_bits):
+    x = u32_to_f32([bits])
+    top, trail = assert_roundtrip(x)
+    assert h16_to_u16(top).item() == top_bits, f"{name}: top {h16_to_u16(top).item():#06x}"
+    low = bits & 0xFFFF
+    assert trail.item() == (low - 65536 if low >= 32768 else low)
+    assert_top_as_documented(x, top)
+    if bits == 0x7FC00000:
+        assert torch.isnan(top).all()
+
+
+def test_top_matches_torch_cast_on_random_finite_values():
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (1_000_000,), dtype=torch.int64, generator=g)
+    x = bits.to(torch.int32).view(FP32)
+    x = x[torch.isfinite(x)]
+    top, _ = assert_roundtrip(x)
+    assert torch.equal(top, round_nearest_split(x))
+    tie = (f32_to_u32(x) & 0xFFFF) == 0x8000
+    cast = x.to(BF16)
+    assert torch.equal(h16_to_u16(top[~tie]), h16_to_u16(cast[~tie]))
+    # At exact ties, top is the neighbour of larger magnitude (RNE may pick either).
+    t, c, xt = (v[tie].double().abs() for v in (top, cast, x))
+    assert tie.sum() > 0 and (t > xt).all() and (t >= c).all()
+    # ...and x lies exactly halfway between it and the truncated value (the other neighbour).
+    below = u32_to_f32(f32_to_u32(x[tie]) & 0xFFFF0000).double().abs()
+    ok = torch.isinf(t) | (t - xt == xt - below)
+    assert ok.all()
+
+
+def test_trail_is_low_half_as_int16_bruteforce():
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31, (20_000,), dtype=torch.int64, generator=g)
+    x = bits.to(torch.int32).view(FP32)
+    _, trail = split(x)
+    expected = []
+    for b in bits.tolist():
+        low = (b % 2**32) & 0xFFFF
+        expected.append(low - 65536 if low & 0x8000 else low)
+    assert trail.tolist() == expected
+
+
+@pytest.mark.parametrize("low", [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+def test_split_exhaustive_upper_halves(low):
+    upper = torch.arange(65536, dtype=torch.int64)
+    x = u32_to_f32((upper << 16) | low)
+    top, trail = assert_roundtrip(x)
+    assert_top_as_documented(x, top)
+    assert (trail == (low - 65536 if low >= 32768 else low)).all()
+    # Brute force: top's pattern is the upper half plus bit 15 of x, modulo 2**16.
+    assert torch.equal(h16_to_u16(top), (upper + (low >> 15)) & 0xFFFF)
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16, torch.float64, torch.int32])
+def test_split_rejects_non_float32(dtype):
+    with pytest.raises(TypeError):
+        split(torch.zeros(4, dtype=dtype))
+
+
+JOIN_BAD_DTYPES = [
+    (FP32, torch.int16),
+    (FP16, torch.int16),
+    (BF16, torch.int32),
+    (BF16, BF16),
+    (torch.int16, torch.int16),
+]
+
+
+@pytest.mark.parametrize(("top_dtype", "trail_dtype"), JOIN_BAD_DTYPES)
+def test_join_rejects_wrong_dtypes(top_dtype, trail_dtype):
+    with pytest.raises(TypeError):
+        join(torch.zeros(4, dtype=top_dtype), torch.zeros(4, dtype=trail_dtype))
+
+
+@pytest.mark.parametrize(
+    ("top_shape", "trail_shape"), [((3,), (4,)), ((2, 3), (3, 2)), ((6,), (2, 3))]
+)
+def test_join_rejects_shape_mismatch(top_shape, trail_shape):
+    with pytest.raises(ValueError):
+        join(torch.zeros(top_shape, dtype=BF16), torch.zeros(trail_shape, dtype=torch.int16))
+
+
+def test_split_join_non_contiguous():
+    x = torch.randn(7, 5).t()
+    assert not x.is_contiguous()
+    top, trail = split(x)
+    assert top.shape == trail.shape == (5, 7)
+    ref_top, ref_trail = split(x.contiguous())
+    assert torch.equal(h16_to_u16(top), h16_to_u16(ref_top)) and torch.equal(trail, ref_trail)
+    back = join(top.t().contiguous().t(), trail.t().contiguous().t())  # non-contiguous halves
+    assert torch.equal(back.view(torch.int32), x.contiguous().view(torch.int32))
+
+
+def test_split_join_scalar_and_empty():
+    for x in (torch.tensor(1.25), torch.empty(0, 3)):
+        assert_roundtrip(x)
+
+
+# ------------------------------------------------------------------------ stochastic rounding
+
+
+def neighbours(x: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Floor and ceiling of float32 ``x`` in ``dtype`` (equal where x is representable)."""
+    nearest = x.to(dtype)
+    near32 = nearest.float()
+    down = torch.nextafter(nearest, full_like_inf(nearest, -1.0))
+    up = torch.nextafter(nearest, full_like_inf(nearest, 1.0))
+    lo = torch.where(near32 > x, down, nearest)
+    hi = torch.where(near32 < x, up, nearest)
+    return lo, hi
+
+
+def sr_draws(x: float, dtype, n: int, source: str, seed: int) -> torch.Tensor:
+    xs = torch.full((n,), x, dtype=FP32)
+    if source == "generator":
+        return round_stochastic(xs, dtype, generator=torch.Generator().manual_seed(seed))
+    return round_stochastic_with_bits(xs, counter_bits(n, stream_key(seed, 7)), dtype)
+
+
+def check_unbiased(x32: float, dtype, n: int, source: str, seed: int) -> None:
+    x = torch.tensor([x32], dtype=FP32)
+    lo, hi = neighbours(x, dtype)
+    lo64, hi64, xv = lo.double().item(), hi.double().item(), x.double().item()
+    r = sr_draws(xv, dtype, n, source, seed)
+    assert ((r == lo) | (r == hi)).all(), "a draw is not one of the two neighbours"
+    mean = r.double().mean().item()
+    if lo64 == hi64:
+        assert mean == xv
+        return
+    gap = hi64 - lo64
+    p = (xv - lo64) / gap
+    se = gap * math.sqrt(p * (1 - p) / n)
+    tol = Z * se + gap / n  # + one draw's worth, for the discreteness of the count
+    assert abs(mean - xv) <= tol, (
+        f"x={xv!r} ({dtype}, {source}): mean of {n} draws {mean!r} differs by {mean - xv:.3e}; "
+        f"bound {Z} SE + 1/n gap = {tol:.3e} (SE {se:.3e}, p={p:.4f})"
+    )
+
+
+MEAN_CASES = [
+    (BF16, 1 + 2**-9),  # p = 1/4
+    (BF16, 1 + 3 * 2**-10),  # p = 3/8
+    (BF16, -2.7182817),
+    (BF16, 1e-3),
+    (BF16, 1e-3 + 1e-9),
+    (BF16, 1e-3 - 3e-10),
+    (BF16, 3e-39),  # bfloat16 (and float32) subnormal range
+    (BF16, -3e-39),
+    (BF16, 3.3e38),  # just below the largest bfloat16
+    (BF16, 12345.678),
+    (FP16, 1 + 2**-11),  # p = 1/2
+    (FP16, 1 + 3 * 2**-12),
+    (FP16, -2.7182817),
+    (FP16, 1e-3),
+    (FP16, 1e-3 + 1e-9),
+    (FP16, 1e-3 - 3e-10),
+    (FP16, 1e-6),  # float16 subnormal
+    (FP16, -1e-6),
+    (FP16, 2e-8),  # below the smallest float16 subnormal: rounds to 0 or 2**-24
+    (FP16, 65503.9),
+]
+
+
+@pytest.mark.parametrize("source", ["generator", "counter"])
+@pytest.mark.parametrize(("dtype", "x"), MEAN_CASES)
+def test_stochastic_rounding_is_unbiased(dtype, x, source):
+    lo, hi = neighbours(torch.tensor([x], dtype=FP32), dtype)
+    assert lo.item() != hi.item(), "table values must not be representable"
+    check_unbiased(x, dtype, 200_000, source, seed=11)
+
+
+# (dtype, x, exact number of the 2**24 low-bit patterns that must round x up, to the ceiling):
+# p has a resolution finer than 2**-16 here (for float16), so an implementation that used fewer
+# than 24 random bits, or rounded up on u == p, would miss the count.
+EXACT_COUNT_CASES = [
+    # Negative: the magnitude rounds up (to the floor) for 0x4001 of every 2**16 dropped halves.
+    (BF16, -(1 + 2**-9 + 2**-23), 2**24 - 0x4001 * 2**8),
+    (FP16, 2**-24 * (5.75 + 2**-19), 2**24 * 3 // 4 + 2**5),  # subnormal, p = 3/4 + 2**-19
+]
+
+
+@pytest.mark.parametrize(("dtype", "x", "count"), EXACT_COUNT_CASES, ids=["bf16", "fp16"])
+def test_stochastic_exactly_unbiased_over_all_bit_patterns(dtype, x, count):
+    """Over every value of the 24 low random bits, x rounds up exactly p * 2**24 times."""
+    n = 2**24
+    xs = torch.full((n,), x, dtype=FP32)
+    assert xs[0].item() == x
+    lo, hi = neighbours(xs[:1], dtype)
+    p = (x - lo.double().item()) / (hi.double().item() - lo.double().item())
+    assert p * n == count  # the table is consistent with the neighbours
+    r = round_stochastic_with_bits(xs, torch.arange(n, dtype=torch.int32), dtype)
+    ups = (r == hi).sum().item()
+    assert ups == count and (r == lo).sum().item() == n - count, f"{ups} of 2**24 up, want {count}"
+
+
+@st.composite
+def float_and_dtype(draw):
+    dtype = draw(st.sampled_from([BF16, FP16]))
+    m = torch.finfo(dtype).max
+    x = draw(st.floats(-m, m, width=32, allow_nan=False, allow_infinity=False))
+    return dtype, x
+
+
+@settings(deadline=None, max_examples=30, derandomize=True)
+@given(float_and_dtype(), st.integers(0, 2**16))
+def test_stochastic_rounding_unbiased_random_floats(case, seed):
+    dtype, x = case
+    check_unbiased(x, dtype, 20_000, "generator", seed)
+
+
+def log_uniform_sample(dtype, n=50_000, seed=3) -> torch.Tensor:
+    """Float32 values of both signs spread over the whole range of ``dtype``, subnormals included."""
+    g = torch.Generator().manual_seed(seed)
+    info = format_info(dtype)
+    lo_e, hi_e = math.log2(info.smallest_subnormal) - 2, math.log2(info.max)
+    e = lo_e + (hi_e - lo_e) * torch.rand(n, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    x = (sign * torch.exp2(e)).float()
+    return x[x.abs() <= info.max]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_result_is_a_neighbour(dtype):
+    x = log_uniform_sample(dtype)
+    lo, hi = neighbours(x, dtype)
+    g = torch.Generator().manual_seed(5)
+    for k in range(4):
+        for r in (
+            round_stochastic(x, dtype, generator=g),
+            round_stochastic_with_bits(x, counter_bits(x.numel(), stream_key(5, k)), dtype),
+        ):
+            assert r.dtype == dtype and r.shape == x.shape
+            bad = (r != lo) & (r != hi)
+            assert not bad.any(), f"not a neighbour: x={x[bad][:5].tolist()} -> {r[bad][:5]}"
+            assert torch.equal(torch.signbit(r), torch.signbit(x)), "sign changed"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_keeps_every_representable_value(dtype):
+    exact = u16_to_h16(torch.arange(65536), dtype)
+    x = exact.float()  # exact widening
+    finite_or_inf = ~torch.isnan(exact)
+    g = torch.Generator().manual_seed(9)
+    for bits in (
+        torch.zeros(65536, dtype=torch.int64),
+        torch.full((65536,), 2**32 - 1, dtype=torch.int64),
+        counter_bits(65536, stream_key(9)),
+        None,
+    ):
+        if bits is None:
+            r = round_stochastic(x, dtype, generator=g)
+        else:
+            r = round_stochastic_with_bits(x, bits, dtype)
+        assert torch.equal(h16_to_u16(r)[finite_or_inf], h16_to_u16(exact)[finite_or_inf])
+        assert torch.isnan(r[~finite_or_inf]).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize(
+    "value", [INF, -INF, math.nan, 0.0, -0.0], ids=["inf", "-inf", "nan", "+0", "-0"]
+)
+def test_stochastic_special_values_pass_through(dtype, value):
+    x = torch.full((1000,), value, dtype=FP32)
+    for r in (
+        round_stochastic(x, dtype, generator=torch.Generator().manual_seed(0)),
+        round_stochastic_with_bits(x, torch.full((1000,), 2**32 - 1), dtype),
+        round_stochastic_with_bits(x, torch.zeros(1000, dtype=torch.int64), dtype),
+    ):
+        if math.isnan(value):
+            assert torch.isnan(r).all()
+        else:
+            assert (r.float() == value).all()
+            negative = math.copysign(1.0, value) < 0
+            assert (torch.signbit(r) == negative).all()
+
+
+def just_below(v: float, k: int) -> list[float]:
+    """v and the k float32 values just below it."""
+    t = torch.tensor([v], dtype=FP32)
+    out = [t.item()]
+    for _ in range(k):
+        t = torch.nextafter(t, torch.tensor([-INF]))
+        out.append(t.item())
+    return out
+
+
+BF16_MAX = torch.finfo(BF16).max
+NEAR_MAX = [
+    (BF16, [*just_below(BF16_MAX, 5), 3.3890e38, 3.38e38]),
+    (FP16, [65504.0, 65503.9, 65503.99, 65490.0, 65473.0]),
+]
+
+
+@pytest.mark.parametrize(("dtype", "values"), NEAR_MAX, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_stochastic_never_overflows_within_range(dtype, values, sign):
+    n = 20_000
+    x = (sign * torch.tensor(values, dtype=FP32)).repeat_interleave(n)
+    assert (x.abs() <= torch.finfo(dtype).max).all()
+    outs = [
+        round_stochastic(x, dtype, generator=torch.Generator().manual_seed(2)),
+        round_stochastic_with_bits(x, counter_bits(x.numel(), 3), dtype),
+        # The extreme bit patterns force rounding up (bfloat16: all ones; float16: zero).
+        round_stochastic_with_bits(x, torch.full_like(x, 2**32 - 1, dtype=torch.int64), dtype),
+        round_stochastic_with_bits(x, torch.zeros_like(x, dtype=torch.int64), dtype),
+    ]
+    for r in outs:
+        assert torch.isfinite(r).all(), f"inf from finite in-range input ({dtype})"
+        assert (r.float().abs() <= torch.finfo(dtype).max).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_reproducible_with_seed(dtype):
+    x = torch.randn(10_000) * 3
+    a = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(42))
+    b = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(42))
+    c = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(43))
+    assert torch.equal(h16_to_u16(a), h16_to_u16(b))
+    assert not torch.equal(a, c)
+    # Disagreements are common: most values are inexact, each an independent coin.
+    assert (a != c).float().mean() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_non_contiguous_input(dtype):
+    x = (torch.randn(30, 20) * 10).t()
+    assert not x.is_contiguous()
+    bits = counter_bits(x.numel(), stream_key(4)).reshape(x.shape)
+    r = round_stochastic_with_bits(x, bits, dtype)
+    assert r.shape == (20, 30)
+    assert torch.equal(
+        h16_to_u16(r), h16_to_u16(round_stochastic_with_bits(x.contiguous(), bits, dtype))
+    )
+    lo, hi = neighbours(x, dtype)
+    assert ((r == lo) | (r == hi)).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_with_bits_deterministic(dtype):
+    x = torch.randn(4, 2500) * 100
+    bits = counter_bits(x.numel(), stream_key(1, 2, 3))
+    a = round_stochastic_with_bits(x, bits, dtype)  # flat bits of x's numel are accepted
+    b = round_stochastic_with_bits(x, bits.reshape(4, 2500).clone(), dtype)
+    assert a.shape == x.shape
+    assert torch.equal(h16_to_u16(a), h16_to_u16(b))
+    other = round_stochastic_with_bits(x, counter_bits(x.numel(), stream_key(1, 2, 4)), dtype)
+    assert (a != other).float().mean() > 0.1
+
+
+# --- counter_bits / stream_key
+
+
+def lowbias32(v: int) -> int:
+    """Wellons' lowbias32 hash, in plain Python integers (reference for counter_bits)."""
+    v &= 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+@pytest.mark.parametrize("key", [0, 1, 2**32 - 1, 2**32, 2**64 - 1, 0x0123456789ABCDEF])
+def test_counter_bits_matches_integer_reference(key):
+    # The stream is part of what a checkpoint depends on: pin it against exact integer arithmetic.
+    offset = 2**32 - 300  # index + key wraps modulo 2**32 inside this range for some keys
+    got = counter_bits(600, key, offset=offset).tolist()
+    lo, hi = key & 0xFFFFFFFF, key >> 32 & 0xFFFFFFFF
+    want = [lowbias32(lowbias32(i + lo) ^ hi) for i in range(offset, offset + 600)]
+    assert got == want
+
+
+def test_counter_bits_deterministic_and_in_range():
+    k = stream_key(123, 4, 5)
+    a, b = counter_bits(10_000, k), counter_bits(10_000, k)
+    assert a.dtype == torch.int64 and a.shape == (10_000,)
+    assert torch.equal(a, b)
+    assert a.min() >= 0 and a.max() < 2**32
+    c = counter_bits(10_000, k + 1)
+    d = counter_bits(10_000, k ^ (1 << 40))  # differs only in the high word
+    for other in (c, d):
+        assert (a == other).sum() <= 2  # chance agreement ~ 2**-32 per element
+
+
+@pytest.mark.parametrize(("numel", "offset", "total"), [(10, 5, 15), (1, 0, 1), (100, 900, 1000)])
+def test_counter_bits_offset_is_a_slice(numel, offset, total):
+    k = stream_key(8, 9)
+    assert torch.equal(counter_bits(numel, k, offset=offset), counter_bits(total, k)[offset:])
+
+
+def test_counter_bits_uniform():
+    n = 1_000_000
+    raw = counter_bits(n, stream_key(2024, 1))
+    se = math.sqrt((2**64 - 1) / 12 / n)  # uniform on {0, ..., 2**32 - 1}
+    mean, want = raw.double().mean().item(), 2**31 - 0.5
+    assert abs(mean - want) <= Z * se, f"mean {mean} vs {want}, bound {Z} SE = {Z * se:.4g}"
+    low = (raw & 0xFFFF).double().mean().item()  # the bits bfloat16 rounding uses
+    se16 = math.sqrt((2**32 - 1) / 12 / n)
+    assert abs(low - 32767.5) <= Z * se16, f"low-16 mean {low}, bound {Z} SE = {Z * se16:.4g}"
+    se_bit = 0.5 / math.sqrt(n)
+    for b in range(32):
+        f = ((raw >> b) & 1).sum().item() / n
+        assert abs(f - 0.5) <= Z * se_bit, (
+            f"bit {b}: frequency {f}, bound {Z} SE = {Z * se_bit:.2e}"
+        )
+
+
+STREAM_KEY_PAIRS = [
+    ((0,), (1,)),
+    ((0,), (2**32,)),  # seed differs only above 32 bits
+    ((0, 1), (0, 2)),
+    ((0, 1), (0, 1 + 2**32)),  # counter differs only above 32 bits
+    ((0, 1, 2), (0, 1, 3)),
+    ((0, 1, 2), (0, 2, 2)),
+    ((0, 1, 2), (0, 2, 1)),  # order matters
+    ((5, 0), (5,)),
+    ((5, 0), (5, 0, 0)),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), STREAM_KEY_PAIRS)
+def test_stream_key_differs(a, b):
+    ka, kb = stream_key(*a), stream_key(*b)
+    assert ka != kb
+    assert 0 <= ka < 2**64 and 0 <= kb < 2**64
+    assert stream_key(*a) == ka  # deterministic
+
+
+def test_stream_key_grid_distinct():
+    keys = {stream_key(77, step, idx) for step in range(64) for idx in range(64)}
+    assert len(keys) == 64 * 64
+    assert stream_key(77, 3, 4) == stream_key(77, 3, 4)
+
+
+SR_BAD_INPUT = [FP16, BF16, torch.float64, torch.int32]
+
+
+@pytest.mark.parametrize("in_dtype", SR_BAD_INPUT)
+def test_stochastic_rejects_non_float32(in_dtype):
+    x = torch.zeros(8, dtype=in_dtype)
+    with pytest.raises(TypeError):
+        round_stochastic(x, BF16)
+    with pytest.raises(TypeError):
+        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64), FP16)
+
+
+@pytest.mark.parametrize("target", [FP32, torch.float64, torch.int16])
+def test_stochastic_rejects_bad_target(target):
+    x = torch.zeros(8)
+    with pytest.raises(ValueError):
+        round_stochastic(x, target)
+    with pytest.raises(ValueError):
+        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64), target)
+
+
+# ------------------------------------------------------------------------------- format facts
+
+# (dtype, bits, mantissa bits, exponent bits, max, smallest normal, smallest subnormal)
+FORMATS = [
+    (BF16, 16, 7, 8, (2 - 2**-7) * 2.0**127, 2.0**-126, 2.0**-133),
+    (FP16, 16, 10, 5, 65504.0, 2.0**-14, 2.0**-24),
+    (FP32, 32, 23, 8, (2 - 2**-23) * 2.0**127, 2.0**-126, 2.0**-149),
+]
+
+
+@pytest.mark.parametrize(("dtype", "bits", "mant", "expo", "vmax", "normal", "sub"), FORMATS)
+def test_format_info(dtype, bits, mant, expo, vmax, normal, sub):
+    info = format_info(dtype)
+    assert info.dtype == dtype
+    assert (info.bits, info.mantissa_bits, info.exponent_bits) == (bits, mant, expo)
+    assert info.eps == 2.0**-mant
+    assert (info.max, info.smallest_normal, info.smallest_subnormal) == (vmax, normal, sub)
+    # Brute force against the format itself.
+    m = torch.tensor([info.max], dtype=torch.float64).to(dtype)
+    assert m.double().item() == info.max
+    assert torch.isinf(torch.nextafter(m, torch.full_like(m, INF))).all()
+    s = torch.tensor([info.smallest_subnormal, info.smallest_subnormal / 2], dtype=torch.float64)
+    s = s.to(dtype)
+    assert s[0].item() == info.smallest_subnormal != 0
+    assert s[1].item() == 0  # half of the smallest subnormal rounds (to even) to zero
+    zero = torch.zeros(1, dtype=dtype)
+    assert torch.nextafter(zero, torch.ones_like(zero)).item() == info.smallest_subnormal
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.bool, torch.complex64])
+def test_format_info_rejects_non_real_float(dtype):
+    with pytest.raises(ValueError):
+        format_info(dtype)
+
+
+def ulp_reference(x: float, dtype) -> float:
+    """nextafter(|x| rounded down into dtype, +inf) - that value, by brute force."""
+    a = abs(x)
+    r = torch.tensor([a], dtype=torch.float64).to(dtype)
+    if r.double().item() > a:
+        r = torch.nextafter(r, torch.zeros_like(r))
+    assert r.double().item() <= a
+    nxt = torch.nextafter(r, torch.full_like(r, INF))
+    return nxt.double().item() - r.double().item()
+
+
+ULP_VALUES = [1.0, 1.5, 2.0, 1000.0, -3.0, 0.1, -0.7, 1.999, 12345.6, 1e-5, 0.0, -0.0]
+# (dtype, extra values for that format: subnormals, near the top)
+ULP_EXTRA = {
+    BF16: [1e-39, 2.0**-133, 3 * 2.0**-133, 2.0**-126, 2.0**-127, 1e30, 3e38],
+    FP16: [1e-6, 2.0**-24, 2.0**-14, 2.0**-15 * 1.5, 6e-5, 60000.0, -40000.0],
+    FP32: [1e-40, 2.0**-149, 2.0**-126, 1e30, 3e38],
+}
+ULP_CASES = [(d, v) for d in (BF16, FP16, FP32) for v in ULP_VALUES + ULP_EXTRA[d]]
+
+
+@pytest.mark.parametrize(("dtype", "x"), ULP_CASES)
+def test_ulp_matches_bruteforce(dtype, x):
+    got = ulp(x, dtype)
+    assert got.dtype == torch.float64 and got.shape == ()
+    want = ulp_reference(x, dtype)
+    assert got.item() == want, f"ulp({x!r}, {dtype}) = {got.item()!r}, brute force {want!r}"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "x", "want"),
+    [
+        (BF16, 1.0, 2.0**-7),
+        (FP16, 1.0, 2.0**-10),
+        (FP32, 1.0, 2.0**-23),
+        (BF16, 1.5, 2.0**-7),
+        (BF16, 2.0, 2.0**-6),
+        (BF16, 1000.0, 4.0),
+        (FP16, 1000.0, 0.5),
+        (BF16, 0.0, 2.0**-133),
+        (FP16, 0.0, 2.0**-24),
+        (FP32, 0.0, 2.0**-149),
+        (FP16, 1e-6, 2.0**-24),
+    ],
+)
+def test_ulp_known_values(dtype, x, want):
+    assert ulp(x, dtype).item() == want
+
+
+def test_ulp_tensor_shape_and_non_finite():
+    x = torch.tensor([[1.0, INF], [-INF, math.nan]], dtype=FP32)
+    u = ulp(x, BF16)
+    assert u.shape == (2, 2) and u.dtype == torch.float64
+    assert u[0, 0].item() == 2.0**-7
+    assert torch.isnan(u.flatten()[1:]).all()
+    assert ulp(1.0).item() == 2.0**-7  # default dtype is bfloat16
+    with pytest.raises(ValueError):
+        ulp(1.0, torch.int32)
+
+
+@pytest.mark.parametrize("v", [1.0, 3.0, -5.5, 256.0, 1e-3, -1e30, 7e-39])
+def test_swamping_below_half_ulp(v):
+    """An update under half an ulp vanishes when added to a bfloat16 value; just over it does not."""
+    w = torch.tensor([v], dtype=FP32).to(BF16)  # a bfloat16 value
+    u = ulp(w.float(), BF16).item()
+    s = math.copysign(1.0, v)  # move away from zero: the ulp above |w| is the one that counts
+    small = torch.tensor([s * 0.49 * u], dtype=FP32)
+    big = torch.tensor([s * 0.51 * u], dtype=FP32)
+    assert torch.equal((w.float() + small).to(BF16), w), "sub-half-ulp update was not lost"
+    moved = (w.float() + big).to(BF16)
+    assert moved.double().item() == w.double().item() + s * u, "over-half-ulp update was lost"
+    # The same in native bfloat16 arithmetic (updates chosen representable in bfloat16).
+    small16 = torch.tensor([s * 0.375 * u], dtype=torch.float64).to(BF16)
+    big16 = torch.tensor([s * (0.5 + 2**-6) * u], dtype=torch.float64).to(BF16)
+    assert torch.equal(w + small16, w)
+    assert not torch.equal(w + big16, w)
+    # Stochastic rounding keeps the small update in expectation (it is not always lost).
+    xs = (w.float() + small).expand(4000).contiguous()
+    r = round_stochastic(xs, BF16, generator=torch.Generator().manual_seed(0))
+    assert (r != w).any()
