@@ -37,11 +37,13 @@ __all__ = [
     "FormatInfo",
     "counter_bits",
     "format_info",
+    "hash_bits",
     "join",
     "round_nearest_split",
     "round_stochastic",
     "round_stochastic_with_bits",
     "split",
+    "sqrt_rn",
     "stream_key",
     "ulp",
 ]
@@ -113,6 +115,17 @@ def join(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
     return (upper * 65536 + (low & 0xFFFF)).view(torch.float32)
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 square root, the same on every backend.
+
+    PyTorch's eager CPU ``sqrt`` on FP32 is not always correctly rounded (it can be one ulp off),
+    while compiled code is; taking the root in FP64 and rounding once is exact in both (the FP64
+    root of an FP32 value rounds to the correctly rounded FP32 root), so the eager and the fused
+    optimizer steps agree bit for bit.
+    """
+    return torch.sqrt(x.double()).to(x.dtype)
+
+
 def round_nearest_split(x: torch.Tensor) -> torch.Tensor:
     """Round FP32 to bfloat16 with the split rule (nearest, ties away from zero)."""
     return split(x)[0]
@@ -168,6 +181,17 @@ def stream_key(seed: int, *counters: int) -> int:
     return (hi << 32) | lo
 
 
+def hash_bits(
+    idx: torch.Tensor, key_lo: int | torch.Tensor, key_hi: int | torch.Tensor
+) -> torch.Tensor:
+    """The counter-based hash behind ``counter_bits``: 32 random bits per int64 index.
+
+    ``key_lo``/``key_hi`` are the low and high 32 bits of the key, as ints or 0-d int64 tensors (a
+    compiled optimizer step passes tensors so that a new key each step does not recompile).
+    """
+    return _mix32(_mix32((idx + key_lo) & _M32) ^ key_hi)
+
+
 def counter_bits(
     numel: int, key: int, *, device: torch.device | str | None = None, offset: int = 0
 ) -> torch.Tensor:
@@ -184,8 +208,7 @@ def counter_bits(
         every device, process and PyTorch build.
     """
     idx = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
-    lo, hi = key & _M32, (key >> 32) & _M32
-    return _mix32(_mix32((idx + lo) & _M32) ^ hi)
+    return hash_bits(idx, key & _M32, (key >> 32) & _M32)
 
 
 # ---------------------------------------------------------------------------------------------

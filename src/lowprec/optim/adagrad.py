@@ -1,7 +1,7 @@
 """Adagrad (with lr decay, weight decay, initial accumulator) over any master storage.
 
-``adagrad_update`` is the whole update rule, written once in FP32 with the same operations, in the
-same order, as ``torch.optim.Adagrad``'s single-tensor path.
+``adagrad_math`` is the whole update rule, written once in FP32 with plain elementwise operations
+and coefficients computed on the host, shared by the eager and the compiled step.
 """
 
 from __future__ import annotations
@@ -11,9 +11,35 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float
 
-__all__ = ["Adagrad", "adagrad_update"]
+__all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
+
+
+def adagrad_coefficients(
+    *, lr: float, lr_decay: float, weight_decay: float, eps: float, step: int
+) -> dict[str, float]:
+    """The per-step scalars of ``adagrad_math``, computed once on the host."""
+    return {"clr": lr / (1 + (step - 1) * lr_decay), "weight_decay": weight_decay, "eps": eps}
+
+
+def adagrad_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    if maximize:
+        g = -g
+    if weight_decay:
+        g = g + w * c["weight_decay"]
+    s = bufs["sum"] + g * g
+    return w - (g * c["clr"]) / (sqrt_rn(s) + c["eps"]), {"sum": s}
 
 
 def adagrad_update(
@@ -28,7 +54,7 @@ def adagrad_update(
     step: int,
     maximize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adagrad update in FP32 (pure: the inputs are not modified).
+    """One Adagrad update in FP32 (pure: the inputs are not modified); the functional form.
 
     Args:
         w: The FP32 master weight.
@@ -44,14 +70,13 @@ def adagrad_update(
     Returns:
         ``(new_w, new_state_sum)``.
     """
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        g = g.add(w, alpha=weight_decay)
-    clr = lr / (1 + (step - 1) * lr_decay)
-    s = torch.addcmul(state_sum, g, g, value=1)
-    std = s.sqrt().add_(eps)
-    return torch.addcdiv(w, g, std, value=-clr), s
+    c = adagrad_coefficients(
+        lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, step=step
+    )
+    new_w, out = adagrad_math(
+        w, g, {"sum": state_sum}, c, weight_decay=weight_decay != 0, maximize=maximize
+    )
+    return new_w, out["sum"]
 
 
 class Adagrad(LowPrecisionOptimizer):
@@ -72,6 +97,9 @@ class Adagrad(LowPrecisionOptimizer):
         state_dtype: dtype of the squared-gradient sum (default: None, meaning float32 for
             ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as one compiled pass per parameter (``torch.compile``: C++ on CPU,
+            Triton on GPU) with the same results as the eager step (default: None, meaning fused
+            on CUDA devices and eager elsewhere; see ``lowprec.optim``).
     """
 
     def __init__(
@@ -87,11 +115,12 @@ class Adagrad(LowPrecisionOptimizer):
         master: str = "auto",
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
-            master=master, state_dtype=state_dtype, seed=seed,
+            master=master, state_dtype=state_dtype, seed=seed, fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -106,10 +135,13 @@ class Adagrad(LowPrecisionOptimizer):
     def _init_math_buffer(self, name, param, group):
         return float(group["initial_accumulator_value"])
 
-    def _update(self, w, g, bufs, group, step):
-        new_w, s = adagrad_update(
-            w, g, bufs["sum"], lr=_as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
+    def _coefficients(self, group, step):
+        return adagrad_coefficients(
+            lr=_as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
             weight_decay=group["weight_decay"], eps=group["eps"], step=step,
-            maximize=group["maximize"],
         )
-        return new_w, {"sum": s}
+
+    def _flags(self, group):
+        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+
+    _math = staticmethod(adagrad_math)

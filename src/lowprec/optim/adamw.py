@@ -1,9 +1,9 @@
 """AdamW (decoupled weight decay, optional AMSGrad) over any master storage.
 
-``adamw_update`` is the whole update rule, written once in FP32 with the same operations, in the
-same order, as ``torch.optim.AdamW``'s single-tensor path, so ``master="none"`` on FP32 parameters
-follows torch bit for bit. The decay multiplies the FP32 master, so with a compensated ``master``
-a decay below half an ulp of the stored weight still takes effect.
+``adamw_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
+coefficients computed on the host (``adamw_coefficients``), so the eager and the compiled step run
+the same function and agree bit for bit. The decay multiplies the FP32 master, so with a
+compensated ``master`` a decay below half an ulp of the stored weight still takes effect.
 """
 
 from __future__ import annotations
@@ -13,9 +13,51 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _validate_betas
 
-__all__ = ["AdamW", "adamw_update"]
+__all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
+
+
+def adamw_coefficients(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> dict[str, float]:
+    """The per-step scalars of ``adamw_math``, computed once on the host."""
+    return {
+        "decay": 1 - lr * weight_decay,
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "step_size": lr / (1 - beta1**step),
+        "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
+        "eps": eps,
+    }
+
+
+def adamw_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    amsgrad: bool,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One AdamW update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    if maximize:
+        g = -g
+    if weight_decay:
+        w = w * c["decay"]
+    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
+    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    out = {"exp_avg": m, "exp_avg_sq": v}
+    if amsgrad:
+        v = torch.maximum(bufs["max_exp_avg_sq"], v)
+        out["max_exp_avg_sq"] = v
+    denom = sqrt_rn(v) / c["bias_correction2_sqrt"] + c["eps"]
+    return w - (m * c["step_size"]) / denom, out
 
 
 def adamw_update(
@@ -33,7 +75,7 @@ def adamw_update(
     step: int,
     maximize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One AdamW update in FP32 (pure: the inputs are not modified).
+    """One AdamW update in FP32 (pure: the inputs are not modified); the functional form.
 
     Args:
         w: The FP32 master weight.
@@ -52,23 +94,17 @@ def adamw_update(
     Returns:
         ``(new_w, new_exp_avg, new_exp_avg_sq, new_max_exp_avg_sq)``.
     """
-    if maximize:
-        g = -g
-    if weight_decay != 0:
-        w = w * (1 - lr * weight_decay)
-    m = torch.lerp(exp_avg, g, 1 - beta1)
-    v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    vmax = None
+    c = adamw_coefficients(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
+    )
+    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if max_exp_avg_sq is not None:
-        vmax = torch.maximum(max_exp_avg_sq, v)
-        denom = (vmax.sqrt() / bias_correction2_sqrt).add_(eps)
-    else:
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    return torch.addcdiv(w, m, denom, value=-step_size), m, v, vmax
+        bufs["max_exp_avg_sq"] = max_exp_avg_sq
+    new_w, out = adamw_math(
+        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, weight_decay=weight_decay != 0,
+        maximize=maximize,
+    )
+    return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
 
 
 class AdamW(LowPrecisionOptimizer):
@@ -89,6 +125,9 @@ class AdamW(LowPrecisionOptimizer):
         state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as one compiled pass per parameter (``torch.compile``: C++ on CPU,
+            Triton on GPU) with the same results as the eager step (default: None, meaning fused
+            on CUDA devices and eager elsewhere; see ``lowprec.optim``).
     """
 
     def __init__(
@@ -104,10 +143,11 @@ class AdamW(LowPrecisionOptimizer):
         master: str = "auto",
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, master=master, state_dtype=state_dtype, seed=seed,
+            maximize=maximize, master=master, state_dtype=state_dtype, seed=seed, fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -121,15 +161,17 @@ class AdamW(LowPrecisionOptimizer):
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
 
-    def _update(self, w, g, bufs, group, step):
+    def _coefficients(self, group, step):
         beta1, beta2 = group["betas"]
-        new_w, m, v, vmax = adamw_update(
-            w, g, bufs["exp_avg"], bufs["exp_avg_sq"], bufs.get("max_exp_avg_sq"),
+        return adamw_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+        )
+
+    def _flags(self, group):
+        return dict(
+            amsgrad=group["amsgrad"], weight_decay=group["weight_decay"] != 0,
             maximize=group["maximize"],
         )
-        out = {"exp_avg": m, "exp_avg_sq": v}
-        if vmax is not None:
-            out["max_exp_avg_sq"] = vmax
-        return new_w, out
+
+    _math = staticmethod(adamw_math)

@@ -20,19 +20,22 @@ dtype).
 from __future__ import annotations
 
 import copy
+import sys
+import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from lowprec.numerics import stream_key
+from lowprec.numerics import hash_bits, stream_key
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None}
+_COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
 
 
 def _as_float(value: Any, name: str) -> float:
@@ -83,15 +86,23 @@ class LowPrecisionOptimizer(Optimizer):
         """Initial value of buffer ``name`` (default: 0.0)."""
         return 0.0
 
-    def _update(
-        self,
+    def _coefficients(self, group: dict[str, Any], step: int) -> dict[str, float]:
+        """The update rule's per-step scalars, computed on the host (lr, bias corrections...)."""
+        raise NotImplementedError
+
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        """Static switches of the update rule (e.g. ``amsgrad``); each combination is a variant."""
+        return {}
+
+    @staticmethod
+    def _math(
         w: torch.Tensor,
         g: torch.Tensor,
         bufs: dict[str, torch.Tensor],
-        group: dict[str, Any],
-        step: int,
+        c: dict[str, Any],
+        **flags: bool,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return the new FP32 weight and new FP32 buffers (pure: must not modify its inputs)."""
+        """The update rule: new FP32 weight and buffers from FP32 inputs (pure, plain ops)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ groups and validation
@@ -142,6 +153,8 @@ class LowPrecisionOptimizer(Optimizer):
                 f"{where}: state_dtype must be None or one of torch.float32, torch.bfloat16, "
                 f"torch.float16, torch.float64; got {sd!r}."
             )
+        if group["fused"] not in (None, True, False):
+            raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
         seed = group["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
@@ -276,20 +289,28 @@ class LowPrecisionOptimizer(Optimizer):
             state.update(self._init_state(group, p, storage))
         step = int(state["step"].item()) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        w = storage.load(p, sbufs)
-        g = p.grad.float()
-        mbufs = {k: state[k].float() for k in self._math_buffers(group)}
-        w_new, new_bufs = self._update(w, g, mbufs, group, step)
-        bits = None
-        if storage.needs_random_bits:
-            bits = storage.random_bits(p, stream_key(group["seed"], step, index))
-        p_new, new_sbufs = storage.store(w_new, p, sbufs, bits)
-        # All computed: now write.
-        for k, v in new_bufs.items():
-            state[k].copy_(v)
-        for k, v in new_sbufs.items():
-            state[k].copy_(v)
-        p.copy_(p_new)
+        mbufs = {k: state[k] for k in self._math_buffers(group)}
+        key = stream_key(group["seed"], step, index) if storage.needs_random_bits else 0
+        coeffs = self._coefficients(group, step)
+        flags = self._flags(group)
+        if p.numel() > 1 and _fused_enabled(self, group, p, (p.grad, *sbufs.values(),
+                                                              *mbufs.values())):
+            kernel = _compiled_kernel(type(self), storage, flags)
+            flat = lambda d: {k: v.view(-1) for k, v in d.items()}  # noqa: E731
+            try:
+                kernel(
+                    p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs),
+                    {k: torch.tensor(v, dtype=torch.float32) for k, v in coeffs.items()},
+                    torch.tensor(key & 0xFFFFFFFF), torch.tensor(key >> 32),
+                    storage=storage, math=self._math, flags=flags,
+                )
+            except _COMPILE_ERRORS as e:  # compilation failed before anything was written
+                _disable_fused(self, e)
+                _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
+                              storage=storage, math=self._math, flags=flags)
+        else:
+            _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
+                          storage=storage, math=self._math, flags=flags)
         state["step"].fill_(step)
 
     # ------------------------------------------------------------------ master values
@@ -359,6 +380,107 @@ class LowPrecisionOptimizer(Optimizer):
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
         for p, st in new_state.items():
             self.state[p] = st
+
+
+def _param_update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    key_lo: int | torch.Tensor,
+    key_hi: int | torch.Tensor,
+    *,
+    storage: MasterStorage,
+    math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    flags: dict[str, bool],
+) -> None:
+    """The whole step of one parameter: load the master, update in FP32, store, then write.
+
+    The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
+    it into one pass over the elements with the writes done in place. Everything is computed
+    before the first write.
+    """
+    w = storage.load(p, sbufs)
+    new_w, new_m = math(w, grad.float(), {k: v.float() for k, v in mbufs.items()}, c, **flags)
+    bits = None
+    if storage.needs_random_bits:
+        idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape)
+        bits = hash_bits(idx, key_lo, key_hi)
+    new_p, new_s = storage.store(new_w, p, sbufs, bits)
+    for k, v in new_m.items():
+        mbufs[k].copy_(v)
+    for k, v in new_s.items():
+        sbufs[k].copy_(v)
+    p.copy_(new_p)
+
+
+# ------------------------------------------------------------------ the compiled (fused) path
+
+# Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
+# unsupported op): the step falls back to eager with a warning.
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
+try:  # the Dynamo/Inductor error base classes, where this PyTorch has them
+    from torch._dynamo.exc import TorchDynamoException
+
+    _COMPILE_ERRORS = (*_COMPILE_ERRORS, TorchDynamoException)
+except ImportError:  # pragma: no cover
+    pass
+
+_KERNELS: dict[Any, Callable[..., None]] = {}
+
+
+def _compiled_kernel(
+    cls: type, storage: MasterStorage, flags: dict[str, bool]
+) -> Callable[..., None]:
+    """A compiled ``_param_update`` for one (optimizer, storage, flags) variant.
+
+    Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
+    cache (and recompile budget) per variant instead of one shared by every optimizer. Shapes are
+    dynamic (parameters are passed flattened), so one compilation serves every parameter size.
+    """
+    key = (cls, storage.name, tuple(sorted(flags.items())))
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        code = _param_update.__code__
+        name = f"lowprec_{cls.__name__}_{storage.name}_step"
+        fn = types.FunctionType(
+            code.replace(co_name=name, co_qualname=name)
+            if sys.version_info >= (3, 11) else code.replace(co_name=name),
+            _param_update.__globals__, name, _param_update.__defaults__,
+            _param_update.__closure__,
+        )
+        fn.__kwdefaults__ = _param_update.__kwdefaults__
+        # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
+        # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
+        kernel = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def _fused_enabled(opt, group, p, tensors) -> bool:
+    fused = group["fused"]
+    if fused is False or getattr(opt, "_fused_broken", False):
+        return False
+    if not all(t.is_contiguous() for t in (p, *tensors)):
+        return False  # flattening must be a view for the writes to land: use eager
+    if fused is None:
+        return p.device.type == "cuda"
+    return True
+
+
+def _disable_fused(opt, error: BaseException) -> None:
+    opt._fused_broken = True
+    warnings.warn(
+        f"lowprec: the fused (torch.compile) optimizer step is unavailable here ({type(error).__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}); falling back to the eager step, "
+        "which gives the same results more slowly. Install a C++ compiler (CPU) or Triton (GPU), "
+        "or pass fused=False to silence this warning.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) -> dict[str, Any]:

@@ -18,9 +18,55 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _validate_betas
 
-__all__ = ["Lamb", "lamb_update"]
+__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_update"]
+
+
+def lamb_coefficients(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> dict[str, float]:
+    """The per-step scalars of ``lamb_math``, computed once on the host."""
+    return {
+        "lr": lr,
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "bias_correction1": 1 - beta1**step,
+        "bias_correction2": 1 - beta2**step,
+        "eps": eps,
+        "weight_decay": weight_decay,
+    }
+
+
+def lamb_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
+
+    Elementwise but for the two norms of the trust ratio, which stays a 0-d tensor (no host sync).
+    """
+    if maximize:
+        g = -g
+    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
+    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    u = (m / c["bias_correction1"]) / (sqrt_rn(v / c["bias_correction2"]) + c["eps"])
+    if weight_decay:
+        u = u + w * c["weight_decay"]
+    # Norms accumulated in FP64 and rounded once: the eager and the compiled reductions sum in
+    # different orders, and FP64 makes that difference vanish in the FP32 result.
+    w_norm = torch.linalg.vector_norm(w, dtype=torch.float64).float()
+    u_norm = torch.linalg.vector_norm(u, dtype=torch.float64).float()
+    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+    return w - u * (ratio * c["lr"]), {"exp_avg": m, "exp_avg_sq": v}
 
 
 def lamb_update(
@@ -37,7 +83,7 @@ def lamb_update(
     step: int,
     maximize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One LAMB update of one tensor in FP32 (pure: the inputs are not modified).
+    """One LAMB update of one tensor in FP32 (pure); the functional form.
 
     Args:
         w: The FP32 master weight.
@@ -55,19 +101,14 @@ def lamb_update(
     Returns:
         ``(new_w, new_exp_avg, new_exp_avg_sq)``.
     """
-    if maximize:
-        g = -g
-    m = torch.lerp(exp_avg, g, 1 - beta1)
-    v = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
-    m_hat = m / (1 - beta1**step)
-    v_hat = v / (1 - beta2**step)
-    u = m_hat / (v_hat.sqrt() + eps)
-    if weight_decay != 0:
-        u = u.add(w, alpha=weight_decay)
-    w_norm = torch.linalg.vector_norm(w)
-    u_norm = torch.linalg.vector_norm(u)
-    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-    return w.add(u * ratio, alpha=-lr), m, v
+    c = lamb_coefficients(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
+    )
+    new_w, out = lamb_math(
+        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
+        weight_decay=weight_decay != 0, maximize=maximize,
+    )
+    return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
 class Lamb(LowPrecisionOptimizer):
@@ -85,6 +126,9 @@ class Lamb(LowPrecisionOptimizer):
         state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as one compiled pass per parameter (``torch.compile``: C++ on CPU,
+            Triton on GPU) with the same results as the eager step (default: None, meaning fused
+            on CUDA devices and eager elsewhere; see ``lowprec.optim``).
     """
 
     def __init__(
@@ -99,10 +143,11 @@ class Lamb(LowPrecisionOptimizer):
         master: str = "auto",
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
-            master=master, state_dtype=state_dtype, seed=seed,
+            master=master, state_dtype=state_dtype, seed=seed, fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -115,11 +160,14 @@ class Lamb(LowPrecisionOptimizer):
     def _math_buffers(self, group):
         return ("exp_avg", "exp_avg_sq")
 
-    def _update(self, w, g, bufs, group, step):
+    def _coefficients(self, group, step):
         beta1, beta2 = group["betas"]
-        new_w, m, v = lamb_update(
-            w, g, bufs["exp_avg"], bufs["exp_avg_sq"], lr=_as_float(group["lr"], "lr"),
-            beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-            weight_decay=group["weight_decay"], step=step, maximize=group["maximize"],
+        return lamb_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
-        return new_w, {"exp_avg": m, "exp_avg_sq": v}
+
+    def _flags(self, group):
+        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+
+    _math = staticmethod(lamb_math)

@@ -1,8 +1,9 @@
 """SGD with momentum, dampening, Nesterov, weight decay and maximize, over any master storage.
 
-``sgd_update`` is the whole update rule, written once in FP32 with the same operations, in the same
-order, as ``torch.optim.SGD``'s single-tensor path, so ``master="none"`` on FP32 parameters follows
-torch bit for bit. ``SGD`` drives it over parameters stored as ``master=`` says.
+``sgd_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
+coefficients computed on the host (``sgd_coefficients``), so the eager and the compiled step run
+the same function and agree bit for bit. ``sgd_update`` is the functional form. ``SGD`` drives it
+over parameters stored as ``master=`` says.
 """
 
 from __future__ import annotations
@@ -14,7 +15,47 @@ import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float
 
-__all__ = ["SGD", "sgd_update"]
+__all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
+
+
+def sgd_coefficients(
+    *, lr: float, momentum: float, dampening: float, weight_decay: float, first_step: bool
+) -> dict[str, float]:
+    """The per-step scalars of ``sgd_math``, computed once on the host."""
+    return {
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "momentum": momentum,
+        # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
+        "buf_keep": 0.0 if first_step else momentum,
+        "buf_add": 1.0 if first_step else 1.0 - dampening,
+    }
+
+
+def sgd_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    momentum: bool,
+    nesterov: bool,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One SGD update in FP32, per element, from precomputed coefficients ``c`` (pure).
+
+    The keyword flags are static (they choose the code); ``c`` holds numbers or 0-d tensors.
+    """
+    d = -g if maximize else g
+    if weight_decay:
+        d = d + w * c["weight_decay"]
+    out = {}
+    if momentum:
+        buf = bufs["momentum_buffer"] * c["buf_keep"] + d * c["buf_add"]
+        out["momentum_buffer"] = buf
+        d = d + buf * c["momentum"] if nesterov else buf
+    return w - d * c["lr"], out
 
 
 def sgd_update(
@@ -30,12 +71,13 @@ def sgd_update(
     maximize: bool = False,
     first_step: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One SGD update in FP32 (pure: the inputs are not modified).
+    """One SGD update in FP32 (pure: the inputs are not modified); the functional form.
 
     Args:
         w: The FP32 master weight.
         g: The FP32 gradient.
-        momentum_buffer: The FP32 momentum buffer, or None when ``momentum == 0``.
+        momentum_buffer: The FP32 momentum buffer (zeros before the first step), or None when
+            ``momentum == 0``.
         lr: Learning rate.
         momentum: Momentum factor (default: 0).
         dampening: Dampening of the momentum (default: 0).
@@ -47,14 +89,16 @@ def sgd_update(
     Returns:
         ``(new_w, new_momentum_buffer)``.
     """
-    d = -g if maximize else g
-    if weight_decay != 0:
-        d = d.add(w, alpha=weight_decay)
-    buf = momentum_buffer
-    if momentum != 0:
-        buf = d.clone() if first_step else torch.add(buf * momentum, d, alpha=1 - dampening)
-        d = d.add(buf, alpha=momentum) if nesterov else buf
-    return w.add(d, alpha=-lr), buf
+    c = sgd_coefficients(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+        first_step=first_step,
+    )
+    bufs = {"momentum_buffer": momentum_buffer} if momentum != 0 else {}
+    new_w, out = sgd_math(
+        w, g, bufs, c, momentum=momentum != 0, nesterov=nesterov,
+        weight_decay=weight_decay != 0, maximize=maximize,
+    )
+    return new_w, out.get("momentum_buffer")
 
 
 class SGD(LowPrecisionOptimizer):
@@ -76,6 +120,9 @@ class SGD(LowPrecisionOptimizer):
         state_dtype: dtype of the momentum buffer (default: None, meaning float32 for ``"fp32"``
             and ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as one compiled pass per parameter (``torch.compile``: C++ on CPU,
+            Triton on GPU) with the same results as the eager step (default: None, meaning fused
+            on CUDA devices and eager elsewhere; see ``lowprec.optim``).
     """
 
     def __init__(
@@ -91,11 +138,12 @@ class SGD(LowPrecisionOptimizer):
         master: str = "auto",
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize, master=master, state_dtype=state_dtype,
-            seed=seed,
+            seed=seed, fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -112,12 +160,17 @@ class SGD(LowPrecisionOptimizer):
     def _math_buffers(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _update(self, w, g, bufs, group, step):
-        new_w, buf = sgd_update(
-            w, g, bufs.get("momentum_buffer"),
+    def _coefficients(self, group, step):
+        return sgd_coefficients(
             lr=_as_float(group["lr"], "lr"), momentum=group["momentum"],
-            dampening=group["dampening"], nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"], maximize=group["maximize"],
+            dampening=group["dampening"], weight_decay=group["weight_decay"],
             first_step=step == 1,
         )
-        return new_w, ({"momentum_buffer": buf} if buf is not None else {})
+
+    def _flags(self, group):
+        return dict(
+            momentum=group["momentum"] != 0, nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"] != 0, maximize=group["maximize"],
+        )
+
+    _math = staticmethod(sgd_math)

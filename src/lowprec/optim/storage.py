@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from lowprec.numerics import counter_bits, join, round_stochastic_with_bits, split
+from lowprec.numerics import join, round_stochastic_with_bits, split
 
 __all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "resolve_master"]
 
@@ -167,10 +167,6 @@ class Stochastic(MasterStorage):
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
         return round_stochastic_with_bits(w, bits, param.dtype), {}
-
-    @staticmethod
-    def random_bits(param: torch.Tensor, key: int) -> torch.Tensor:
-        return counter_bits(param.numel(), key, device=param.device)
 
 
 STORAGES: dict[str, MasterStorage] = {
