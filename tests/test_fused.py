@@ -1,0 +1,148 @@
+"""The fused (torch.compile) step against the eager step: bit for bit on CPU.
+
+Compiling costs a few seconds per (optimizer, strategy, flags) variant, tens of seconds for the
+stochastic-rounding hash, so this module is marked slow; CI runs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import lowprec.optim.base as base
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+
+pytestmark = pytest.mark.slow
+
+OPTIMIZERS = [
+    (SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (AdamW, dict(lr=1e-3, amsgrad=True, weight_decay=0.1)),
+    (Adagrad, dict(lr=0.01, weight_decay=0.1, lr_decay=0.01)),
+    (Lamb, dict(lr=1e-3, weight_decay=0.01)),
+]
+DETERMINISTIC = [
+    (torch.float32, "none"), (torch.bfloat16, "none"), (torch.bfloat16, "kahan"),
+    (torch.bfloat16, "split"), (torch.bfloat16, "fp32"), (torch.float16, "kahan"),
+]
+# A zero-size tensor last in the group, a one-element tensor (both take the eager path inside a
+# fused step) and a parameter whose gradient stays None.
+SHAPES = [(96, 40), (33,), (2, 3, 5), (1,), (0,)]
+NO_GRAD = 2
+
+
+def _bits(t):
+    t = t.detach().reshape(-1)
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _run(cls, kw, dtype, master, fused, steps, init, seed=1, opt_state=None):
+    params = [x.clone().requires_grad_() for x in init]
+    opt = cls(params, master=master, fused=fused, seed=7, **kw)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for i, p in enumerate(params):
+            p.grad = None if i == NO_GRAD else torch.randn(p.shape, generator=gen).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def _assert_same(pa, oa, pb, ob):
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        sa, sb = oa.state[a], ob.state[b]
+        assert sa.keys() == sb.keys()
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(_bits(v), _bits(sb[k])), k
+            else:
+                assert v == sb[k], k
+
+
+CASES = [(*o, *d) for o, d in itertools.product(OPTIMIZERS, DETERMINISTIC)] + [
+    (*o, torch.bfloat16, "stochastic") for o in OPTIMIZERS[:2]
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "dtype", "master"), CASES,
+    ids=[f"{c[0].__name__}-{str(c[2])[6:]}-{c[3]}" for c in CASES],
+)
+def test_fused_equals_eager_bit_for_bit_across_a_checkpoint(cls, kw, dtype, master):
+    init = [torch.randn(s).to(dtype) for s in SHAPES]
+    pa, oa = _run(cls, kw, dtype, master, False, 8, init)
+    pb, ob = _run(cls, kw, dtype, master, True, 8, init)
+    _assert_same(pa, oa, pb, ob)
+    # Save from the fused run, resume both ways: still identical, and identical to never stopping.
+    sd = copy.deepcopy(ob.state_dict())
+    mid = [p.detach().clone() for p in pb]
+    pc, oc = _run(cls, kw, dtype, master, False, 5, mid, seed=2, opt_state=sd)
+    pd, od = _run(cls, kw, dtype, master, True, 5, mid, seed=2, opt_state=sd)
+    _assert_same(pc, oc, pd, od)
+    assert od.state[pd[0]]["step"].item() == 13
+
+
+def test_fused_default_is_eager_on_cpu_and_non_contiguous_params_use_eager():
+    w = torch.randn(8, 6).t().contiguous().t().requires_grad_()  # non-contiguous
+    assert not w.is_contiguous()
+    opt = AdamW([w], fused=True)
+    w.grad = torch.randn(6, 8).t()
+    ref = AdamW([w.detach().clone().requires_grad_()], fused=False)
+    ref.param_groups[0]["params"][0].grad = w.grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(w.detach(), ref.param_groups[0]["params"][0].detach())
+    assert not base._fused_enabled(AdamW([torch.randn(4, requires_grad=True)]),
+                                   {"fused": None}, torch.randn(4), ())
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        def kernel(*a, **k):
+            raise RuntimeError("no C++ compiler found")
+        return kernel
+
+    monkeypatch.setattr(base, "_compiled_kernel", broken)
+    init = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
+    pa, oa = _run(AdamW, {}, torch.bfloat16, "kahan", False, 3, init)
+    with pytest.warns(RuntimeWarning, match="fused .* unavailable .* no C\\+\\+ compiler"):
+        pb, ob = _run(AdamW, {}, torch.bfloat16, "kahan", True, 3, init)
+    _assert_same(pa, oa, pb, ob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per optimizer, not every step
+        pb[0].grad = torch.zeros_like(pb[0])
+        ob.step()
+
+
+def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
+    torch._dynamo.reset()
+    base._KERNELS.clear()
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    start = graphs()
+    w = torch.randn(64, 32, requires_grad=True)
+    opt = SGD([w], lr=0.1, momentum=0.9, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    counts = []
+    for _ in range(6):
+        w.grad = torch.randn_like(w)
+        opt.step()
+        sched.step()
+        counts.append(graphs() - start)
+    # The lr, the step's coefficients and the random key are tensors, not constants: one graph.
+    assert counts == [1] * 6, counts
+    # Parameters of many other sizes share kernels (dynamic shapes); at most one more graph
+    # (Inductor may specialise on whether the length is a multiple of the vector width).
+    for n in (1000, 4096, 777, 12345, 65536, 3):
+        v = torch.randn(n, requires_grad=True)
+        opt.add_param_group({"params": [v]})
+    for _ in range(2):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn_like(p)
+        opt.step()
+    assert graphs() - start <= 2, graphs() - start
