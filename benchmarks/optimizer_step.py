@@ -1,0 +1,895 @@
+"""Time one ``optimizer.step()`` of lowprec's optimizers against their peers.
+
+The parameters (about 25M by default) are laid out like a small transformer: blocks of four
+``d x d`` attention matrices, a ``4d x d`` and a ``d x 4d`` MLP matrix, their biases and two
+norms. Every row gets fresh parameters and fixed random gradients; the warmup steps create the
+optimizer state, then each ``step()`` is timed on its own (wall clock, and process CPU time).
+
+Per row the table shows the median step time and its spread, parameters per second, the bytes
+per parameter a single-pass step has to move (``2 x`` param and every state tensor, ``1 x`` the
+gradient, counted from the actual tensors), the resident bytes per parameter (param + grad +
+state), and the achieved bandwidth (bytes moved / median time) as a fraction of an in-place
+``a.add_(b, alpha=s)`` measured in the same run. Ratios compare each row with torch's fused
+optimizer of the same family on FP32 parameters, and the lowprec strategies with their closest
+peers (optimi's Kahan summation, torchao's BF16 stochastic rounding).
+
+Rows are data (``Row``: name, family, source, parameter dtype, optimizer factory). Every lowprec
+configuration is timed once per implementation variant named in ``--lowprec-variants``; a variant
+is an entry of ``LOWPREC_VARIANTS`` (extra constructor keywords, e.g. ``"fused": {"fused": True}``)
+and gets its own rows, ``x fused``/``x none`` ratios and comparison lines. A peer is one more
+``Row`` in ``peer_rows()``, a comparison one more entry of ``COMPARISONS``.
+
+Examples::
+
+    python benchmarks/optimizer_step.py                  # the full table, ~25M parameters
+    python benchmarks/optimizer_step.py --quick          # smoke run, ~2M parameters, 3 steps
+    python benchmarks/optimizer_step.py --rows adamw-bf16 --json out.json
+    python benchmarks/optimizer_step.py --lowprec-variants eager,fused
+    python benchmarks/optimizer_step.py --list           # row names, for --rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LR = {"sgd": 1e-2, "adamw": 1e-3}
+MOMENTUM = 0.9
+#: The row each row's time is divided by (column ``x fused``), per family.
+REFERENCE = {"sgd": "torch-sgd-fp32-fused", "adamw": "torch-adamw-fp32-fused"}
+#: Implementation variants of lowprec's optimizers: name -> extra constructor keyword arguments.
+#: Each variant named in --lowprec-variants gets its own rows (``lowprec-...-<variant>``), ratios
+#: and comparison lines. A variant whose keywords the optimizer's constructor does not take is
+#: listed as skipped, so an entry can exist before the path it selects does.
+#: A keyword set to False (an off switch) is left out where the constructor does not take it.
+LOWPREC_VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {"fused": False},  # the per-parameter step
+    "fused": {"fused": True},  # the compiled, fused step
+}
+DEFAULT_VARIANTS = ("eager",)
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ------------------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: an optimizer factory applied to parameters of one dtype."""
+
+    name: str  # unique; what --rows matches
+    family: str  # "sgd" or "adamw"
+    source: str  # "torch", "optimi", "torchao" or "lowprec"
+    dtype: torch.dtype  # parameter (and gradient) dtype
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None
+    master: str = "none"  # how the master weight is kept ("none", "kahan", "stochastic", ...)
+    variant: str = ""  # implementation: "foreach", "fused", "loop", "eager", ...
+    state_dtype: torch.dtype | None = None  # lowprec's state_dtype= when given
+    skip: str = ""  # why the row cannot run here (the factory is then None)
+
+
+def _name(*parts: str) -> str:
+    return "-".join(p for p in parts if p)
+
+
+def _optimi_rows() -> list[Row]:
+    try:
+        with _quiet():
+            import optimi
+    except Exception as e:  # any import failure: the rows are skipped with the reason
+        reason = f"optimi not importable: {type(e).__name__}: {e}"
+        return [
+            Row(_name("optimi", fam, "bf16-kahan"), fam, "optimi", torch.bfloat16, None,
+                "kahan", skip=reason)
+            for fam in ("adamw", "sgd")
+        ]
+    rows = []
+    for fam, cls_name in (("adamw", "AdamW"), ("sgd", "SGD")):
+        cls = getattr(optimi, cls_name, None)
+        for variant, foreach in (("foreach", True), ("loop", False)):
+            name = _name("optimi", fam, "bf16-kahan", variant)
+            if cls is None:
+                rows.append(Row(name, fam, "optimi", torch.bfloat16, None, "kahan", variant,
+                                skip=f"optimi has no {cls_name}"))
+                continue
+            sig = inspect.signature(cls.__init__).parameters
+            kwargs: dict[str, Any] = {"lr": LR[fam]}
+            if fam == "sgd":
+                kwargs["momentum"] = MOMENTUM
+            for key, value in (("kahan_sum", True), ("foreach", foreach), ("triton", False)):
+                if key in sig:
+                    kwargs[key] = value
+            skip = ""
+            if "kahan_sum" not in sig:
+                skip = f"optimi.{cls_name} takes no kahan_sum"
+            elif "foreach" not in sig and foreach:
+                skip = f"optimi.{cls_name} takes no foreach"
+
+            def make(params, cls=cls, kwargs=kwargs):
+                return cls(params, **kwargs)
+
+            rows.append(Row(name, fam, "optimi", torch.bfloat16, None if skip else make,
+                            "kahan", variant, skip=skip))
+    return rows
+
+
+def _torchao_rows() -> list[Row]:
+    name = "torchao-adamw-bf16-sr"
+    try:
+        with _quiet():
+            import torchao.optim as tao
+    except Exception as e:
+        reason = f"torchao.optim not importable: {type(e).__name__}: {e}"
+        return [Row(name, "adamw", "torchao", torch.bfloat16, None, "stochastic", skip=reason)]
+    cls = getattr(tao, "_AdamW", None) or getattr(tao, "AdamW", None)
+    if cls is None:
+        return [Row(name, "adamw", "torchao", torch.bfloat16, None, "stochastic",
+                    skip="torchao.optim has neither _AdamW nor AdamW")]
+    if "bf16_stochastic_round" not in inspect.signature(cls.__init__).parameters:
+        return [Row(name, "adamw", "torchao", torch.bfloat16, None, "stochastic",
+                    skip=f"torchao.optim.{cls.__name__} takes no bf16_stochastic_round")]
+
+    def make(params):
+        return cls(params, lr=LR["adamw"], bf16_stochastic_round=True)
+
+    # torchao compiles its per-parameter step (torch.compile, one graph per shape): the first
+    # warmup step pays for that; the table's times are the compiled steps.
+    return [Row(name, "adamw", "torchao", torch.bfloat16, make, "stochastic", "compiled")]
+
+
+def peer_rows() -> list[Row]:
+    rows = []
+    for fam, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
+        extra = {"momentum": MOMENTUM} if fam == "sgd" else {}
+        for variant in ("foreach", "fused"):
+
+            def make(params, cls=cls, extra=extra, variant=variant, fam=fam):
+                return cls(params, lr=LR[fam], **extra, **{variant: True})
+
+            rows.append(Row(_name("torch", fam, "fp32", variant), fam, "torch", torch.float32,
+                            make, "none", variant))
+    # Round-to-nearest BF16 with BF16 state: the least traffic any AdamW can move.
+    rows.append(Row("torch-adamw-bf16-fused", "adamw", "torch", torch.bfloat16,
+                    lambda params: torch.optim.AdamW(params, lr=LR["adamw"], fused=True),
+                    "none", "fused"))
+    rows += _optimi_rows()
+    rows += _torchao_rows()
+    return rows
+
+
+def lowprec_rows(variants: list[str]) -> list[Row]:
+    try:
+        import lowprec.optim as lo
+    except Exception as e:
+        return [Row("lowprec", "adamw", "lowprec", torch.float32, None,
+                    skip=f"lowprec not importable: {type(e).__name__}: {e}")]
+    configs: list[tuple[torch.dtype, str, torch.dtype | None]] = [
+        (torch.float32, "none", None),
+        *((torch.bfloat16, m, None) for m in ("none", "kahan", "split", "stochastic", "fp32")),
+    ]
+    rows = []
+    for variant in variants:
+        for fam, cls in (("sgd", lo.SGD), ("adamw", lo.AdamW)):
+            sig = inspect.signature(cls.__init__).parameters
+            vkw = {k: v for k, v in LOWPREC_VARIANTS[variant].items() if k in sig or v is not False}
+            missing = [k for k in vkw if k not in sig]
+            skip = f"{cls.__name__} takes no {', '.join(missing)}=" if missing else ""
+            extra = {"momentum": MOMENTUM} if fam == "sgd" else {}
+            fam_configs = configs + ([(torch.bfloat16, "split", torch.bfloat16)]
+                                     if fam == "adamw" else [])
+            for dtype, master, sd in fam_configs:
+                kwargs = {"lr": LR[fam], **extra, "master": master, **vkw}
+                if sd is not None:
+                    kwargs["state_dtype"] = sd
+                name = _name("lowprec", fam, DTYPE_NAMES[dtype], master,
+                             f"state{DTYPE_NAMES[sd]}" if sd is not None else "", variant)
+
+                def make(params, cls=cls, kwargs=kwargs):
+                    return cls(params, **kwargs)
+
+                rows.append(Row(name, fam, "lowprec", dtype, None if skip else make, master,
+                                variant, sd, skip=skip))
+    return rows
+
+
+# Comparisons printed under the table: (title, numerator rows, denominator rows). Each lowprec
+# variant gets its own line; the denominator is the fastest matching row.
+def _is(**want: Any) -> Callable[[Row], bool]:
+    return lambda r: all(getattr(r, k) == v for k, v in want.items())
+
+
+COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
+    ("AdamW bf16 kahan vs best optimi AdamW kahan",
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="kahan", state_dtype=None),
+     _is(source="optimi", family="adamw")),
+    ("SGD bf16 kahan vs best optimi SGD kahan",
+     _is(source="lowprec", family="sgd", dtype=torch.bfloat16, master="kahan", state_dtype=None),
+     _is(source="optimi", family="sgd")),
+    ("AdamW bf16 stochastic vs torchao bf16 SR",
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="stochastic"),
+     _is(source="torchao", family="adamw")),
+    ("AdamW fp32 none vs torch AdamW foreach",
+     _is(source="lowprec", family="adamw", dtype=torch.float32),
+     _is(name="torch-adamw-fp32-foreach")),
+    ("SGD fp32 none vs torch SGD foreach",
+     _is(source="lowprec", family="sgd", dtype=torch.float32),
+     _is(name="torch-sgd-fp32-foreach")),
+    ("AdamW bf16 none vs torch fused AdamW on bf16",
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="none"),
+     _is(name="torch-adamw-bf16-fused")),
+]
+
+
+# ------------------------------------------------------------------------------ parameters
+
+
+def _block_shapes(d: int) -> list[tuple[str, tuple[int, ...]]]:
+    shapes = []
+    for m in ("q", "k", "v", "o"):
+        shapes += [(f"attn.{m}.weight", (d, d)), (f"attn.{m}.bias", (d,))]
+    shapes += [("mlp.fc1.weight", (4 * d, d)), ("mlp.fc1.bias", (4 * d,)),
+               ("mlp.fc2.weight", (d, 4 * d)), ("mlp.fc2.bias", (d,))]
+    for n in ("ln1", "ln2"):
+        shapes += [(f"{n}.weight", (d,)), (f"{n}.bias", (d,))]
+    return shapes
+
+
+def layout(params_millions: float) -> tuple[int, int, list[tuple[str, tuple[int, ...]]]]:
+    """(d_model, blocks, [(name, shape)]): d_model 1024 unless one block would exceed the target."""
+    target = params_millions * 1e6
+    for d in (1024, 768, 512, 384, 256, 128, 64):
+        per_block = sum(math.prod(s) for _, s in _block_shapes(d))
+        if per_block <= target or d == 64:
+            break
+    blocks = max(1, round(target / per_block))
+    shapes = [(f"blocks.{b}.{n}", s) for b in range(blocks) for n, s in _block_shapes(d)]
+    return d, blocks, shapes
+
+
+@dataclass
+class BaseTensors:
+    """FP32 values and gradients every row starts from (converted to the row's dtype)."""
+
+    values: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+    @classmethod
+    def make(cls, shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> BaseTensors:
+        gen = torch.Generator().manual_seed(seed)
+        values, grads = [], []
+        for name, shape in shapes:
+            v = torch.randn(shape, generator=gen).mul_(0.02)
+            if name.endswith("ln1.weight") or name.endswith("ln2.weight"):
+                v.add_(1.0)
+            values.append(v)
+            grads.append(torch.randn(shape, generator=gen).mul_(1e-3))
+        return cls(values, grads)
+
+    def params(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        ps = []
+        for v, g in zip(self.values, self.grads, strict=True):
+            p = v.to(dtype, copy=True).requires_grad_()
+            p.grad = g.to(dtype, copy=True)
+            ps.append(p)
+        return ps
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def footprint(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[str, int]:
+    """Bytes of params, grads and optimizer state, counted from the tensors themselves."""
+    seen: set[int] = set()
+
+    def count(t: Any) -> int:
+        if not isinstance(t, torch.Tensor) or id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return _tensor_bytes(t)
+
+    p_bytes = sum(count(p) for p in params)
+    g_bytes = sum(count(p.grad) for p in params)
+    s_bytes = 0
+    for st in opt.state.values():
+        values = st.values() if isinstance(st, dict) else [st]
+        s_bytes += sum(count(v) for v in values)
+    return {"param": p_bytes, "grad": g_bytes, "state": s_bytes,
+            "moved": 2 * p_bytes + g_bytes + 2 * s_bytes,
+            "resident": p_bytes + g_bytes + s_bytes}
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence warnings and the import-time log chatter of the peers (torchao, optimi)."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree", "optimi")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _quantiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _cpu_busy_s() -> float | None:
+    """Seconds of CPU time the whole machine has been busy (all processes), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+#: A window shorter than this (in seconds) is too short to tell contention from /proc/stat.
+MIN_BG_WINDOW_S = 0.25
+
+
+@dataclass
+class Window:
+    """One pass of timed steps, and how busy the rest of the machine was meanwhile."""
+
+    times: list[float]  # wall seconds per step
+    cpu_times: list[float]  # process CPU seconds per step (all threads)
+    # What bg is computed from: the timed steps' span, or, when that is too short, the span from
+    # the end of the first warmup step.
+    wall: float = 0.0
+    cpu: float = 0.0
+    busy: float | None = None  # machine-wide busy CPU seconds (/proc/stat), None if unknown
+
+    @property
+    def bg(self) -> float | None:
+        """Cores other processes kept busy during the window (contention), or None."""
+        if self.busy is None or self.wall <= 0:
+            return None
+        return max(0.0, (self.busy - self.cpu) / self.wall)
+
+
+@contextlib.contextmanager
+def _window(times: list[float] | None = None) -> Iterator[Window]:
+    w = Window(times if times is not None else [], [])
+    busy0, cpu0, wall0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+    yield w
+    busy1, cpu1, wall1 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+    w.wall, w.cpu = wall1 - wall0, cpu1 - cpu0
+    w.busy = None if busy0 is None or busy1 is None else busy1 - busy0
+
+
+def _clean(windows: list[Window], bg_max: float) -> list[Window]:
+    """The windows measured without contention, or all of them if there are none."""
+    clean = [w for w in windows if w.bg is not None and w.bg <= bg_max]
+    return clean or windows
+
+
+def _is_contended(windows: list[Window], bg_max: float) -> bool:
+    known = [w.bg for w in windows if w.bg is not None]
+    return bool(known) and min(known) > bg_max
+
+
+def _mean_bg(windows: list[Window]) -> float | None:
+    if not windows or any(w.bg is None for w in windows):
+        return None
+    wall = sum(w.wall for w in windows)
+    return sum(w.bg * w.wall for w in windows) / wall if wall > 0 else None  # type: ignore[operator]
+
+
+def axpy_bandwidth(n: int, reps: int) -> Window:
+    """Times of ``a.add_(b, alpha=s)`` (reads a and b, writes a: 12 bytes per element)."""
+    a = torch.randn(n)
+    b = torch.randn(n)
+    a.add_(b, alpha=1e-3)
+    with _window() as w:  # long enough for bg: 10 reps of >= 16M elements
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a.add_(b, alpha=1e-3)
+            w.times.append(time.perf_counter() - t0)
+    del a, b
+    gc.collect()
+    return w
+
+
+@dataclass
+class Result:
+    row: Row
+    status: str = "ok"  # "ok", "skipped" or "error"
+    note: str = ""
+    windows: list[Window] = field(default_factory=list)  # one per pass over the row
+    warmup_times: list[float] = field(default_factory=list)
+    numel: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)
+    bg_max: float = math.inf
+    pass_seconds: list[float] = field(default_factory=list)  # wall time of each whole pass
+
+    @property
+    def used(self) -> list[Window]:
+        """The passes the statistics come from: those without contention, if any."""
+        return _clean(self.windows, self.bg_max)
+
+    @property
+    def contended(self) -> bool:
+        return _is_contended(self.windows, self.bg_max)
+
+    @property
+    def times(self) -> list[float]:
+        return [t for w in self.used for t in w.times]
+
+    @property
+    def cpu_times(self) -> list[float]:
+        return [t for w in self.used for t in w.cpu_times]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def background(self) -> float | None:
+        return _mean_bg(self.used)
+
+
+def run_row(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result) -> None:
+    """Warm up and time one pass of ``row`` with fresh parameters; adds a window to ``result``."""
+    t0 = time.perf_counter()
+    _run_pass(row, base, args, result)
+    result.pass_seconds.append(time.perf_counter() - t0)
+
+
+def _snapshot() -> tuple[float | None, float, float]:
+    return _cpu_busy_s(), time.process_time(), time.perf_counter()
+
+
+def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result) -> None:
+    params = base.params(row.dtype)
+    opt = None
+    try:
+        budget = args.row_seconds / args.rounds  # for this pass's timed steps
+        with _quiet(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = row.make(params)
+            spent = 0.0
+            steady = _snapshot()
+            for i in range(args.warmup):
+                # A slow row (or a compiled one) stops warming up once its state exists and the
+                # warmup has used half the pass's budget.
+                if i > 0 and spent > budget / 2:
+                    break
+                t0 = time.perf_counter()
+                opt.step()
+                result.warmup_times.append(time.perf_counter() - t0)
+                spent += result.warmup_times[-1]
+                if i == 0:
+                    # bg of a short timed window is taken from here on instead: after the first
+                    # step, whose state creation or compilation (with its compiler processes,
+                    # which /proc/stat would count as contention) is over.
+                    steady = _snapshot()
+        if row.source == "lowprec":  # e.g. a fused step falling back to eager: say so
+            for w in caught:
+                if not (str(w.message).startswith("lowprec") or "lowprec" in w.filename):
+                    continue  # torch's own chatter while compiling
+                msg = f"warning: {str(w.message).splitlines()[0][:100]}"
+                if msg not in result.note:
+                    result.note = _join(result.note, msg)
+        est = result.warmup_times[-1] if result.warmup_times else 0.0
+        steps = math.ceil(args.steps / args.rounds)
+        if est > 0 and est * steps > budget:
+            min_steps = math.ceil(args.min_steps / args.rounds)
+            steps = max(min_steps, min(steps, int(budget / est)))
+        with _window() as win:
+            for _ in range(steps):
+                c0, t0 = time.process_time(), time.perf_counter()
+                opt.step()
+                t1, c1 = time.perf_counter(), time.process_time()
+                win.times.append(t1 - t0)
+                win.cpu_times.append(c1 - c0)
+        if win.wall < MIN_BG_WINDOW_S:
+            busy0, cpu0, wall0 = steady
+            busy1, cpu1, wall1 = _snapshot()
+            win.wall, win.cpu = wall1 - wall0, cpu1 - cpu0
+            win.busy = None if busy0 is None or busy1 is None else busy1 - busy0
+            if win.wall < MIN_BG_WINDOW_S:
+                win.busy = None  # too short for /proc/stat's 10 ms ticks: unknown
+        result.windows.append(win)
+        result.numel = sum(p.numel() for p in params)
+        result.bytes = footprint(opt, params)
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            result.note = _join(result.note, "non-finite parameters after the steps!")
+    except Exception as e:  # a peer's API or platform limit: report, keep going
+        result.status = "error"
+        result.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    finally:
+        del opt, params
+        gc.collect()
+
+
+def _join(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return "?"
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _version(mod: str) -> str:
+    try:
+        with _quiet():
+            m = __import__(mod)
+        return getattr(m, "__version__", "?")
+    except Exception:
+        return "not importable"
+
+
+def _lowprec_source() -> str:
+    """lowprec's version and, from a git checkout, its commit and whether src/ has edits."""
+    try:
+        import lowprec
+    except Exception as e:
+        return f"not importable ({type(e).__name__})"
+    where = os.path.dirname(os.path.abspath(lowprec.__file__))
+    desc = getattr(lowprec, "__version__", "?")
+    try:
+        def git(*a: str) -> str:
+            return subprocess.run(["git", "-C", where, *a], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", ".")
+        desc += f" @ {rev}" + (" + uncommitted edits in src" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return desc
+
+
+def header(args: argparse.Namespace, d: int, blocks: int, numel: int, n_tensors: int) -> dict:
+    return {
+        "torch": torch.__version__,
+        "lowprec": _lowprec_source(),
+        "python": platform.python_version(),
+        "optimi": _version("optimi"),
+        "torchao": _version("torchao"),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": _cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "params": numel,
+        "tensors": n_tensors,
+        "d_model": d,
+        "blocks": blocks,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "row_seconds": args.row_seconds,
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+COLUMNS_HELP = """\
+n: timed steps; median, p25-p75, min: wall ms per step(); cpu ms: median process CPU time per
+step (all threads); bg: cores other processes kept busy meanwhile (/proc/stat); the statistics
+use only a row's passes with bg <= --bg-max when it has any ("contended in every pass" if not);
+B/p mv: bytes per parameter a one-pass step must move (2x param and state, 1x grad); B/p res:
+resident param + grad + state bytes per parameter; GB/s: B/p mv x params / median; %axpy: that
+over the axpy bandwidth; x fused: median / torch's fused optimizer of the family on fp32; x none:
+median / the same lowprec optimizer with master='none' on bf16."""
+
+
+def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list[str]]:
+    by_name = {r.row.name: r for r in results if r.status == "ok" and r.times}
+    records, lines = [], []
+    cols = [("row", "<", 40), ("n", ">", 2), ("median ms", ">", 9), ("p25-p75 ms", ">", 15),
+            ("min ms", ">", 8), ("cpu ms", ">", 7), ("bg", ">", 4), ("Mparam/s", ">", 8),
+            ("B/p mv", ">", 6), ("B/p res", ">", 7), ("GB/s", ">", 5), ("%axpy", ">", 5),
+            ("x fused", ">", 7), ("x none", ">", 6), ("note", "<", 0)]
+
+    def line(values: list[str]) -> str:
+        out = [f"{v:{a}{w}}" if w else v for v, (_, a, w) in zip(values, cols, strict=True)]
+        return "  ".join(out).rstrip()
+
+    lines.append(line([c for c, _, _ in cols]))
+    lines.append(line(["-" * w if w else "----" for _, _, w in cols]))
+    family = None
+    for r in results:
+        if r.row.family != family and family is not None:
+            lines.append("")
+        family = r.row.family
+        rec: dict[str, Any] = {
+            "name": r.row.name, "family": r.row.family, "source": r.row.source,
+            "dtype": DTYPE_NAMES.get(r.row.dtype, str(r.row.dtype)), "master": r.row.master,
+            "variant": r.row.variant, "status": r.status, "note": r.note,
+        }
+        if r.status != "ok" or not r.times:
+            records.append(rec)
+            lines.append(line([r.row.name, *[""] * (len(cols) - 2), f"{r.status}: {r.note}"]))
+            continue
+        q1, med, q3 = _quantiles(r.times)
+        cpu_med = statistics.median(r.cpu_times)
+        moved = r.bytes["moved"] / r.numel
+        resident = r.bytes["resident"] / r.numel
+        gbs = r.bytes["moved"] / med
+        ref = by_name.get(REFERENCE[r.row.family])
+        x_ref = med / ref.median if ref else None
+        x_none = None
+        if r.row.source == "lowprec" and r.row.dtype != torch.float32:
+            none = by_name.get(_name("lowprec", r.row.family, DTYPE_NAMES[r.row.dtype], "none",
+                                     r.row.variant))
+            x_none = med / none.median if none else None
+        note = r.note
+        if r.contended:
+            note = _join(note, "contended in every pass")
+        if r.warmup_times and r.warmup_times[0] > max(1.0, 5 * med):
+            note = _join(note, f"1st step {r.warmup_times[0]:.1f} s")
+        rec.update({
+            "steps": len(r.times), "median_ms": med * 1e3, "p25_ms": q1 * 1e3,
+            "p75_ms": q3 * 1e3, "min_ms": min(r.times) * 1e3, "max_ms": max(r.times) * 1e3,
+            "cpu_median_ms": cpu_med * 1e3, "background_cores": r.background,
+            "params_per_s": r.numel / med,
+            "bytes_moved_per_param": moved, "bytes_resident_per_param": resident,
+            "bytes": r.bytes, "achieved_bytes_per_s": gbs, "fraction_of_axpy": gbs / axpy_bw,
+            "vs_fused_reference": x_ref, "vs_bf16_none": x_none,
+            "warmup_ms": [t * 1e3 for t in r.warmup_times], "times_ms": [t * 1e3 for t in r.times],
+            "passes": [{"times_ms": [t * 1e3 for t in w.times], "bg": w.bg,
+                        "used": w in r.used} for w in r.windows],
+            "contended": r.contended, "note": note,
+        })
+        records.append(rec)
+        lines.append(line([
+            r.row.name, str(len(r.times)), _fmt(med * 1e3, ".1f"),
+            f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}", _fmt(min(r.times) * 1e3, ".1f"),
+            _fmt(cpu_med * 1e3, ".0f"), _fmt(r.background, ".1f"),
+            _fmt(r.numel / med / 1e6, ".0f"), _fmt(moved, ".1f"), _fmt(resident, ".1f"),
+            _fmt(gbs / 1e9, ".1f"), _fmt(100 * gbs / axpy_bw, ".0f"), _fmt(x_ref, ".2f"),
+            _fmt(x_none, ".2f"), note,
+        ]))
+    return records, lines
+
+
+def comparisons(results: list[Result]) -> tuple[list[dict], list[str]]:
+    ok = [r for r in results if r.status == "ok" and r.times]
+    records, lines = [], []
+    for title, num_pred, den_pred in COMPARISONS:
+        if not any(den_pred(r.row) for r in results):
+            continue  # the peer was not selected (--rows)
+        dens = [r for r in ok if den_pred(r.row)]
+        for num in (r for r in ok if num_pred(r.row)):
+            if not dens:
+                lines.append(f"  {title}: {num.row.name} vs - (the peer was skipped or failed)")
+                continue
+            den = min(dens, key=lambda r: r.median)
+            ratio = num.median / den.median
+            records.append({"title": title, "row": num.row.name, "peer": den.row.name,
+                            "ratio": ratio})
+            lines.append(f"  {title:<44} {num.row.name:<42} / {den.row.name:<32} "
+                         f"{ratio:6.2f}x")
+    return records, lines
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--params-millions", type=float, default=25.0,
+                   help="parameter count to aim for; sets the number of blocks (default: 25)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per row (default: 15)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first; they create the state (default: 3)")
+    p.add_argument("--row-seconds", type=float, default=6.0,
+                   help="time budget for a row's timed steps (all rounds): slow rows run fewer "
+                        "steps, at least --min-steps, and warm up less (default: 6)")
+    p.add_argument("--min-steps", type=int, default=3,
+                   help="fewest timed steps a slow row gets, over all rounds (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="go through all rows this many times, each time with fresh parameters and "
+                        "state and a share of --steps and --row-seconds, pooling the samples: "
+                        "spreads the load swings of a shared machine over every row (default: 3)")
+    p.add_argument("--bg-max", type=float, default=0.3,
+                   help="a pass during which other processes kept more than this many cores busy "
+                        "is contended: a row's statistics use its uncontended passes when it has "
+                        "any (default: 0.3; inf keeps every pass)")
+    p.add_argument("--retries", type=int, default=2,
+                   help="extra passes, after the rounds, over the rows that were contended in "
+                        "every pass so far, cheapest first (default: 2)")
+    p.add_argument("--retry-seconds", type=float, default=30.0,
+                   help="time budget of all the retries together (default: 30)")
+    p.add_argument("--rows", default="",
+                   help="comma-separated substrings: run only the rows whose name contains one "
+                        "(and the torch fused reference of their family); see --list")
+    p.add_argument("--lowprec-variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated lowprec implementations to time, of "
+                        f"{', '.join(LOWPREC_VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--axpy-millions", type=float, default=64.0,
+                   help="elements (2**20) of each axpy operand (default: 64)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: ~2M parameters, 3 steps, 1 warmup, 1 round, no retries, "
+                        "16M-element axpy")
+    p.add_argument("--list", action="store_true", help="print the row names and exit")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.params_millions, args.steps, args.warmup, args.axpy_millions = 2.0, 3, 1, 16.0
+        args.rounds, args.retries = 1, 0
+    for v in args.lowprec_variants.split(","):
+        if v and v not in LOWPREC_VARIANTS:
+            p.error(f"unknown lowprec variant {v!r}; known: {', '.join(LOWPREC_VARIANTS)}")
+    if (args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.min_steps < 1
+            or args.retries < 0):
+        p.error("--steps, --rounds and --min-steps must be >= 1, --warmup and --retries >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    variants = [v for v in args.lowprec_variants.split(",") if v]
+    rows = peer_rows() + lowprec_rows(variants)
+    if args.rows:
+        wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
+        families = {r.family for r in rows if any(s in r.name for s in wanted)}
+        # The family's reference row stays in: the x fused column divides by it.
+        rows = [r for r in rows if any(s in r.name for s in wanted)
+                or (r.family in families and r.name == REFERENCE[r.family])]
+    # Group the table by family: SGD first, then AdamW; within a family peers come first.
+    rows.sort(key=lambda r: (r.family != "sgd", r.source == "lowprec"))
+    if args.list:
+        print("\n".join(r.name + (f"  (skipped: {r.skip})" if r.skip else "") for r in rows))
+        return 0
+    if not rows:
+        print("no row matches --rows", file=sys.stderr)
+        return 2
+
+    t_start = time.perf_counter()
+    load_start = _loadavg()
+    d, blocks, shapes = layout(args.params_millions)
+    base = BaseTensors.make(shapes)
+    numel = sum(v.numel() for v in base.values)
+    info = header(args, d, blocks, numel, len(shapes))
+    print(f"optimizer step benchmark: lowprec {info['lowprec']}")
+    print(f"torch {info['torch']}, python {info['python']}, optimi {info['optimi']}, "
+          f"torchao {info['torchao']}")
+    print(f"cpu: {info['cpu']} ({info['cpu_capability']}), {info['cpu_count']} logical cpus, "
+          f"torch threads {info['threads']}; load average at start {load_start}")
+    print(f"params: {numel / 1e6:.2f}M in {len(shapes)} tensors ({blocks} blocks, d_model {d}); "
+          f"{args.warmup} warmup + up to {args.steps} timed steps per row"
+          f" (fewer past {args.row_seconds:g} s), {args.rounds} round(s)")
+
+    n_axpy = int(args.axpy_millions * 2**20)
+    axpy = [axpy_bandwidth(n_axpy, reps=10)]
+
+    def axpy_bw(w: Window) -> float:
+        return 12 * n_axpy / statistics.median(w.times)
+
+    print(f"axpy a.add_(b, alpha=s), {n_axpy / 2**20:g}M fp32 elements: "
+          f"{statistics.median(axpy[0].times) * 1e3:.1f} ms median = {axpy_bw(axpy[0]) / 1e9:.1f}"
+          f" GB/s (bg {_fmt(axpy[0].bg, '.1f')})", flush=True)
+
+    results = {r.name: Result(r, status="skipped" if r.skip else "ok", note=r.skip,
+                              bg_max=args.bg_max) for r in rows}
+
+    def one_pass(label: str, todo: list[Row], deadline: float = math.inf) -> None:
+        for r in todo:
+            res = results[r.name]
+            t0 = time.perf_counter()
+            if res.pass_seconds and t0 + res.pass_seconds[-1] > deadline:
+                continue  # would overrun the retry budget
+            run_row(r, base, args, res)
+            if res.status == "ok":
+                w = res.windows[-1]
+                print(f"  {label}{r.name}: {statistics.median(w.times) * 1e3:.1f} ms median of "
+                      f"{len(w.times)}, bg {_fmt(w.bg, '.1f')} ({time.perf_counter() - t0:.1f} s)",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"  {label}{r.name}: {res.status}: {res.note}", file=sys.stderr, flush=True)
+
+    for rnd in range(args.rounds):
+        one_pass(f"round {rnd + 1}/{args.rounds} " if args.rounds > 1 else "",
+                 [r for r in rows if results[r.name].status == "ok"])
+        axpy.append(axpy_bandwidth(n_axpy, reps=10))
+    deadline = time.perf_counter() + args.retry_seconds
+    for rt in range(args.retries):
+        todo = [r for r in rows if results[r.name].status == "ok" and results[r.name].contended]
+        todo.sort(key=lambda r: results[r.name].pass_seconds[-1])
+        if _is_contended(axpy, args.bg_max):
+            axpy.append(axpy_bandwidth(n_axpy, reps=10))
+        if not todo or time.perf_counter() >= deadline:
+            break
+        one_pass(f"retry {rt + 1}/{args.retries} (contended) ", todo, deadline)
+
+    axpy_used = _clean(axpy, args.bg_max)
+    axpy_ref = statistics.median([axpy_bw(w) for w in axpy_used])
+    ordered = [results[r.name] for r in rows]
+    records, lines = build_table(ordered, axpy_ref)
+    comp_records, comp_lines = comparisons(ordered)
+    runtime = time.perf_counter() - t_start
+    print(f"axpy over the run: {', '.join(f'{axpy_bw(w) / 1e9:.1f}' for w in axpy)} GB/s "
+          f"(bg {', '.join(_fmt(w.bg, '.1f') for w in axpy)}); reference for %axpy: "
+          f"{axpy_ref / 1e9:.1f} GB/s (median of "
+          + ("all, every one contended)" if _is_contended(axpy, args.bg_max)
+             else f"the {len(axpy_used)} uncontended)"))
+    n_cont = sum(r.contended for r in ordered if r.status == "ok")
+    print(f"load average at end {_loadavg()}; rows contended in every pass: {n_cont} "
+          f"(bg > {args.bg_max:g}); total runtime {runtime:.0f} s")
+    print()
+    print("\n".join(lines))
+    print()
+    print(COLUMNS_HELP)
+    if comp_lines:
+        print()
+        print("comparisons (median / median; < 1 means lowprec is faster):")
+        print("\n".join(comp_lines))
+    if args.json:
+        payload = {"header": {**info, "load_average_start": load_start,
+                              "load_average_end": _loadavg(), "runtime_s": runtime,
+                              "bg_max": args.bg_max, "retries": args.retries},
+                   "axpy": [{"bytes_per_s": axpy_bw(w), "bg": w.bg,
+                             "times_ms": [t * 1e3 for t in w.times]} for w in axpy],
+                   "axpy_bytes_per_s": axpy_ref, "rows": records, "comparisons": comp_records}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
