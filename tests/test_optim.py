@@ -688,3 +688,27 @@ def test_lr_as_tensor_and_ints_are_accepted():
     opt.step()
     assert torch.equal(w.detach(), torch.full((4,), 0.5))
     assert math.isclose(SGD([torch.ones(1, requires_grad=True)], lr=1).param_groups[0]["lr"], 1)
+
+
+@pytest.mark.parametrize("cls", [SGD, AdamW, Adagrad, Lamb])
+@pytest.mark.parametrize("master", STRATEGIES)
+def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
+    """Large tensors go through the eager step in chunks; the result must not change."""
+    import lowprec.optim.base as base
+
+    shapes = [(37, 29), (1000,), (3,)]
+    init = make_params(torch.bfloat16, shapes)
+    seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
+    results = []
+    for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
+        monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
+        params = [p.detach().clone().requires_grad_() for p in init]
+        opt = cls(params, master=master, seed=9)
+        run(opt, params, seq)
+        results.append((params, opt))
+    (pa, oa), (pb, ob) = results
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        for k, v in oa.state[a].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(_bits(v), _bits(ob.state[b][k])), k

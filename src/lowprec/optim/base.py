@@ -82,6 +82,10 @@ class LowPrecisionOptimizer(Optimizer):
         """Names of the per-parameter state tensors the update rule keeps (e.g. momentum)."""
         return ()
 
+    #: The rule is elementwise (no reduction over the tensor), so the eager step may process a
+    #: large tensor in chunks. LAMB's trust ratio needs whole-tensor norms and sets this False.
+    _elementwise = True
+
     def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
         """Initial value of buffer ``name`` (default: 0.0)."""
         return 0.0
@@ -308,6 +312,21 @@ class LowPrecisionOptimizer(Optimizer):
                 _disable_fused(self, e)
                 _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
                               storage=storage, math=self._math, flags=flags)
+        elif self._elementwise and p.numel() > _EAGER_CHUNK and all(
+            t.is_contiguous() for t in (p, p.grad, *sbufs.values(), *mbufs.values())
+        ):
+            # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
+            # temporaries are fresh allocations that page-fault on every step). Elementwise
+            # rules and index-offset random bits make this bit-identical to one pass.
+            flat_p, flat_g = p.view(-1), p.grad.view(-1)
+            for start in range(0, p.numel(), _EAGER_CHUNK):
+                sl = slice(start, start + _EAGER_CHUNK)
+                _param_update(
+                    flat_p[sl], flat_g[sl], {k: v.view(-1)[sl] for k, v in sbufs.items()},
+                    {k: v.view(-1)[sl] for k, v in mbufs.items()}, coeffs,
+                    key & 0xFFFFFFFF, key >> 32, storage=storage, math=self._math,
+                    flags=flags, offset=start,
+                )
         else:
             _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
                           storage=storage, math=self._math, flags=flags)
@@ -394,8 +413,12 @@ def _param_update(
     storage: MasterStorage,
     math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
     flags: dict[str, bool],
+    offset: int = 0,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
+
+    ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
+    (it keys the random bits of stochastic rounding).
 
     The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
     it into one pass over the elements with the writes done in place. Everything is computed
@@ -405,7 +428,8 @@ def _param_update(
     new_w, new_m = math(w, grad.float(), {k: v.float() for k, v in mbufs.items()}, c, **flags)
     bits = None
     if storage.needs_random_bits:
-        idx = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape)
+        idx = torch.arange(offset, offset + p.numel(), dtype=torch.int64, device=p.device)
+        idx = idx.view(p.shape)
         bits = hash_bits(idx, key_lo, key_hi)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
     for k, v in new_m.items():
@@ -428,6 +452,9 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, Callable[..., None]] = {}
+# Elements per piece of the eager step on large tensors: big enough to amortise Python overhead,
+# small enough that the temporaries (~20 of them) stay in cache.
+_EAGER_CHUNK = 1 << 18
 
 
 def _compiled_kernel(

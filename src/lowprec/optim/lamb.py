@@ -171,3 +171,4 @@ class Lamb(LowPrecisionOptimizer):
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(lamb_math)
+    _elementwise = False  # the trust ratio needs whole-tensor norms
