@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lowprec.numerics import sqrt_rn
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float
+from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative
 
 __all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
 
@@ -125,9 +125,9 @@ class Adagrad(LowPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _validate_hparams(self, group):
-        for name in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
-            if _as_float(group[name], name) < 0:
-                raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+        _check_nonnegative(
+            group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"
+        )
 
     def _math_buffers(self, group):
         return ("sum",)

@@ -49,6 +49,12 @@ def _as_float(value: Any, name: str) -> float:
     return float(value)
 
 
+def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
+    for name in names:
+        if _as_float(group[name], name) < 0:
+            raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+
+
 def _validate_betas(betas: Any) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lowprec.numerics import sqrt_rn
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _validate_betas
+from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative, _validate_betas
 
 __all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_update"]
 
@@ -152,9 +152,7 @@ class Lamb(LowPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _validate_hparams(self, group):
-        for name in ("lr", "eps", "weight_decay"):
-            if _as_float(group[name], name) < 0:
-                raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+        _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
 
     def _math_buffers(self, group):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float
+from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative
 
 __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
@@ -148,9 +148,7 @@ class SGD(LowPrecisionOptimizer):
         super().__init__(params, defaults)
 
     def _validate_hparams(self, group):
-        for name in ("lr", "momentum", "dampening", "weight_decay"):
-            if _as_float(group[name], name) < 0:
-                raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+        _check_nonnegative(group, "lr", "momentum", "dampening", "weight_decay")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
                 "nesterov=True needs momentum > 0 and dampening == 0; got momentum="
