@@ -289,7 +289,12 @@ class LowPrecisionOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, p, index, storage in self._collect():
+        work = self._collect()
+        # Largest first: parameters are independent (the random key is the parameter's index,
+        # not its position here), and a compiled kernel's threading is decided by the size it is
+        # first compiled for, so the first call of each variant should see a large tensor.
+        work.sort(key=lambda item: -item[1].numel())
+        for group, p, index, storage in work:
             self._step_param(group, p, index, storage)
         return loss
 
