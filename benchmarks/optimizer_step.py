@@ -11,7 +11,11 @@ gradient, counted from the actual tensors), the resident bytes per parameter (pa
 state), and the achieved bandwidth (bytes moved / median time) as a fraction of an in-place
 ``a.add_(b, alpha=s)`` measured in the same run. Ratios compare each row with torch's fused
 optimizer of the same family on FP32 parameters, and the lowprec strategies with their closest
-peers (optimi's Kahan summation, torchao's BF16 stochastic rounding).
+peers (optimi's Kahan summation, torchao's BF16 stochastic rounding). The families are SGD, AdamW,
+Adagrad (beside ``torch.optim.Adagrad``) and LAMB (beside timm's ``Lamb`` when timm imports; no
+other maintained LAMB is available without changing torch). Every row also reports the peak
+process RSS during one step over the resident param + grad + state bytes, and compiled rows the
+time of their first (compiling) step.
 
 Rows are data (``Row``: name, family, source, parameter dtype, optimizer factory). Every lowprec
 configuration is timed once per implementation variant named in ``--lowprec-variants``; a variant
@@ -50,10 +54,18 @@ from typing import Any
 
 import torch
 
-LR = {"sgd": 1e-2, "adamw": 1e-3}
+#: The optimizer families, in table order.
+FAMILIES = ("sgd", "adamw", "adagrad", "lamb")
+LR = {"sgd": 1e-2, "adamw": 1e-3, "adagrad": 1e-2, "lamb": 1e-3}
 MOMENTUM = 0.9
-#: The row each row's time is divided by (column ``x fused``), per family.
-REFERENCE = {"sgd": "torch-sgd-fp32-fused", "adamw": "torch-adamw-fp32-fused"}
+#: The row each row's time is divided by (column ``x fused``), per family: the first of the
+#: candidates that ran. LAMB has no torch.optim peer; timm's Lamb stands in when it imports.
+REFERENCE: dict[str, tuple[str, ...]] = {
+    "sgd": ("torch-sgd-fp32-fused",),
+    "adamw": ("torch-adamw-fp32-fused",),
+    "adagrad": ("torch-adagrad-fp32-fused", "torch-adagrad-fp32-foreach"),
+    "lamb": ("timm-lamb-fp32",),
+}
 #: Implementation variants of lowprec's optimizers: name -> extra constructor keyword arguments.
 #: Each variant named in --lowprec-variants gets its own rows (``lowprec-...-<variant>``), ratios
 #: and comparison lines. A variant whose keywords the optimizer's constructor does not take is
@@ -64,6 +76,8 @@ LOWPREC_VARIANTS: dict[str, dict[str, Any]] = {
     "fused": {"fused": True},  # the compiled, fused step
 }
 DEFAULT_VARIANTS = ("eager",)
+#: The issue's target for peak memory during a step, over resident params + grads + state.
+PEAK_TARGET = 1.05
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -75,14 +89,15 @@ class Row:
     """One line of the table: an optimizer factory applied to parameters of one dtype."""
 
     name: str  # unique; what --rows matches
-    family: str  # "sgd" or "adamw"
-    source: str  # "torch", "optimi", "torchao" or "lowprec"
+    family: str  # one of FAMILIES
+    source: str  # "torch", "optimi", "torchao", "timm" or "lowprec"
     dtype: torch.dtype  # parameter (and gradient) dtype
     make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None
     master: str = "none"  # how the master weight is kept ("none", "kahan", "stochastic", ...)
     variant: str = ""  # implementation: "foreach", "fused", "loop", "eager", ...
     state_dtype: torch.dtype | None = None  # lowprec's state_dtype= when given
     skip: str = ""  # why the row cannot run here (the factory is then None)
+    compiled: bool = False  # its first step compiles (torch.compile): the "compile s" column
 
 
 def _name(*parts: str) -> str:
@@ -151,7 +166,59 @@ def _torchao_rows() -> list[Row]:
 
     # torchao compiles its per-parameter step (torch.compile, one graph per shape): the first
     # warmup step pays for that; the table's times are the compiled steps.
-    return [Row(name, "adamw", "torchao", torch.bfloat16, make, "stochastic", "compiled")]
+    return [Row(name, "adamw", "torchao", torch.bfloat16, make, "stochastic", "compiled",
+                compiled=True)]
+
+
+def _torch_adagrad_rows() -> list[Row]:
+    """torch.optim.Adagrad on FP32, foreach and (where this torch has it on CPU) fused."""
+    cls = torch.optim.Adagrad
+    sig = inspect.signature(cls.__init__).parameters
+    rows = []
+    for variant in ("foreach", "fused"):
+        name = _name("torch", "adagrad", "fp32", variant)
+        if variant not in sig:
+            rows.append(Row(name, "adagrad", "torch", torch.float32, None, "none", variant,
+                            skip=f"torch.optim.Adagrad takes no {variant}= in torch "
+                                 f"{torch.__version__}"))
+            continue
+
+        def make(params, variant=variant):
+            return torch.optim.Adagrad(params, lr=LR["adagrad"], **{variant: True})
+
+        # A torch without a CPU fused Adagrad kernel raises at the first step: the row then
+        # shows the error and x fused falls back to the foreach row (REFERENCE).
+        rows.append(Row(name, "adagrad", "torch", torch.float32, make, "none", variant))
+    return rows
+
+
+def _timm_lamb_rows() -> list[Row]:
+    """timm's Lamb on FP32 (the maintained LAMB on PyPI), only if timm already imports here.
+
+    timm requires torchvision, whose wheels pin one torch release each: installing it into an
+    environment can replace torch, so the benchmark never asks for it. Configured like lowprec's
+    Lamb: the trust ratio on every tensor (``always_adapt``, since weight decay is 0), no global
+    gradient-norm pre-scaling (``max_grad_norm=None``), no trust clipping.
+    """
+    name = "timm-lamb-fp32"
+    try:
+        with _quiet():
+            from timm.optim import Lamb
+    except Exception as e:
+        return [Row(name, "lamb", "timm", torch.float32, None, skip=(
+            f"no LAMB peer: timm not importable ({type(e).__name__}); torch.optim has no LAMB, "
+            "optimi none, torch-optimizer is archived"))]
+    sig = inspect.signature(Lamb.__init__).parameters
+    kwargs: dict[str, Any] = {"lr": LR["lamb"], "weight_decay": 0.0}
+    for key, value in (("always_adapt", True), ("max_grad_norm", None), ("trust_clip", False)):
+        if key in sig:
+            kwargs[key] = value
+    skip = "" if "always_adapt" in sig else "timm.optim.Lamb takes no always_adapt"
+
+    def make(params):
+        return Lamb(params, **kwargs)
+
+    return [Row(name, "lamb", "timm", torch.float32, None if skip else make, skip=skip)]
 
 
 def peer_rows() -> list[Row]:
@@ -171,6 +238,8 @@ def peer_rows() -> list[Row]:
                     "none", "fused"))
     rows += _optimi_rows()
     rows += _torchao_rows()
+    rows += _torch_adagrad_rows()
+    rows += _timm_lamb_rows()
     return rows
 
 
@@ -186,7 +255,13 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
     ]
     rows = []
     for variant in variants:
-        for fam, cls in (("sgd", lo.SGD), ("adamw", lo.AdamW)):
+        for fam, cls_name in (("sgd", "SGD"), ("adamw", "AdamW"), ("adagrad", "Adagrad"),
+                              ("lamb", "Lamb")):
+            cls = getattr(lo, cls_name, None)
+            if cls is None:
+                rows.append(Row(_name("lowprec", fam, variant), fam, "lowprec", torch.float32,
+                                None, variant=variant, skip=f"lowprec.optim has no {cls_name}"))
+                continue
             sig = inspect.signature(cls.__init__).parameters
             vkw = {k: v for k, v in LOWPREC_VARIANTS[variant].items() if k in sig or v is not False}
             missing = [k for k in vkw if k not in sig]
@@ -205,7 +280,7 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
                     return cls(params, **kwargs)
 
                 rows.append(Row(name, fam, "lowprec", dtype, None if skip else make, master,
-                                variant, sd, skip=skip))
+                                variant, sd, skip=skip, compiled=vkw.get("fused") is True))
     return rows
 
 
@@ -234,6 +309,16 @@ COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
     ("AdamW bf16 none vs torch fused AdamW on bf16",
      _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="none"),
      _is(name="torch-adamw-bf16-fused")),
+    ("Adagrad fp32 none vs torch Adagrad foreach",
+     _is(source="lowprec", family="adagrad", dtype=torch.float32),
+     _is(name="torch-adagrad-fp32-foreach")),
+    ("LAMB fp32 none vs timm Lamb",
+     _is(source="lowprec", family="lamb", dtype=torch.float32),
+     _is(source="timm", family="lamb")),
+    # No LAMB in torch: the nearest torch step is AdamW's (the same moments, no norms).
+    ("LAMB fp32 none vs best torch AdamW fp32",
+     _is(source="lowprec", family="lamb", dtype=torch.float32),
+     lambda r: r.source == "torch" and r.family == "adamw" and r.dtype == torch.float32),
 ]
 
 
@@ -407,6 +492,117 @@ def _mean_bg(windows: list[Window]) -> float | None:
     return sum(w.bg * w.wall for w in windows) / wall if wall > 0 else None  # type: ignore[operator]
 
 
+# ----------------------------------------------------------------------------- peak memory
+
+
+def _malloc_trim() -> None:
+    """Hand the allocator's free pages back to the OS (glibc), so that a step's temporaries
+    show up as new resident pages instead of reusing pages a previous step left resident."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """The process's resident-set high-water mark around a call.
+
+    Preferred: Linux's ``VmHWM`` (``/proc/self/status``), reset to the current RSS by writing
+    ``5`` to ``/proc/self/clear_refs`` -- exact, no sampling. Checked at start-up by touching and
+    freeing a 64 MiB tensor; where it does not work, a thread samples the RSS every 0.5 ms
+    (``/proc/self/statm``, or psutil where /proc is missing), which can miss short peaks.
+    tracemalloc does not see torch's allocations, so it is not an option.
+    """
+
+    def __init__(self) -> None:
+        self.method = "none"
+        self._psutil: Any = None
+        try:
+            self._status()
+            self.method = "VmHWM" if self._hwm_works() else "sampling /proc/self/statm"
+        except (OSError, ValueError, KeyError):
+            try:
+                import psutil
+
+                self._psutil = psutil.Process()
+                self.method = "sampling psutil"
+            except Exception:
+                self.method = "none"
+
+    @staticmethod
+    def _status() -> dict[str, int]:
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) * 1024
+        return {"VmRSS": out["VmRSS"], "VmHWM": out["VmHWM"]}
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def _hwm_works(self) -> bool:
+        n = 64 << 20
+        if not self._reset():
+            return False
+        before = self._status()["VmRSS"]
+        t = torch.ones(n // 4)  # touched, so resident
+        del t
+        grew = self._status()["VmHWM"] - before
+        # After a reset the mark must drop back to (about) the current RSS.
+        self._reset()
+        st = self._status()
+        return grew >= 0.9 * n and st["VmHWM"] - st["VmRSS"] < n // 4
+
+    def _rss(self) -> int:
+        if self._psutil is not None:
+            return int(self._psutil.memory_info().rss)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[int, int] | None:
+        """(RSS just before ``fn()``, peak RSS during it), in bytes; None if unmeasurable."""
+        if self.method == "none":
+            fn()
+            return None
+        gc.collect()
+        _malloc_trim()
+        if self.method == "VmHWM":
+            self._reset()
+            before = self._status()["VmRSS"]
+            fn()
+            return before, max(before, self._status()["VmHWM"])
+        import threading
+
+        peak = before = self._rss()
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(0.0005):
+                peak = max(peak, self._rss())
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        try:
+            fn()
+        finally:
+            done.set()
+            th.join()
+        return before, max(peak, self._rss())
+
+
 def axpy_bandwidth(n: int, reps: int) -> Window:
     """Times of ``a.add_(b, alpha=s)`` (reads a and b, writes a: 12 bytes per element)."""
     a = torch.randn(n)
@@ -433,6 +629,7 @@ class Result:
     bytes: dict[str, int] = field(default_factory=dict)
     bg_max: float = math.inf
     pass_seconds: list[float] = field(default_factory=list)  # wall time of each whole pass
+    rss: tuple[int, int] | None = None  # (RSS before, peak RSS during) one untimed steady step
 
     @property
     def used(self) -> list[Window]:
@@ -460,10 +657,14 @@ class Result:
         return _mean_bg(self.used)
 
 
-def run_row(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result) -> None:
-    """Warm up and time one pass of ``row`` with fresh parameters; adds a window to ``result``."""
+def run_row(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
+            peak_rss: PeakRSS | None = None) -> None:
+    """Warm up and time one pass of ``row`` with fresh parameters; adds a window to ``result``.
+
+    The row's first pass also measures the peak RSS of one more (untimed) step with ``peak_rss``.
+    """
     t0 = time.perf_counter()
-    _run_pass(row, base, args, result)
+    _run_pass(row, base, args, result, peak_rss)
     result.pass_seconds.append(time.perf_counter() - t0)
 
 
@@ -471,7 +672,8 @@ def _snapshot() -> tuple[float | None, float, float]:
     return _cpu_busy_s(), time.process_time(), time.perf_counter()
 
 
-def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result) -> None:
+def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
+              peak_rss: PeakRSS | None = None) -> None:
     params = base.params(row.dtype)
     opt = None
     try:
@@ -522,6 +724,11 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
             if win.wall < MIN_BG_WINDOW_S:
                 win.busy = None  # too short for /proc/stat's 10 ms ticks: unknown
         result.windows.append(win)
+        if peak_rss is not None and result.rss is None:
+            # Memory of a steady step (the state exists, compilation is done), after the timed
+            # ones: it starts with the allocator's free pages returned to the OS.
+            with _quiet():
+                result.rss = peak_rss.measure(opt.step)
         result.numel = sum(p.numel() for p in params)
         result.bytes = footprint(opt, params)
         if not all(bool(torch.isfinite(p).all()) for p in params):
@@ -603,6 +810,7 @@ def header(args: argparse.Namespace, d: int, blocks: int, numel: int, n_tensors:
         "python": platform.python_version(),
         "optimi": _version("optimi"),
         "torchao": _version("torchao"),
+        "timm": _version("timm"),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_capability": _cpu_capability(),
@@ -628,8 +836,13 @@ step (all threads); bg: cores other processes kept busy meanwhile (/proc/stat); 
 use only a row's passes with bg <= --bg-max when it has any ("contended in every pass" if not);
 B/p mv: bytes per parameter a one-pass step must move (2x param and state, 1x grad); B/p res:
 resident param + grad + state bytes per parameter; GB/s: B/p mv x params / median; %axpy: that
-over the axpy bandwidth; x fused: median / torch's fused optimizer of the family on fp32; x none:
-median / the same lowprec optimizer with master='none' on bf16."""
+over the axpy bandwidth; x fused: median / torch's fused optimizer of the family on fp32 (Adagrad:
+foreach where fused fails; LAMB: timm's Lamb, "-" without one); x none: median / the same lowprec
+optimizer with master='none' on bf16; compile s: the first step of a compiled row (torch.compile
+of its step, plus state creation), in seconds; B/p peak: process RSS high-water mark during one
+more, untimed step minus the RSS just before it, per parameter (temporaries the step allocates);
+peak/res: (B/p res + B/p peak) / B/p res, the step's peak over the resident param + grad + state
+bytes ("*": above the target of 1.05)."""
 
 
 def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list[str]]:
@@ -638,7 +851,8 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
     cols = [("row", "<", 40), ("n", ">", 2), ("median ms", ">", 9), ("p25-p75 ms", ">", 15),
             ("min ms", ">", 8), ("cpu ms", ">", 7), ("bg", ">", 4), ("Mparam/s", ">", 8),
             ("B/p mv", ">", 6), ("B/p res", ">", 7), ("GB/s", ">", 5), ("%axpy", ">", 5),
-            ("x fused", ">", 7), ("x none", ">", 6), ("note", "<", 0)]
+            ("x fused", ">", 7), ("x none", ">", 6), ("compile s", ">", 9), ("B/p peak", ">", 8),
+            ("peak/res", ">", 8), ("note", "<", 0)]
 
     def line(values: list[str]) -> str:
         out = [f"{v:{a}{w}}" if w else v for v, (_, a, w) in zip(values, cols, strict=True)]
@@ -665,7 +879,7 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
         moved = r.bytes["moved"] / r.numel
         resident = r.bytes["resident"] / r.numel
         gbs = r.bytes["moved"] / med
-        ref = by_name.get(REFERENCE[r.row.family])
+        ref = next((by_name[n] for n in REFERENCE.get(r.row.family, ()) if n in by_name), None)
         x_ref = med / ref.median if ref else None
         x_none = None
         if r.row.source == "lowprec" and r.row.dtype != torch.float32:
@@ -675,8 +889,14 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
         note = r.note
         if r.contended:
             note = _join(note, "contended in every pass")
-        if r.warmup_times and r.warmup_times[0] > max(1.0, 5 * med):
-            note = _join(note, f"1st step {r.warmup_times[0]:.1f} s")
+        first = r.warmup_times[0] if r.warmup_times else None
+        compile_s = first if r.row.compiled else None
+        if first is not None and not r.row.compiled and first > max(1.0, 5 * med):
+            note = _join(note, f"1st step {first:.1f} s")
+        peak_extra = peak_ratio = None
+        if r.rss is not None:
+            peak_extra = (r.rss[1] - r.rss[0]) / r.numel
+            peak_ratio = (r.bytes["resident"] + r.rss[1] - r.rss[0]) / r.bytes["resident"]
         rec.update({
             "steps": len(r.times), "median_ms": med * 1e3, "p25_ms": q1 * 1e3,
             "p75_ms": q3 * 1e3, "min_ms": min(r.times) * 1e3, "max_ms": max(r.times) * 1e3,
@@ -684,7 +904,11 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
             "params_per_s": r.numel / med,
             "bytes_moved_per_param": moved, "bytes_resident_per_param": resident,
             "bytes": r.bytes, "achieved_bytes_per_s": gbs, "fraction_of_axpy": gbs / axpy_bw,
-            "vs_fused_reference": x_ref, "vs_bf16_none": x_none,
+            "vs_fused_reference": x_ref, "reference": ref.row.name if ref else None,
+            "vs_bf16_none": x_none, "compile_s": compile_s,
+            "rss_before_step": r.rss[0] if r.rss else None,
+            "rss_peak_during_step": r.rss[1] if r.rss else None,
+            "peak_bytes_per_param": peak_extra, "peak_over_resident": peak_ratio,
             "warmup_ms": [t * 1e3 for t in r.warmup_times], "times_ms": [t * 1e3 for t in r.times],
             "passes": [{"times_ms": [t * 1e3 for t in w.times], "bg": w.bg,
                         "used": w in r.used} for w in r.windows],
@@ -697,7 +921,9 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
             _fmt(cpu_med * 1e3, ".0f"), _fmt(r.background, ".1f"),
             _fmt(r.numel / med / 1e6, ".0f"), _fmt(moved, ".1f"), _fmt(resident, ".1f"),
             _fmt(gbs / 1e9, ".1f"), _fmt(100 * gbs / axpy_bw, ".0f"), _fmt(x_ref, ".2f"),
-            _fmt(x_none, ".2f"), note,
+            _fmt(x_none, ".2f"), _fmt(compile_s, ".1f"), _fmt(peak_extra, ".2f"),
+            _fmt(peak_ratio, ".2f") + ("*" if peak_ratio and peak_ratio > PEAK_TARGET else ""),
+            note,
         ]))
     return records, lines
 
@@ -755,7 +981,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time budget of all the retries together (default: 30)")
     p.add_argument("--rows", default="",
                    help="comma-separated substrings: run only the rows whose name contains one "
-                        "(and the torch fused reference of their family); see --list")
+                        "(and the x fused reference rows of their family); see --list")
     p.add_argument("--lowprec-variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated lowprec implementations to time, of "
                         f"{', '.join(LOWPREC_VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
@@ -787,11 +1013,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows:
         wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
         families = {r.family for r in rows if any(s in r.name for s in wanted)}
-        # The family's reference row stays in: the x fused column divides by it.
+        # The family's reference rows stay in: the x fused column divides by them.
         rows = [r for r in rows if any(s in r.name for s in wanted)
-                or (r.family in families and r.name == REFERENCE[r.family])]
-    # Group the table by family: SGD first, then AdamW; within a family peers come first.
-    rows.sort(key=lambda r: (r.family != "sgd", r.source == "lowprec"))
+                or (r.family in families and r.name in REFERENCE.get(r.family, ()))]
+    # Group the table by family (FAMILIES' order); within a family peers come first.
+    rows.sort(key=lambda r: (FAMILIES.index(r.family) if r.family in FAMILIES else len(FAMILIES),
+                             r.source == "lowprec"))
     if args.list:
         print("\n".join(r.name + (f"  (skipped: {r.skip})" if r.skip else "") for r in rows))
         return 0
@@ -807,12 +1034,17 @@ def main(argv: list[str] | None = None) -> int:
     info = header(args, d, blocks, numel, len(shapes))
     print(f"optimizer step benchmark: lowprec {info['lowprec']}")
     print(f"torch {info['torch']}, python {info['python']}, optimi {info['optimi']}, "
-          f"torchao {info['torchao']}")
+          f"torchao {info['torchao']}, timm {info['timm']}")
     print(f"cpu: {info['cpu']} ({info['cpu_capability']}), {info['cpu_count']} logical cpus, "
           f"torch threads {info['threads']}; load average at start {load_start}")
     print(f"params: {numel / 1e6:.2f}M in {len(shapes)} tensors ({blocks} blocks, d_model {d}); "
           f"{args.warmup} warmup + up to {args.steps} timed steps per row"
           f" (fewer past {args.row_seconds:g} s), {args.rounds} round(s)")
+
+    peak_rss = PeakRSS()
+    info["peak_rss_method"] = peak_rss.method
+    print(f"peak memory of a step: {peak_rss.method} (RSS high-water mark during one untimed "
+          f"step, allocator trimmed first)")
 
     n_axpy = int(args.axpy_millions * 2**20)
     axpy = [axpy_bandwidth(n_axpy, reps=10)]
@@ -833,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             if res.pass_seconds and t0 + res.pass_seconds[-1] > deadline:
                 continue  # would overrun the retry budget
-            run_row(r, base, args, res)
+            run_row(r, base, args, res, peak_rss)
             if res.status == "ok":
                 w = res.windows[-1]
                 print(f"  {label}{r.name}: {statistics.median(w.times) * 1e3:.1f} ms median of "
