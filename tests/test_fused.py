@@ -98,7 +98,7 @@ def test_fused_default_is_eager_on_cpu_and_non_contiguous_params_use_eager():
     ref.step()
     assert torch.equal(w.detach(), ref.param_groups[0]["params"][0].detach())
     assert not base._fused_enabled(AdamW([torch.randn(4, requires_grad=True)]),
-                                   {"fused": None}, torch.randn(4), ())
+                                   {"fused": None}, torch.randn(4))
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):

@@ -308,39 +308,39 @@ class LowPrecisionOptimizer(Optimizer):
         key = stream_key(group["seed"], step, index) if storage.needs_random_bits else 0
         coeffs = self._coefficients(group, step)
         flags = self._flags(group)
-        if p.numel() > 1 and _fused_enabled(self, group, p, (p.grad, *sbufs.values(),
-                                                              *mbufs.values())):
+        lo, hi = key & 0xFFFFFFFF, key >> 32
+        tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
+        # Flattening must give views for the in-place writes to land: both the fused kernel and
+        # the chunked eager step need contiguous tensors.
+        contiguous = all(t.is_contiguous() for t in tensors)
+        flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+        if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
             kernel = _compiled_kernel(type(self), storage, flags)
-            flat = lambda d: {k: v.view(-1) for k, v in d.items()}  # noqa: E731
             try:
                 kernel(
                     p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs),
                     {k: torch.tensor(v, dtype=torch.float32) for k, v in coeffs.items()},
-                    torch.tensor(key & 0xFFFFFFFF), torch.tensor(key >> 32),
+                    torch.tensor(lo), torch.tensor(hi),
                     storage=storage, math=self._math, flags=flags,
                 )
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
                 _disable_fused(self, e)
-                _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
-                              storage=storage, math=self._math, flags=flags)
-        elif self._elementwise and p.numel() > _EAGER_CHUNK and all(
-            t.is_contiguous() for t in (p, p.grad, *sbufs.values(), *mbufs.values())
-        ):
+            else:
+                state["step"].fill_(step)
+                return
+        if self._elementwise and contiguous and p.numel() > _EAGER_CHUNK:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step). Elementwise
             # rules and index-offset random bits make this bit-identical to one pass.
-            flat_p, flat_g = p.view(-1), p.grad.view(-1)
-            for start in range(0, p.numel(), _EAGER_CHUNK):
-                sl = slice(start, start + _EAGER_CHUNK)
-                _param_update(
-                    flat_p[sl], flat_g[sl], {k: v.view(-1)[sl] for k, v in sbufs.items()},
-                    {k: v.view(-1)[sl] for k, v in mbufs.items()}, coeffs,
-                    key & 0xFFFFFFFF, key >> 32, storage=storage, math=self._math,
-                    flags=flags, offset=start,
-                )
+            pieces = [
+                (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl), sl.start)
+                for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
+            ]
         else:
-            _param_update(p, p.grad, sbufs, mbufs, coeffs, key & 0xFFFFFFFF, key >> 32,
-                          storage=storage, math=self._math, flags=flags)
+            pieces = [(p, p.grad, sbufs, mbufs, 0)]
+        for piece_p, piece_g, piece_s, piece_m, offset in pieces:
+            _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
+                          math=self._math, flags=flags, offset=offset)
         state["step"].fill_(step)
 
     # ------------------------------------------------------------------ master values
@@ -498,12 +498,10 @@ def _compiled_kernel(
     return kernel
 
 
-def _fused_enabled(opt, group, p, tensors) -> bool:
+def _fused_enabled(opt, group, p) -> bool:
     fused = group["fused"]
     if fused is False or getattr(opt, "_fused_broken", False):
         return False
-    if not all(t.is_contiguous() for t in (p, *tensors)):
-        return False  # flattening must be a view for the writes to land: use eager
     if fused is None:
         return p.device.type == "cuda"
     return True
