@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ __all__ = [
     "split",
     "sqrt_rn",
     "stream_key",
+    "stream_key_halves",
     "ulp",
 ]
 
@@ -178,12 +180,27 @@ def stream_key(seed: int, *counters: int) -> int:
 
     Pure Python integer arithmetic, so every process computes the same key.
     """
-    lo = _mix32_py(seed & _M32)
-    hi = _mix32_py((seed >> 32) ^ _GOLDEN)
-    for c in counters:
-        lo = _mix32_py(lo ^ _mix32_py((c & _M32) + _GOLDEN))
-        hi = _mix32_py(hi + lo + (c >> 32))
+    lo, hi = stream_key_halves(seed, *counters)
     return (hi << 32) | lo
+
+
+def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
+    """``stream_key`` as its low and high 32 bits; counters may be ints or int64 tensors.
+
+    With a 0-d int64 tensor counter (a step count kept on the device) the halves are 0-d int64
+    tensors equal to what the integers would give, computed without reading the tensor on the
+    host.
+    """
+
+    def mix(x: Any) -> Any:
+        return _mix32(x & _M32) if isinstance(x, torch.Tensor) else _mix32_py(x)
+
+    lo = mix(seed & _M32)
+    hi = mix((seed >> 32) ^ _GOLDEN)
+    for c in counters:
+        lo = mix(lo ^ mix((c & _M32) + _GOLDEN))
+        hi = mix(hi + lo + (c >> 32))
+    return lo, hi
 
 
 def hash_bits(

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec.numerics import hash_bits, stream_key
+from lowprec.numerics import hash_bits, stream_key, stream_key_halves
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -275,58 +275,103 @@ class LowPrecisionOptimizer(Optimizer):
             )
         return state
 
+    #: torch.amp.GradScaler hands this optimizer its scale and found-inf flag as the attributes
+    #: ``grad_scale`` and ``found_inf`` (and does not unscale the gradients itself).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grad_scale: torch.Tensor | float | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> Any:
         """Perform one optimization step.
+
+        With ``grad_scale`` or ``found_inf`` (the loss-scaler contract, also taken from the
+        attributes of the same names that ``torch.amp.GradScaler`` sets), the step divides the
+        gradients by ``grad_scale`` inside the update (``p.grad`` is not written), checks every
+        gradient for inf/NaN, adds 1 to ``found_inf`` in place when it finds one, and skips the
+        update when ``found_inf`` is nonzero: parameters, state and step counts stay bit-identical.
+        All of it happens on the parameters' device without reading a value on the host.
 
         Args:
             closure: Re-evaluates the model and returns the loss (default: None).
+            grad_scale: The loss scale the gradients carry, a one-element tensor or a positive
+                number (default: None, meaning no scale).
+            found_inf: A one-element float tensor, nonzero when a step must be skipped; the step
+                adds its own finding to it (default: None, meaning no check).
 
         Returns:
             The closure's loss, or None.
         """
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = self._collect()
+        scaling = None
+        if grad_scale is not None or found_inf is not None:
+            scaling = _Scaling.prepare(work, grad_scale, found_inf)
         # Largest first: parameters are independent (the random key is the parameter's index,
         # not its position here), and a compiled kernel's threading is decided by the size it is
         # first compiled for, so the first call of each variant should see a large tensor.
         work.sort(key=lambda item: -item[1].numel())
         for group, p, index, storage in work:
-            self._step_param(group, p, index, storage)
+            self._step_param(group, p, index, storage, scaling)
         return loss
 
-    def _step_param(self, group, p, index, storage: MasterStorage) -> None:
+    def _step_param(self, group, p, index, storage: MasterStorage, scaling=None) -> None:
         state = self.state[p]
         if not state:
             state.update(self._init_state(group, p, storage))
-        step = int(state["step"].item()) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = {k: state[k] for k in self._math_buffers(group)}
-        key = stream_key(group["seed"], step, index) if storage.needs_random_bits else 0
-        coeffs = self._coefficients(group, step)
         flags = self._flags(group)
-        lo, hi = key & 0xFFFFFFFF, key >> 32
+        if scaling is None:
+            step = int(state["step"].item()) + 1
+            key = stream_key(group["seed"], step, index) if storage.needs_random_bits else 0
+            lo, hi = key & 0xFFFFFFFF, key >> 32
+            coeffs = self._coefficients(group, step)
+            extra: dict[str, torch.Tensor] = {}
+        else:
+            # The step count lives on the parameter's device and advances only when the step is
+            # taken, so everything that depends on it is computed there too.
+            if state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+            step = state["step"].double() + 1
+            lo, hi = (
+                stream_key_halves(group["seed"], step.long(), index)
+                if storage.needs_random_bits else (0, 0)
+            )
+            coeffs = {
+                k: torch.as_tensor(v, dtype=torch.float32, device=p.device)
+                for k, v in self._coefficients(group, step).items()
+            }
+            extra = {"inv_scale": scaling.inv_scale_on(p.device), "skip": scaling.skip_on(p.device)}
         tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
-            kernel = _compiled_kernel(type(self), storage, flags)
+            kernel = _compiled_kernel(type(self), storage, flags, scaled=scaling is not None)
             try:
                 kernel(
                     p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs),
-                    {k: torch.tensor(v, dtype=torch.float32) for k, v in coeffs.items()},
-                    torch.tensor(lo), torch.tensor(hi),
-                    storage=storage, math=self._math, flags=flags,
+                    {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()},
+                    torch.as_tensor(lo), torch.as_tensor(hi),
+                    storage=storage, math=self._math, flags=flags, **extra,
                 )
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
                 _disable_fused(self, e)
             else:
-                state["step"].fill_(step)
+                self._advance(state, step, scaling, p.device)
                 return
         if self._elementwise and contiguous and p.numel() > _EAGER_CHUNK:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
@@ -340,8 +385,15 @@ class LowPrecisionOptimizer(Optimizer):
             pieces = [(p, p.grad, sbufs, mbufs, 0)]
         for piece_p, piece_g, piece_s, piece_m, offset in pieces:
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
-                          math=self._math, flags=flags, offset=offset)
-        state["step"].fill_(step)
+                          math=self._math, flags=flags, offset=offset, **extra)
+        self._advance(state, step, scaling, p.device)
+
+    @staticmethod
+    def _advance(state, step, scaling, device) -> None:
+        if scaling is None:
+            state["step"].fill_(step)
+        else:  # one more step unless this one was skipped, decided on the device
+            state["step"].add_(scaling.taken_on(device))
 
     # ------------------------------------------------------------------ master values
 
@@ -425,29 +477,111 @@ def _param_update(
     math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
     flags: dict[str, bool],
     offset: int = 0,
+    inv_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
-    (it keys the random bits of stochastic rounding).
+    (it keys the random bits of stochastic rounding). Under a loss scaler, ``inv_scale`` (0-d
+    FP32) multiplies the gradient and ``skip`` (0-d bool) selects the old values for every write.
 
     The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
     it into one pass over the elements with the writes done in place. Everything is computed
     before the first write.
     """
     w = storage.load(p, sbufs)
-    new_w, new_m = math(w, grad.float(), {k: v.float() for k, v in mbufs.items()}, c, **flags)
+    g = grad.float() if inv_scale is None else grad.float() * inv_scale
+    new_w, new_m = math(w, g, {k: v.float() for k, v in mbufs.items()}, c, **flags)
     bits = None
     if storage.needs_random_bits:
         idx = torch.arange(offset, offset + p.numel(), dtype=torch.int64, device=p.device)
         idx = idx.view(p.shape)
         bits = hash_bits(idx, key_lo, key_hi)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
+    if skip is not None:  # a skipped step writes back what was there, bit for bit
+        new_p = torch.where(skip, p, new_p)
+        new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
+        new_m = {k: torch.where(skip, mbufs[k].float(), v) for k, v in new_m.items()}
     for k, v in new_m.items():
         mbufs[k].copy_(v)
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
+
+
+class _Scaling:
+    """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag.
+
+    The inf/NaN check is a read-only pass over the gradients (a min and a max per tensor, which
+    propagate inf and NaN) done before the first write, since a skipped step must leave every
+    parameter unchanged, including those updated before the bad gradient would be met. The
+    unscaling happens inside the update itself; ``p.grad`` is never rewritten.
+    """
+
+    def __init__(self, inv_scale: torch.Tensor, skip: torch.Tensor) -> None:
+        self._inv = {inv_scale.device: inv_scale}
+        self._skip = {skip.device: skip}
+        self._taken: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def prepare(cls, work, grad_scale, found_inf) -> _Scaling:
+        devices = list(dict.fromkeys(p.device for _, p, _, _ in work))
+        home = found_inf.device if isinstance(found_inf, torch.Tensor) else (
+            devices[0] if devices else torch.device("cpu"))
+        if found_inf is not None and (
+            not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1
+            or not found_inf.is_floating_point()
+        ):
+            raise TypeError(
+                "found_inf must be a one-element floating-point tensor (e.g. "
+                "torch.zeros((), device=...)), which the step increments when it finds inf/NaN."
+            )
+        if grad_scale is None:
+            inv = torch.ones((), dtype=torch.float32, device=home)
+        elif isinstance(grad_scale, torch.Tensor):
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise TypeError(
+                    f"grad_scale must be a one-element floating-point tensor or a positive number,"
+                    f" got a {tuple(grad_scale.shape)} {grad_scale.dtype} tensor."
+                )
+            # As torch.amp.GradScaler: the reciprocal in FP64, then rounded to FP32.
+            inv = grad_scale.detach().reshape(()).double().reciprocal().float()
+        else:
+            scale = _as_float(grad_scale, "grad_scale")
+            if not (scale > 0 and scale < float("inf")):
+                raise ValueError(f"grad_scale must be positive and finite, got {grad_scale}.")
+            inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=home)
+        bad = torch.zeros((), dtype=torch.float32, device=home)
+        for device in devices:
+            grads = [p.grad for _, p, _, _ in work if p.device == device and p.grad.numel()]
+            if not grads:
+                continue
+            # min + max of every gradient, summed in FP64 (no overflow from finite values): the
+            # total is finite exactly when every gradient is.
+            ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).double()
+            bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
+        if found_inf is None:
+            found = bad
+        else:
+            found = found_inf
+            found.add_(bad.to(found.device, found.dtype))
+        return cls(inv, found.reshape(()) != 0)
+
+    def inv_scale_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv:
+            self._inv[device] = next(iter(self._inv.values())).to(device, non_blocking=True)
+        return self._inv[device]
+
+    def skip_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._skip:
+            self._skip[device] = next(iter(self._skip.values())).to(device, non_blocking=True)
+        return self._skip[device]
+
+    def taken_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._taken:
+            self._taken[device] = (~self.skip_on(device)).float()
+        return self._taken[device]
 
 
 # ------------------------------------------------------------------ the compiled (fused) path
@@ -469,7 +603,7 @@ _EAGER_CHUNK = 1 << 18
 
 
 def _compiled_kernel(
-    cls: type, storage: MasterStorage, flags: dict[str, bool]
+    cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False
 ) -> Callable[..., None]:
     """A compiled ``_param_update`` for one (optimizer, storage, flags) variant.
 
@@ -477,11 +611,11 @@ def _compiled_kernel(
     cache (and recompile budget) per variant instead of one shared by every optimizer. Shapes are
     dynamic (parameters are passed flattened), so one compilation serves every parameter size.
     """
-    key = (cls, storage.name, tuple(sorted(flags.items())))
+    key = (cls, storage.name, tuple(sorted(flags.items())), scaled)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = _param_update.__code__
-        name = f"lowprec_{cls.__name__}_{storage.name}_step"
+        name = f"lowprec_{cls.__name__}_{storage.name}{'_scaled' if scaled else ''}_step"
         fn = types.FunctionType(
             code.replace(co_name=name, co_qualname=name)
             if sys.version_info >= (3, 11) else code.replace(co_name=name),

@@ -19,16 +19,23 @@ __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
 
 def sgd_coefficients(
-    *, lr: float, momentum: float, dampening: float, weight_decay: float, first_step: bool
-) -> dict[str, float]:
-    """The per-step scalars of ``sgd_math``, computed once on the host."""
+    *, lr: float, momentum: float, dampening: float, weight_decay: float,
+    first_step: bool | torch.Tensor,
+) -> dict[str, Any]:
+    """The per-step scalars of ``sgd_math``: host floats, or 0-d tensors for a tensor step.
+
+    ``first_step`` may be a 0-d bool tensor (a step count kept on the device, under a loss
+    scaler), in which case the step-dependent entries are 0-d float64 tensors.
+    """
+    # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
+    later = ~first_step if isinstance(first_step, torch.Tensor) else not first_step
+    later = later.double() if isinstance(later, torch.Tensor) else float(later)
     return {
         "lr": lr,
         "weight_decay": weight_decay,
         "momentum": momentum,
-        # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
-        "buf_keep": 0.0 if first_step else momentum,
-        "buf_add": 1.0 if first_step else 1.0 - dampening,
+        "buf_keep": momentum * later,
+        "buf_add": 1.0 - dampening * later,
     }
 
 
