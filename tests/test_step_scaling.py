@@ -32,7 +32,7 @@ def _params(dtype):
 def _snapshot(params, opt):
     out = [p.detach().clone() for p in params]
     for p in params:
-        for k, v in sorted(opt.state[p].items()):
+        for _k, v in sorted(opt.state[p].items()):
             out.append(v.clone() if isinstance(v, torch.Tensor) else v)
     return out
 
