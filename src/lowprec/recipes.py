@@ -1,0 +1,267 @@
+"""Named ways to train: a recipe converts a model, builds its optimizer and runs its steps.
+
+A recipe is small and explicit, in the manner of Lightning's precision plugins::
+
+    recipe = lowprec.recipes.get("bf16-kahan")
+    model = recipe.convert(model)                   # BF16 weights, norm layers kept in FP32
+    optimizer = recipe.optimizer("adamw", model.parameters(), lr=1e-3)
+    for x, y in data:
+        optimizer.zero_grad()
+        with recipe.autocast():                     # torch.autocast for the amp-* recipes
+            loss = loss_fn(model(x), y)             # outputs come back in FP32
+        recipe.backward(loss)                       # scaled backward where the recipe scales
+        if recipe.step(optimizer):                  # False when a step was skipped
+            scheduler.step()
+
+The recipes (``RECIPES``):
+
+=============  ==============  ================  =========  ==============================
+name           weights         optimizer master  autocast   loss scaling
+=============  ==============  ================  =========  ==============================
+fp32           FP32            none              no         no
+amp-bf16       FP32            none              BF16       no (BF16 has FP32's range)
+amp-fp16       FP32            none              FP16       dynamic
+bf16           BF16            none              no         no
+bf16-kahan     BF16            kahan             no         no
+bf16-split     BF16            split             no         no
+bf16-sr        BF16            stochastic        no         no
+fp16-master    FP16            fp32              no         dynamic (Micikevicius et al.)
+=============  ==============  ================  =========  ==============================
+
+Converting a model to a low-precision dtype keeps chosen layer types in FP32 (by default the
+normalization layers, whose statistics are fragile in 8 or 11 bits): their inputs are cast to
+FP32 on the way in and their outputs back on the way out. The converted model casts floating
+inputs to its dtype and returns FP32 outputs, so softmax and the loss are computed in FP32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec import optim
+from lowprec.scaling import LossScaler
+
+__all__ = ["NORM_LAYERS", "RECIPES", "Recipe", "get", "names"]
+
+#: Layer types kept in FP32 by default.
+NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
+    t for t in (
+        nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+        nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, getattr(nn, "RMSNorm", None),
+    ) if t is not None
+)
+
+_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb,
+               "adamw": optim.AdamW}
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_cast_floats(o, dtype) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class Recipe:
+    """One way to train: weight dtype, master strategy, autocast and loss scaling.
+
+    Create recipes with ``lowprec.recipes.get(name)``; each holds its own ``LossScaler`` (when it
+    scales), so use one recipe object per training run.
+
+    Attributes:
+        name: The recipe's name.
+        param_dtype: dtype of the converted model's weights.
+        master: The lowprec optimizer's ``master`` strategy.
+        autocast_dtype: dtype for ``torch.autocast``, or None.
+        loss_scaling: ``"dynamic"``, ``"static"`` or None.
+        keep_fp32: Layer types left in FP32 by ``convert`` (default: ``NORM_LAYERS``).
+        scaler_options: Options passed to ``LossScaler`` (default: none).
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    master: str
+    autocast_dtype: torch.dtype | None = None
+    loss_scaling: str | None = None
+    keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
+    scaler_options: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        self.scaler: LossScaler | None = None
+        if self.loss_scaling is not None:
+            if self.loss_scaling not in ("dynamic", "static"):
+                raise ValueError(
+                    f"loss_scaling must be 'dynamic', 'static' or None, got {self.loss_scaling!r}."
+                )
+            self.scaler = LossScaler(
+                dynamic=self.loss_scaling == "dynamic", **self.scaler_options
+            )
+
+    # ------------------------------------------------------------------ the model
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Cast ``model`` in place to the recipe's weight dtype and return it.
+
+        Parameters and floating buffers of ``keep_fp32`` layers stay FP32, with hooks casting
+        their inputs to FP32 and outputs back. The model casts floating inputs to its dtype and
+        returns FP32 floating outputs. Calling ``convert`` twice is an error.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
+        if getattr(model, "_lowprec_recipe", None) is not None:
+            raise ValueError(
+                f"this model was already converted by recipe {model._lowprec_recipe!r}; "
+                "convert a fresh copy of the model instead."
+            )
+        dtype = self.param_dtype
+        if dtype == torch.float32:
+            model._lowprec_recipe = self.name
+            return model
+        kept = [m for m in model.modules() if isinstance(m, self.keep_fp32)]
+        kept_ids = {id(t) for m in kept for t in (*m.parameters(), *m.buffers())}
+        for module in model.modules():
+            for p in list(module.parameters(recurse=False)):
+                if id(p) not in kept_ids and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for name, b in list(module.named_buffers(recurse=False)):
+                if id(b) not in kept_ids and b.is_floating_point():
+                    module._buffers[name] = b.to(dtype)
+        for m in kept:
+            m.register_forward_pre_hook(lambda _m, args: _cast_floats(args, torch.float32))
+            m.register_forward_hook(lambda _m, _a, out: _cast_floats(out, dtype))
+        model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
+        model.register_forward_hook(lambda _m, _a, out: _cast_floats(out, torch.float32))
+        model._lowprec_recipe = self.name
+        return model
+
+    # ------------------------------------------------------------------ the optimizer
+
+    def optimizer(
+        self, name: str, params: Iterable[Any], **hyperparameters: Any
+    ) -> optim.LowPrecisionOptimizer:
+        """A lowprec optimizer (``"sgd"``, ``"adagrad"``, ``"lamb"`` or ``"adamw"``) with this
+        recipe's master strategy; FP32 parameters (e.g. kept norm layers) are updated plainly."""
+        key = name.lower() if isinstance(name, str) else name
+        if key not in _OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {name!r}; choose one of {', '.join(_OPTIMIZERS)}."
+            )
+        if "master" in hyperparameters:
+            raise ValueError(
+                f"recipe {self.name!r} sets master={self.master!r}; build the optimizer "
+                "directly from lowprec.optim to choose another."
+            )
+        params = list(params)
+        if self.master == "split":
+            # split is BF16-only: FP32 parameters (kept layers) get their own plain group.
+            groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+            out = []
+            for g in groups:
+                ps = list(g["params"])
+                low = [p for p in ps if p.dtype == torch.bfloat16]
+                rest = [p for p in ps if p.dtype != torch.bfloat16]
+                if low:
+                    out.append({**g, "params": low, "master": "split"})
+                if rest:
+                    out.append({**g, "params": rest, "master": "none"})
+            return _OPTIMIZERS[key](out, **hyperparameters)
+        return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
+
+    # ------------------------------------------------------------------ the step
+
+    def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+        """The forward context: ``torch.autocast`` for the amp-* recipes, else a no-op."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled where the recipe scales."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (skipping on inf/NaN where the recipe scales) and update the scale.
+
+        Returns:
+            Whether the optimizer stepped.
+        """
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        stepped = self.scaler.step(optimizer)
+        self.scaler.update()
+        return bool(stepped)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale gradients in place before clipping (a no-op without loss scaling)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(
+                f"this checkpoint is for recipe {state.get('name')!r}, not {self.name!r}."
+            )
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+_SPECS: dict[str, dict[str, Any]] = {
+    "fp32": dict(param_dtype=torch.float32, master="none",
+                 description="FP32 weights and math: the reference."),
+    "amp-bf16": dict(param_dtype=torch.float32, master="none", autocast_dtype=torch.bfloat16,
+                     description="FP32 weights, torch.autocast to BF16."),
+    "amp-fp16": dict(param_dtype=torch.float32, master="none", autocast_dtype=torch.float16,
+                     loss_scaling="dynamic",
+                     description="FP32 weights, torch.autocast to FP16, dynamic loss scaling."),
+    "bf16": dict(param_dtype=torch.bfloat16, master="none",
+                 description="Pure BF16 weights and state, rounded to nearest."),
+    "bf16-kahan": dict(param_dtype=torch.bfloat16, master="kahan",
+                       description="BF16 weights with a BF16 Kahan compensation buffer."),
+    "bf16-split": dict(param_dtype=torch.bfloat16, master="split",
+                       description="BF16 weights with a 16-bit trail: an exact FP32 master."),
+    "bf16-sr": dict(param_dtype=torch.bfloat16, master="stochastic",
+                    description="BF16 weights with stochastic rounding."),
+    "fp16-master": dict(param_dtype=torch.float16, master="fp32", loss_scaling="dynamic",
+                        description="FP16 weights, FP32 master copy, dynamic loss scaling."),
+}
+
+#: The recipe names, in display order.
+RECIPES: tuple[str, ...] = tuple(_SPECS)
+
+
+def names() -> tuple[str, ...]:
+    """The valid recipe names."""
+    return RECIPES
+
+
+def get(name: str, **overrides: Any) -> Recipe:
+    """A new ``Recipe`` by name; ``overrides`` replace its fields (e.g. ``keep_fp32=()``)."""
+    if name not in _SPECS:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}.")
+    unknown = set(overrides) - {"keep_fp32", "scaler_options", "loss_scaling"}
+    if unknown:
+        raise TypeError(
+            f"get() got unknown options {sorted(unknown)}; valid: keep_fp32, scaler_options, "
+            "loss_scaling."
+        )
+    return Recipe(name=name, **{**_SPECS[name], **overrides})

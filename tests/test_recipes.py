@@ -1,0 +1,135 @@
+"""Recipes: conversion, optimizer wiring, training to within a stated tolerance of FP32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import recipes
+from lowprec.diagnostics import gradient_range
+
+STEPS = 150
+#: Each recipe's final training loss must be within this relative gap of FP32's.
+TOLERANCE = {
+    "amp-bf16": 0.03, "amp-fp16": 0.03, "bf16": 0.10, "bf16-kahan": 0.03, "bf16-split": 0.03,
+    "bf16-sr": 0.03, "fp16-master": 0.03,
+}
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64)
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def _data(n=512):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=gen)
+    w = torch.randn(16, 4, generator=gen)
+    return x, torch.sin(x @ w)
+
+
+def _train(recipe, *, steps=STEPS, loss_factor=1.0, lr=1e-2):
+    torch.manual_seed(0)
+    model = recipe.convert(_Net())
+    opt = recipe.optimizer("adamw", model.parameters(), lr=lr, weight_decay=0.0)
+    x, y = _data()
+    losses = []
+    for i in range(steps):
+        sl = slice((i * 64) % 512, (i * 64) % 512 + 64)
+        opt.zero_grad()
+        with recipe.autocast():
+            out = model(x[sl])
+        loss = (out.float() - y[sl]).pow(2).mean()
+        recipe.backward(loss * loss_factor)
+        recipe.step(opt)
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        final = float((model(x).float() - y).pow(2).mean())
+    return final, losses, model, opt
+
+
+@pytest.fixture(scope="module")
+def fp32_loss():
+    return _train(recipes.get("fp32"))[0]
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.RECIPES if n != "fp32"])
+def test_recipe_trains_within_tolerance_of_fp32(name, fp32_loss):
+    final, losses, _, _ = _train(recipes.get(name))
+    gap = (final - fp32_loss) / fp32_loss
+    print(f"recipe {name}: final {final:.5f} vs fp32 {fp32_loss:.5f}, gap {gap:+.2%}")
+    assert final < 0.6 * losses[0]  # it learned
+    assert gap < TOLERANCE[name]
+
+
+def test_fp16_master_keeps_the_small_gradients_plain_fp16_loses():
+    # A loss 2**-26 times smaller (as with tiny per-sample losses): its FP16 gradients fall below
+    # 2**-24 and flush to zero without scaling; AdamW is scale-invariant, so with loss scaling
+    # training is unchanged.
+    factor = 2.0**-26
+    scaled = recipes.get("fp16-master")
+    unscaled = recipes.get("fp16-master", loss_scaling=None)
+    fp32_final = _train(recipes.get("fp32"), steps=100, loss_factor=factor)[0]
+    ok_final, *_ = _train(scaled, steps=100, loss_factor=factor)
+    bad_final, bad_losses, model, _ = _train(unscaled, steps=100, loss_factor=factor)
+    # measure the flush directly: the unscaled FP16 gradients are mostly zero
+    x, y = _data()
+    model.zero_grad()
+    ((model(x[:64]).float() - y[:64]).pow(2).mean() * factor).backward()
+    lost = gradient_range(model)
+    assert lost.zero > 0.5
+    assert abs(ok_final - fp32_final) / fp32_final < 0.03
+    assert bad_final > 0.9 * bad_losses[0]  # barely moved
+    assert bad_final > 1.3 * ok_final
+
+
+def test_convert_keeps_norm_layers_fp32_and_returns_fp32_outputs():
+    model = recipes.get("bf16-kahan").convert(_Net())
+    assert model.inp.weight.dtype == torch.bfloat16
+    assert model.norm.weight.dtype == torch.float32
+    out = model(torch.randn(3, 16))  # FP32 input is cast on the way in
+    assert out.dtype == torch.float32
+    keep_all_low = recipes.get("bf16", keep_fp32=()).convert(_Net())
+    assert keep_all_low.norm.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="already converted"):
+        recipes.get("bf16").convert(model)
+
+
+def test_split_recipe_puts_fp32_layers_in_a_plain_group():
+    recipe = recipes.get("bf16-split")
+    model = recipe.convert(_Net())
+    opt = recipe.optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
+    masters = sorted(g["master"] for g in opt.param_groups)
+    assert masters == ["none", "split"]
+
+
+def test_optimizer_names_and_bad_input():
+    recipe = recipes.get("bf16-sr")
+    for name in ("sgd", "adagrad", "lamb", "adamw", "AdamW"):
+        opt = recipe.optimizer(name, [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], lr=0.1)
+        assert opt.param_groups[0]["master"] == "stochastic"
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'; choose one of sgd"):
+        recipe.optimizer("adam", [], lr=0.1)
+    with pytest.raises(ValueError, match="sets master="):
+        recipe.optimizer("sgd", [nn.Parameter(torch.zeros(3))], lr=0.1, master="fp32")
+    with pytest.raises(ValueError, match="unknown recipe 'bf8'; choose one of fp32, amp-bf16"):
+        recipes.get("bf8")
+    with pytest.raises(TypeError, match="unknown options"):
+        recipes.get("bf16", master="split")
+
+
+def test_recipe_state_dict_round_trip():
+    a = recipes.get("amp-fp16")
+    _train(a, steps=5)
+    b = recipes.get("amp-fp16")
+    b.load_state_dict(a.state_dict())
+    assert b.scaler.get_scale() == a.scaler.get_scale()
+    with pytest.raises(ValueError, match="for recipe 'amp-fp16', not 'fp16-master'"):
+        recipes.get("fp16-master").load_state_dict(a.state_dict())
