@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from lowprec.numerics import (
     counter_bits,
     format_info,
+    hash_bits,
     join,
     round_nearest_split,
     round_stochastic,
@@ -529,6 +530,25 @@ def test_counter_bits_matches_integer_reference(key):
     lo, hi = key & 0xFFFFFFFF, key >> 32 & 0xFFFFFFFF
     want = [lowbias32(lowbias32(i + lo) ^ hi) for i in range(offset, offset + 600)]
     assert got == want
+
+
+@pytest.mark.parametrize("key", [0, 2**32 - 1, 0x0123456789ABCDEF, 0xFFFFFFFF00000001])
+@pytest.mark.parametrize("start", [0, 2**31 - 300, 2**32 - 300, 5 * 2**32 + 7])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_hash_bits_int32_and_int64_indices_match_the_reference(key, start, as_tensor):
+    # The compiled step hashes int32 indices in int32 arithmetic (wrapping multiplies, masked
+    # arithmetic shifts); int64 indices are reduced to their low 32 bits first. Both must give
+    # lowbias32's bits exactly, with the key as ints or as 0-d int64 tensors.
+    lo, hi = key & 0xFFFFFFFF, key >> 32
+    k = (torch.tensor(lo), torch.tensor(hi)) if as_tensor else (lo, hi)
+    want = [lowbias32(lowbias32(i + lo) ^ hi) for i in range(start, start + 600)]
+    idx64 = torch.arange(start, start + 600, dtype=torch.int64)
+    got64 = hash_bits(idx64, *k)
+    assert got64.dtype == torch.int32
+    assert (got64.to(torch.int64) & 0xFFFFFFFF).tolist() == want
+    if start + 600 <= 2**31:
+        got32 = hash_bits(idx64.to(torch.int32), *k)
+        assert got32.dtype == torch.int32 and torch.equal(got32, got64)
 
 
 def test_counter_bits_deterministic_and_in_range():

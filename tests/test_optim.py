@@ -712,3 +712,55 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
         for k, v in oa.state[a].items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(_bits(v), _bits(ob.state[b][k])), k
+
+
+@pytest.mark.parametrize("master", ["none", "split", "stochastic"])
+def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
+    """LAMB's chunked eager step (sums first, then the update) under grad_scale/found_inf:
+    identical to one pass, and a skipped step (inf gradient) changes nothing."""
+    import lowprec.optim.base as base
+
+    shapes = [(37, 29), (300,)]
+    init = make_params(torch.bfloat16, shapes)
+    seq = grad_sequence(shapes, 4, seed=5, dtype=torch.bfloat16)
+    seq[2][0][3, 4] = math.inf  # the third step is skipped
+    results = []
+    calls = []
+    for chunk in (1 << 40, 64):
+        monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
+        params = [p.detach().clone().requires_grad_() for p in init]
+        opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, seed=3)
+        opt._partial_sums = lambda *a, chunk=chunk, spy=opt._partial_sums, **k: (
+            calls.append(chunk) or spy(*a, **k)
+        )
+        for grads in seq:
+            feed(params, [g * 16 for g in grads])
+            opt.step(grad_scale=torch.tensor(16.0), found_inf=torch.zeros(()))
+        results.append((params, opt))
+    assert set(calls) == {64}  # only the chunked run sums in a separate pass
+    (pa, oa), (pb, ob) = results
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        assert oa.state[a]["step"].item() == 3
+        for k, v in oa.state[a].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(_bits(v), _bits(ob.state[b][k])), k
+
+
+def test_stochastic_int64_indices_give_the_same_stream(monkeypatch):
+    """The random bits use int32 element indices where they fit and int64 ones past 2**31 - 1;
+    both give the same stream (forced here with a tiny int32 limit)."""
+    import lowprec.optim.base as base
+
+    shapes = [(37, 29), (1000,)]
+    init = make_params(torch.bfloat16, shapes, scale=1e-2)
+    seq = grad_sequence(shapes, 4, seed=6, dtype=torch.bfloat16)
+    results = []
+    for limit in (base._INT32_MAX, 100):
+        monkeypatch.setattr(base, "_INT32_MAX", limit)
+        monkeypatch.setattr(base, "_EAGER_CHUNK", 256)  # offsets above the limit too
+        params = [p.detach().clone().requires_grad_() for p in init]
+        run(AdamW(params, lr=1e-3, master="stochastic", seed=11), params, seq)
+        results.append(params)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(_bits(a), _bits(b))

@@ -53,13 +53,6 @@ __all__ = [
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _sign_extend16(v: torch.Tensor) -> torch.Tensor:
-    """Interpret the low 16 bits of an integer tensor as a signed 16-bit value."""
-    # (v & 0xFFFF) is in [0, 65535]; flipping bit 15 then subtracting 2**15 maps
-    # [0, 32767] -> itself and [32768, 65535] -> [-32768, -1] (two's complement).
-    return ((v & 0xFFFF) ^ 0x8000) - 0x8000
-
-
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split FP32 values into a rounded bfloat16 top half and an int16 trail.
 
@@ -77,13 +70,13 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype != torch.float32:
         raise TypeError(f"split() takes a float32 tensor, got {x.dtype}; convert with x.float().")
     bits = x.contiguous().view(torch.int32)
-    upper = bits >> 16  # arithmetic shift: the upper 16 bits as a signed value in [-32768, 32767]
-    round_up = (bits >> 15) & 1  # bit 15: the dropped half is >= half a bfloat16 ulp
-    # Adding 1 to the upper half's bit pattern increases the magnitude by one bfloat16 ulp (the sign
-    # is bit 15 of the half, untouched unless the magnitude was already all ones, i.e. a NaN). The
-    # sum is reduced modulo 2**16 back into int16 range.
-    top = _sign_extend16(upper + round_up).to(torch.int16).view(torch.bfloat16)
-    trail = _sign_extend16(bits).to(torch.int16)  # the low half, reinterpreted as int16
+    # Rounding up adds bit 15 (the highest bit bfloat16 drops: the dropped half is >= half a
+    # bfloat16 ulp) to the upper half's bit pattern, which increases the magnitude by one ulp
+    # (the sign is bit 15 of the half, untouched unless the magnitude was already all ones, i.e.
+    # a NaN). The arithmetic shift keeps the sum in [-2**15, 2**15]; int32 -> int16 keeps its
+    # low 16 bits (modulo 2**16, which only the NaN case needs).
+    top = ((bits >> 16) + ((bits >> 15) & 1)).to(torch.int16).view(torch.bfloat16)
+    trail = bits.to(torch.int16)  # the low half: int32 -> int16 keeps the low 16 bits
     return top, trail
 
 
@@ -108,13 +101,11 @@ def join(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
         )
     if top.shape != trail.shape:
         raise ValueError(f"join(): top has shape {tuple(top.shape)} but trail {tuple(trail.shape)}.")
-    t = top.contiguous().view(torch.int16).to(torch.int32)
-    low = trail.to(torch.int32)
-    # A negative trail means bit 15 was set, so split() rounded the upper half up by one: undo it,
-    # modulo 2**16 so that the NaN wrap-around case inverts too.
-    upper = _sign_extend16(t - (low < 0).to(torch.int32))
-    # upper * 2**16 is in [-2**31, 2**31 - 2**16] and (low & 0xFFFF) < 2**16: no int32 overflow.
-    return (upper * 65536 + (low & 0xFFFF)).view(torch.float32)
+    t = top.contiguous().view(torch.int16).to(torch.int32)  # the upper half, sign-extended
+    # t * 2**16 is in [-2**31, 2**31 - 2**16]. Adding the sign-extended trail adds its low 16 bits
+    # and, when its bit 15 is set (split() rounded the upper half up), subtracts 2**16: one unit
+    # off the upper half. int32 wraps modulo 2**32, so the NaN wrap-around case inverts too.
+    return (t * 65536 + trail.to(torch.int32)).view(torch.float32)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +121,7 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
         # Inductor's CPU code uses the IEEE vector sqrt (vsqrtps), already correctly rounded:
         # the same values as below, without the FP64 round trip (about 30% of a fused AdamW step).
         return torch.sqrt(x)
-    return torch.sqrt(x.double()).to(x.dtype)
+    return x.to(torch.float64, copy=True).sqrt_().to(x.dtype)  # in place: one FP64 temporary
 
 
 def round_nearest_split(x: torch.Tensor) -> torch.Tensor:
@@ -168,11 +159,39 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` on int64 values in [0, 2**32) (the 0-d key arithmetic of ``stream_key_halves``)."""
     x = x ^ (x >> 16)
     x = _mul32(x, _H1)
     x = x ^ (x >> 15)
     x = _mul32(x, _H2)
     return x ^ (x >> 16)
+
+
+def _as_int32_bits(v: int) -> int:
+    """The signed int32 value with the same 32-bit pattern as ``v mod 2**32``."""
+    return ((v & _M32) ^ 0x80000000) - 0x80000000
+
+
+def _to_int32_bits(t: torch.Tensor) -> torch.Tensor:
+    """``_as_int32_bits`` for an int64 tensor: an int32 tensor holding the low 32 bits of ``t``."""
+    # (t mod 2**32) is in [0, 2**32); flipping bit 31 and subtracting 2**31 maps [0, 2**31) to
+    # itself and [2**31, 2**32) to [-2**31, 0): the two's-complement reading, which fits int32.
+    return (((t & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+def _mix32_i32(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` on int32 tensors holding 32-bit patterns; bit for bit the same as ``_mix32``.
+
+    int32 products wrap modulo 2**32 (a single vector multiply, where the int64 form needs four
+    64-bit ones), which is exactly the hash's ``(x * c) mod 2**32``. ``>>`` on int32 is an
+    arithmetic shift that copies the sign bit into the top ``k`` bits; masking them off gives the
+    logical shift the hash needs.
+    """
+    x = x ^ ((x >> 16) & 0xFFFF)  # x ^= x >>> 16
+    x = x * _H1  # fits int32: 0x7FEB352D < 2**31
+    x = x ^ ((x >> 15) & 0x1FFFF)  # x ^= x >>> 15
+    x = x * _as_int32_bits(_H2)  # 0x846CA68B as the int32 with the same bits (negative)
+    return x ^ ((x >> 16) & 0xFFFF)  # x ^= x >>> 16
 
 
 def stream_key(seed: int, *counters: int) -> int:
@@ -206,12 +225,29 @@ def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
 def hash_bits(
     idx: torch.Tensor, key_lo: int | torch.Tensor, key_hi: int | torch.Tensor
 ) -> torch.Tensor:
-    """The counter-based hash behind ``counter_bits``: 32 random bits per int64 index.
+    """The counter-based hash behind ``counter_bits``: 32 random bits per element index.
 
-    ``key_lo``/``key_hi`` are the low and high 32 bits of the key, as ints or 0-d int64 tensors (a
-    compiled optimizer step passes tensors so that a new key each step does not recompile).
+    Args:
+        idx: Element indices, int32 or int64 (any value; only ``(idx + key_lo) mod 2**32``
+            matters). int32 indices are the fast path; pass int64 ones where an index can
+            exceed ``2**31 - 1``.
+        key_lo: The low 32 bits of the key, an int or a 0-d int64 tensor (a compiled optimizer
+            step passes tensors so that a new key each step does not recompile).
+        key_hi: The high 32 bits of the key, likewise.
+
+    Returns:
+        An int32 tensor of ``idx``'s shape holding the 32 hash bits as a two's-complement
+        pattern: ``counter_bits`` gives the same bits as values in ``[0, 2**32)``, and
+        ``h & 0xFFFF`` (or any mask below bit 31) reads the same low bits from either.
     """
-    return _mix32(_mix32((idx + key_lo) & _M32) ^ key_hi)
+    lo, hi = (
+        _to_int32_bits(k) if isinstance(k, torch.Tensor) else _as_int32_bits(k)
+        for k in (key_lo, key_hi)
+    )
+    # (idx + key_lo) mod 2**32 as int32 bits: int32 addition wraps modulo 2**32; int64 indices
+    # are summed in int64 and then keep their low 32 bits.
+    x = idx + lo if idx.dtype == torch.int32 else _to_int32_bits(idx + key_lo)
+    return _mix32_i32(_mix32_i32(x) ^ hi)
 
 
 def counter_bits(
@@ -230,7 +266,7 @@ def counter_bits(
         every device, process and PyTorch build.
     """
     idx = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
-    return hash_bits(idx, key & _M32, (key >> 32) & _M32)
+    return hash_bits(idx, key & _M32, (key >> 32) & _M32).to(torch.int64) & _M32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,31 +304,36 @@ def round_stochastic_with_bits(
     """
     _check_sr_args(x, dtype)
     bits = bits.reshape(x.shape)
-    finfo = torch.finfo(dtype)
     if dtype == torch.bfloat16:
+        # Integer and comparison ops only, which compiled CPU code vectorizes (torch.isnan,
+        # torch.isinf and sign() become per-element loops there).
         xb = x.contiguous().view(torch.int32)
         noise = (bits & 0xFFFF).to(torch.int32)  # 16 uniform bits: the width bfloat16 drops
+        nan = (xb & 0x7FFFFFFF) > 0x7F800000  # exponent all ones and a nonzero fraction
         # Adding noise in [0, 2**16) to the bit pattern carries into the kept half exactly when
         # noise >= 2**16 - (dropped bits), i.e. with probability (dropped bits) / 2**16: an
-        # unbiased round of the magnitude (the sign bit is separate). A NaN's all-ones magnitude
-        # could overflow int32, so NaNs are replaced by 0 here and restored below.
-        nan = torch.isnan(x)
-        xb = torch.where(nan, torch.zeros_like(xb), xb)
-        rounded = ((xb + noise) & -65536).view(torch.float32).to(dtype)  # low half zero: exact
-    else:
-        nearest = x.to(dtype)
-        near32 = nearest.float()
-        # The other neighbour lies on the far side of x from the nearest value.
-        toward = torch.where(near32 > x, -math.inf, math.inf).to(dtype)
-        other = torch.nextafter(nearest, toward)
-        lo = torch.minimum(nearest, other).float()
-        hi = torch.maximum(nearest, other).float()
-        # x - lo is exact (Sterbenz) and hi - lo a power of two, so p is exact up to FP32 range.
-        p = (x - lo) / (hi - lo)
-        u = (bits & 0xFFFFFF).to(torch.float32) * (1.0 / 16777216.0)  # 24-bit uniform in [0, 1)
-        rounded = torch.where(u < p, hi, lo).to(dtype)
-        rounded = torch.where(near32 == x, nearest, rounded)  # exact values (and ±inf) stay
-        nan = torch.isnan(x)
+        # unbiased round of the magnitude (the sign bit is separate). The sum cannot overflow
+        # for non-NaNs (magnitude <= 0x7F800000); a NaN's all-ones magnitude could, so NaNs
+        # add nothing here and keep their own bits below.
+        up = (xb + torch.where(nan, 0, noise)) & -65536  # low half zero: converts exactly
+        # A NaN converts as x.to(bfloat16) would (to a NaN of the conversion's choosing).
+        # No saturation is needed: a finite |x| <= bfloat16's max (0x7F7F0000) plus less than
+        # 2**16 stays below 0x7F800000, so stochastic rounding never makes inf from it.
+        return torch.where(nan, xb, up).view(torch.float32).to(dtype)
+    finfo = torch.finfo(dtype)
+    nearest = x.to(dtype)
+    near32 = nearest.float()
+    # The other neighbour lies on the far side of x from the nearest value.
+    toward = torch.where(near32 > x, -math.inf, math.inf).to(dtype)
+    other = torch.nextafter(nearest, toward)
+    lo = torch.minimum(nearest, other).float()
+    hi = torch.maximum(nearest, other).float()
+    # x - lo is exact (Sterbenz) and hi - lo a power of two, so p is exact up to FP32 range.
+    p = (x - lo) / (hi - lo)
+    u = (bits & 0xFFFFFF).to(torch.float32) * (1.0 / 16777216.0)  # 24-bit uniform in [0, 1)
+    rounded = torch.where(u < p, hi, lo).to(dtype)
+    rounded = torch.where(near32 == x, nearest, rounded)  # exact values (and ±inf) stay
+    nan = torch.isnan(x)
     # Never produce inf from a finite value inside the format's range: saturate instead.
     in_range = x.abs() <= finfo.max
     rounded = torch.where(

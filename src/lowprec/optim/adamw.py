@@ -20,18 +20,25 @@ __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 
 
 def adamw_coefficients(
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
-) -> dict[str, float]:
-    """The per-step scalars of ``adamw_math``, computed once on the host."""
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+) -> dict[str, Any]:
+    """The per-step scalars of ``adamw_math``: host floats, or 0-d tensors for a tensor step.
+
+    The bias corrections are folded into two scalars, as in the efficient form of Kingma & Ba's
+    Algorithm 1: ``step_size * m / (sqrt(v) / bc2 + eps)`` equals
+    ``(step_size * bc2) * m / (sqrt(v) + eps * bc2)`` with ``bc2 = sqrt(1 - beta2**step)``,
+    which leaves one division per element instead of two (a divide is the costliest operation
+    of the update on CPUs).
+    """
+    bc2 = (1 - beta2**step) ** 0.5
     return {
         "decay": 1 - lr * weight_decay,
         "beta1": beta1,
         "one_minus_beta1": 1 - beta1,
         "beta2": beta2,
         "one_minus_beta2": 1 - beta2,
-        "step_size": lr / (1 - beta1**step),
-        "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
-        "eps": eps,
+        "step_size": lr * bc2 / (1 - beta1**step),
+        "eps": eps * bc2,
     }
 
 
@@ -56,8 +63,9 @@ def adamw_math(
     if amsgrad:
         v = torch.maximum(bufs["max_exp_avg_sq"], v)
         out["max_exp_avg_sq"] = v
-    denom = sqrt_rn(v) / c["bias_correction2_sqrt"] + c["eps"]
-    return w - (m * c["step_size"]) / denom, out
+    # c["eps"] and c["step_size"] carry the second moment's bias correction (see
+    # adamw_coefficients): the bias-corrected update with a single division.
+    return w - (m * c["step_size"]) / (sqrt_rn(v) + c["eps"]), out
 
 
 def adamw_update(

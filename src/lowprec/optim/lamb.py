@@ -21,24 +21,68 @@ import torch
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative, _validate_betas
 
-__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_update"]
+__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_partial_sums", "lamb_update"]
 
 
 def lamb_coefficients(
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
-) -> dict[str, float]:
-    """The per-step scalars of ``lamb_math``, computed once on the host."""
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+) -> dict[str, Any]:
+    """The per-step scalars of ``lamb_math``: host floats, or 0-d tensors for a tensor step.
+
+    The bias corrections are folded into two scalars: with ``bc1 = 1 - beta1**step`` and
+    ``bc2 = sqrt(1 - beta2**step)``, ``(m / bc1) / (sqrt(v) / bc2 + eps)`` equals
+    ``m * (bc2 / bc1) / (sqrt(v) + eps * bc2)``: one division per element instead of three.
+    """
+    bc2 = (1 - beta2**step) ** 0.5
     return {
         "lr": lr,
         "beta1": beta1,
         "one_minus_beta1": 1 - beta1,
         "beta2": beta2,
         "one_minus_beta2": 1 - beta2,
-        "bias_correction1": 1 - beta1**step,
-        "bias_correction2": 1 - beta2**step,
-        "eps": eps,
+        "m_scale": bc2 / (1 - beta1**step),
+        "eps": eps * bc2,
         "weight_decay": weight_decay,
     }
+
+
+def _lamb_direction(
+    w: torch.Tensor, g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any], *,
+    weight_decay: bool, maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The elementwise part of LAMB: the update direction ``u`` and the new moments."""
+    if maximize:
+        g = -g
+    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
+    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    # m_hat / (sqrt(v_hat) + eps), the bias corrections carried by c (see lamb_coefficients).
+    u = (m * c["m_scale"]) / (sqrt_rn(v) + c["eps"])
+    if weight_decay:
+        u = u + w * c["weight_decay"]
+    return u, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _square_sums(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``(sum(w**2), sum(u**2))`` accumulated in FP64, as a 2-element FP64 tensor."""
+    return torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64).square() for x in (w, u)])
+
+
+def lamb_partial_sums(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> torch.Tensor:
+    """The trust ratio's sums of squares over a piece of a tensor (pure; FP64, 2 elements).
+
+    The eager step adds them over the pieces of a large tensor and hands the total to
+    ``lamb_math`` as ``c["sums"]``, so that no full-size temporary is needed for the norms.
+    """
+    u, _ = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
+    return _square_sums(w, u)
 
 
 def lamb_math(
@@ -53,20 +97,17 @@ def lamb_math(
     """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
 
     Elementwise but for the two norms of the trust ratio, which stays a 0-d tensor (no host sync).
+    When ``w`` is a piece of a larger tensor, ``c["sums"]`` holds the whole tensor's
+    ``lamb_partial_sums`` and replaces the piece's own.
     """
-    if maximize:
-        g = -g
-    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
-    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
-    u = (m / c["bias_correction1"]) / (sqrt_rn(v / c["bias_correction2"]) + c["eps"])
-    if weight_decay:
-        u = u + w * c["weight_decay"]
-    # Norms accumulated in FP64 and rounded once: the eager and the compiled reductions sum in
-    # different orders, and FP64 makes that difference vanish in the FP32 result.
-    w_norm = torch.linalg.vector_norm(w, dtype=torch.float64).float()
-    u_norm = torch.linalg.vector_norm(u, dtype=torch.float64).float()
+    u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
+    # Norms from sums of squares accumulated in FP64 and rounded once: the eager, the chunked and
+    # the compiled reductions sum in different orders, and FP64 makes that difference vanish in
+    # the FP32 result.
+    sums = c["sums"] if "sums" in c else _square_sums(w, u)
+    w_norm, u_norm = sums.sqrt().float().unbind()
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-    return w - u * (ratio * c["lr"]), {"exp_avg": m, "exp_avg_sq": v}
+    return w - u * (ratio * c["lr"]), out
 
 
 def lamb_update(
@@ -169,4 +210,5 @@ class Lamb(LowPrecisionOptimizer):
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(lamb_math)
-    _elementwise = False  # the trust ratio needs whole-tensor norms
+    _elementwise = False  # the trust ratio needs whole-tensor norms...
+    _partial_sums = staticmethod(lamb_partial_sums)  # ...which the eager step sums over chunks
