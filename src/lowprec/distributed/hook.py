@@ -1,0 +1,707 @@
+"""1-bit SGD as a ``DistributedDataParallel`` communication hook: ``OneBitState`` + ``onebit_hook``.
+
+**Columns.** A DDP bucket is a flat concatenation of parameter gradients. Each parameter is cut
+into columns (the unit that shares two floats): a weight with two or more dimensions, in PyTorch's
+``[out, in, ...]`` layout, gives one column per output unit, ``w[i]`` (``w[i].numel()`` values,
+contiguous), as long as that is at least ``min_column_size`` values; every other parameter (biases,
+norms, scalars, weights with tiny output units) is cut into ``ceil(numel / column_size)`` columns of
+consecutive values, as equal in length as possible. So a column never spans two parameters, and
+the columns of a parameter do not depend on which bucket it sits in.
+
+**Striped aggregation** (CNTK's scheme), for a bucket on a group of ``W`` ranks. The bucket's
+columns are cut into ``W`` stripes of about equal size (cuts fall between columns). Then:
+
+1. every rank adds its local residual to its gradient, quantizes every column, keeps the error as
+   its new local residual, and sends stripe ``r`` (codes packed ``8 // bits`` per byte, plus two
+   FP32 stats per column) to rank ``r``: one ``all_to_all_single``;
+2. rank ``r`` dequantizes the ``W`` copies of stripe ``r`` it received, sums them in rank order,
+   divides by ``W``, adds its stripe residual, requantizes, and keeps that error as its new stripe
+   residual;
+3. every rank gathers every requantized stripe (one ``all_gather_single``) and dequantizes them
+   into the bucket: the averaged gradient, bit-identical on every rank.
+
+Each step's messages are padded to one chunk size per bucket layout, ``S`` bytes, so the two
+collectives move ``2 (W - 1) S`` bytes in and out of each rank, against about ``2 (W - 1) / W``
+times the bucket's bytes for a ring all-reduce: about 32x less for 1 bit and long columns. Only
+PyTorch's collectives are used (gloo on CPU, NCCL on GPU; gloo has both). Not ``reduce_scatter``:
+it sums what is on the wire, and codes scaled by each rank's own column stats cannot be summed in
+transit, so it would have to carry dequantized FP32 values, which is what we avoid.
+
+**Hook contract.** The all-to-all is waited for inside the hook (its result decides the next
+collective), then the all-gather is started and the returned future's ``then`` callback
+dequantizes into the bucket. On GPU that overlaps with the rest of the backward pass (NCCL waits
+only order streams); on CPU the hook waits for the all-gather first, so the callback runs at once
+in the hook's thread rather than on gloo's, where it would compete with the backward pass for the
+cores. All collectives are issued from the thread that runs the hook, in bucket order, so they
+match across ranks: a collective started from a gloo callback thread could interleave differently
+on different ranks.
+
+**Residuals survive bucket rebuilds.** DDP rebuilds its buckets after the first iteration (and a
+fresh DDP object starts from its initial buckets again). Residual memory is per bucket layout, so
+the hot path adds it with one operation, but it is indexed by parameter name: when a bucket with a
+new set of parameters appears, each parameter's local residual is copied from the layout that
+held it, and the stripe residuals of its values, which may have been owned by another rank under
+the old stripes, are moved to their new owners by one all-reduce (every value is held by at most
+one rank; the others contribute ``-0.0``, the identity of FP32 addition, so the sum is exact).
+Since columns do not depend on the bucket, the compressed steps' results do not depend on how DDP
+bucketed them: a resumed run with fresh buckets continues bit for bit (given deterministic
+reductions, e.g. one intra-op thread on CPU; the ``"range"`` rule's min/max are exact under any
+threading). Uncompressed steps (warm-up, fallback) add up as the backend's all-reduce does.
+
+**Non-finite gradients.** If any rank's bucket (plus residual) has a NaN or an infinity in some
+column, every rank learns it from a flag byte in the all-to-all; all ranks then all-reduce that
+bucket uncompressed, exactly as DDP's default hook would (so a loss scaler still sees the inf), and
+nobody keeps that step's local residuals. If the averaged stripe overflows FP32 in step 2 (finite
+inputs near ``3e38``), its owner keeps its old stripe residual and the stripe arrives non-finite.
+
+**Checkpoints.** ``state_dict()`` is a collective: every rank's residuals and counters are gathered
+into one dict, which any rank may save; ``load_state_dict()`` on every rank takes its own part. The
+process group is not saved.
+"""
+
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
+# annotations with the real dist.GradBucket and Future[Tensor] objects, not with strings.
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowprec.distributed.quantize import (
+    DEFAULT_RULE,
+    check_quantizer,
+    columns_finite,
+    dequantize_columns,
+    pack_codes,
+    packed_size,
+    quantize_with_feedback_,
+    unpack_codes,
+)
+
+__all__ = ["DEFAULT_WARMUP_STEPS", "OneBitState", "column_runs", "onebit_hook"]
+
+#: Uncompressed iterations before compression starts (``OneBitState(warmup_steps=...)``).
+DEFAULT_WARMUP_STEPS = 100
+
+_FORMAT = "lowprec.distributed.OneBitState"
+_VERSION = 1
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COUNTERS = (
+    "bytes_sent",
+    "bytes_received",
+    "uncompressed_bytes",
+    "compressed_buckets",
+    "fallback_buckets",
+    "uncompressed_buckets",
+)
+# Settings that change the numbers; a checkpoint made with other values does not resume bit for bit.
+_NUMERIC_CONFIG = ("bits", "rule", "column_size", "min_column_size")
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; older releases (the
+# project supports torch >= 2.4) only have the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def column_runs(
+    shapes: list[tuple[int, ...]] | tuple[tuple[int, ...], ...],
+    *,
+    column_size: int = 1024,
+    min_column_size: int = 32,
+) -> list[tuple[int, int, int]]:
+    """The columns of tensors of ``shapes`` laid end to end, as runs of equal-length columns.
+
+    Args:
+        shapes: Parameter shapes, in bucket order.
+        column_size: Longest column cut from a flat parameter (default: 1024).
+        min_column_size: Shortest output unit that is a column of its own (default: 32).
+
+    Returns:
+        ``(start, columns, length)`` triples: ``columns`` columns of ``length`` values each,
+        starting at flat offset ``start``; together they cover every value once, in order.
+    """
+    runs: list[tuple[int, int, int]] = []
+    offset = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if numel == 0:
+            continue
+        if len(shape) >= 2 and numel // shape[0] >= min_column_size:
+            runs.append((offset, shape[0], numel // shape[0]))  # one column per output unit
+        else:
+            ncols = -(-numel // column_size)
+            short, extra = divmod(numel, ncols)  # `extra` columns of short + 1, the rest of short
+            if extra:
+                runs.append((offset, extra, short + 1))
+            runs.append((offset + extra * (short + 1), ncols - extra, short))
+        offset += numel
+    return runs
+
+
+@dataclass(frozen=True)
+class _Block:
+    """``ncols`` columns of ``length`` values, contiguous, inside a stripe."""
+
+    start: int  # first value, counted from the stripe's start
+    ncols: int
+    length: int
+    col: int  # first column, counted from the stripe's first column
+
+
+@dataclass(frozen=True)
+class _Stripe:
+    start: int  # first value in the bucket
+    end: int
+    ncols: int
+    blocks: tuple[_Block, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class _Layout:
+    """One bucket's parameters, columns, stripes and chunk size, and this rank's residuals for it.
+
+    ``local`` is this rank's residual for the whole bucket; ``stripe_residual`` the residual of
+    the stripe this rank aggregates (``stripes[rank]``). Both are FP32, on the bucket's device.
+    """
+
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        shapes: list[tuple[int, ...]],
+        *,
+        world_size: int,
+        rank: int,
+        bits: int,
+        column_size: int,
+        min_column_size: int,
+    ) -> None:
+        self.keys = keys
+        self.rank = rank
+        self.numels = [math.prod(s) for s in shapes]
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        self.index = {k: i for i, k in enumerate(keys)}
+        runs = column_runs(shapes, column_size=column_size, min_column_size=min_column_size)
+        bounds = [0]
+        for r in range(1, world_size):
+            target = r * self.numel // world_size
+            bounds.append(max(bounds[-1], _nearest_column_boundary(runs, target)))
+        bounds.append(self.numel)
+        self.stripes = [_stripe(runs, a, b) for a, b in itertools.pairwise(bounds)]
+        max_cols = max(s.ncols for s in self.stripes)
+        max_vals = max(s.numel for s in self.stripes)
+        # Chunk: [stats: 2 FP32 per column][packed codes][pad][flag byte]. The size is a multiple
+        # of 4 so that every chunk of a [W, S] uint8 buffer can be viewed as FP32 at its start.
+        self.codes_at = 8 * max_cols
+        self.chunk_bytes = -(-(self.codes_at + packed_size(max_vals, bits) + 1) // 4) * 4
+        self.local = torch.empty(0)
+        self.stripe_residual = torch.empty(0)
+
+    def span(self, key: str) -> tuple[int, int]:
+        i = self.index[key]
+        return self.offsets[i], self.offsets[i + 1]
+
+    def own_piece(self, key: str) -> tuple[int, torch.Tensor] | None:
+        """This rank's stripe residual for ``key``: (first value within the parameter, values)."""
+        lo, hi = self.span(key)
+        own = self.stripes[self.rank]
+        a, b = max(lo, own.start), min(hi, own.end)
+        if a >= b:
+            return None
+        return a - lo, self.stripe_residual[a - own.start : b - own.start]
+
+
+def _nearest_column_boundary(runs: list[tuple[int, int, int]], target: int) -> int:
+    for start, ncols, length in runs:
+        if start <= target < start + ncols * length:
+            return start + (target - start + length // 2) // length * length
+    return target
+
+
+def _stripe(runs: list[tuple[int, int, int]], a: int, b: int) -> _Stripe:
+    blocks, col = [], 0
+    for start, ncols, length in runs:
+        lo, hi = max(a, start), min(b, start + ncols * length)
+        if lo < hi:  # stripe bounds fall between columns, so (hi - lo) is whole columns
+            blocks.append(_Block(lo - a, (hi - lo) // length, length, col))
+            col += (hi - lo) // length
+    return _Stripe(a, b, col, tuple(blocks))
+
+
+class OneBitState:
+    """State of ``onebit_hook``: settings, per-rank residuals, iteration and byte counters.
+
+    Register with ``ddp_model.register_comm_hook(OneBitState(model), onebit_hook)``. Residuals
+    are kept per parameter name (taken from ``module``), so that they survive DDP's bucket rebuilds
+    and go into checkpoints.
+
+    Attributes:
+        iter: Iterations seen (counted at each iteration's last bucket).
+        bytes_sent: Bytes this rank sent to other ranks: ``(W - 1)`` chunks for an all-to-all or
+            an all-gather, ``2 (W - 1) / W`` of the tensor for an all-reduce (as a ring does it).
+        bytes_received: Bytes this rank received; equal to ``bytes_sent`` for these collectives.
+        uncompressed_bytes: Bytes a ring all-reduce of the same buckets, in their own dtype, would
+            have sent: ``uncompressed_bytes / bytes_sent`` is the compression ratio.
+        compressed_buckets: Buckets sent compressed.
+        fallback_buckets: Buckets all-reduced uncompressed because some rank's had a NaN or inf.
+        uncompressed_buckets: Buckets all-reduced during warm-up.
+
+    Args:
+        module: The model DDP wraps (or the ``DistributedDataParallel`` wrapper itself); only its
+            parameter names are used.
+        process_group: The group to communicate in (default: None, the default group).
+        bits: Bits per value: 1, 2, 4 or 8 (default: 1).
+        rule: ``"range"`` or ``"zero-threshold"`` (1 bit only) (default: ``"range"``, see
+            ``DEFAULT_RULE``); the rules are described in ``lowprec.distributed.quantize``.
+        warmup_steps: Iterations all-reduced uncompressed before compression starts; 0 compresses
+            from the first (default: ``DEFAULT_WARMUP_STEPS``, 100).
+        column_size: Longest column cut from a flat parameter (default: 1024).
+        min_column_size: Shortest output unit of a weight that is its own column; weights with
+            shorter ones are cut like flat parameters (default: 32).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
+        ValueError: An option out of range (see ``check_quantizer`` for ``bits`` and ``rule``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bits: int = 1,
+        rule: str = DEFAULT_RULE,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        column_size: int = 1024,
+        min_column_size: int = 32,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"OneBitState needs the model (an nn.Module) for parameter names, got "
+                f"{type(module).__name__}: pass OneBitState(model, ...)."
+            )
+        check_quantizer(bits=bits, rule=rule)
+        for name, value, least in (
+            ("warmup_steps", warmup_steps, 0),
+            ("column_size", column_size, 1),
+            ("min_column_size", min_column_size, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+            if value < least:
+                raise ValueError(f"{name}={value} is out of range: must be >= {least}.")
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module = module.module
+        named = list(module.named_parameters())
+        self._names = {id(p): n for n, p in named}
+        self._numels = {n: p.numel() for n, p in named}
+        self._params = [p for _, p in named]  # keeps the ids above unique while we hold them
+        self.process_group = process_group
+        self.bits = bits
+        self.rule = rule
+        self.warmup_steps = warmup_steps
+        self.column_size = column_size
+        self.min_column_size = min_column_size
+        self.iter = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.uncompressed_bytes = 0
+        self.compressed_buckets = 0
+        self.fallback_buckets = 0
+        self.uncompressed_buckets = 0
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._home: dict[str, _Layout] = {}  # the layout holding a parameter's residuals now
+        self._pending_local: dict[str, torch.Tensor] = {}  # loaded, not yet in a layout
+        self._pending_stripe: dict[str, tuple[int, torch.Tensor]] = {}
+        # Parameters whose stripe residuals some rank may hold (the same set on every rank).
+        self._carry: set[str] = set()
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def _group(self) -> dist.ProcessGroup:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call dist.init_process_group() before "
+                "training with onebit_hook or calling state_dict()/load_state_dict()."
+            )
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def config(self) -> dict[str, Any]:
+        """The settings, as plain values (also stored in ``state_dict()``)."""
+        return {
+            "bits": self.bits,
+            "rule": self.rule,
+            "column_size": self.column_size,
+            "min_column_size": self.min_column_size,
+            "warmup_steps": self.warmup_steps,
+        }
+
+    def counters(self) -> dict[str, int]:
+        """This rank's counters (see the class attributes), as a dict of ints."""
+        return {"iter": self.iter, **{k: getattr(self, k) for k in _COUNTERS}}
+
+    def _count_allreduce(self, nbytes: int, world: int) -> None:
+        ring = 2 * (world - 1) * nbytes // world
+        self.bytes_sent += ring
+        self.bytes_received += ring
+
+    def _allreduce(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
+        """DDP's default: divide by the world size, then sum, asynchronously."""
+        world = group.size()
+        self._count_allreduce(buffer.numel() * buffer.element_size(), world)
+        buffer.div_(world)
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def _layout_for(self, bucket: dist.GradBucket, buffer: torch.Tensor,
+                    group: dist.ProcessGroup) -> _Layout:
+        params = bucket.parameters()
+        keys = []
+        for p in params:
+            name = self._names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"a DDP bucket holds a parameter of shape {tuple(p.shape)} that is not a "
+                    "parameter of the module given to OneBitState: build the state with the model "
+                    "DDP wraps, after any parameter replacement (OneBitState(ddp_model) works too)."
+                )
+            keys.append(name)
+        cache_key = (tuple(keys), buffer.dtype, buffer.device)
+        layout = self._layouts.get(cache_key)
+        if layout is None:
+            layout = self._new_layout(tuple(keys), [tuple(p.shape) for p in params], buffer, group)
+            self._layouts[cache_key] = layout
+        return layout
+
+    def _new_layout(self, keys: tuple[str, ...], shapes: list[tuple[int, ...]],
+                    buffer: torch.Tensor, group: dist.ProcessGroup) -> _Layout:
+        world, rank = group.size(), dist.get_rank(group)
+        layout = _Layout(keys, shapes, world_size=world, rank=rank, bits=self.bits,
+                         column_size=self.column_size, min_column_size=self.min_column_size)
+        if layout.numel != buffer.numel():
+            raise RuntimeError(
+                f"a DDP bucket of {buffer.numel()} values holds parameters of {layout.numel} "
+                "values in all; onebit_hook expects DDP's flat bucket layout (no padding)."
+            )
+        fp32 = {"dtype": torch.float32, "device": buffer.device}
+        keyset = set(keys)
+        # DDP rebuilt its buckets: forget the layouts this one replaces (their residuals stay
+        # alive, through _home, until every parameter has moved to its new layout).
+        for k, old in list(self._layouts.items()):
+            if keyset.intersection(old.keys):
+                del self._layouts[k]
+        layout.local = torch.zeros(layout.numel, **fp32)
+        for key in keys:
+            lo, hi = layout.span(key)
+            src = self._pending_local.pop(key, None)
+            home = self._home.get(key)
+            if src is None and home is not None:
+                a, b = home.span(key)
+                src = home.local[a:b]
+            if src is not None:
+                layout.local[lo:hi].copy_(src)
+        own = layout.stripes[rank]
+        if keyset & self._carry:
+            # Move the stripe residuals to their owners under the new stripes. Every value is held
+            # by at most one rank and the others add -0.0 (x + -0.0 == x for every x, +0.0
+            # included), so the sum is exactly the held value, whichever order the sum takes.
+            full = torch.full((layout.numel,), -0.0, **fp32)
+            for key in keys:
+                piece = self._pending_stripe.pop(key, None)
+                home = self._home.get(key)
+                if piece is None and home is not None:
+                    piece = home.own_piece(key)
+                if piece is not None:
+                    start, values = piece
+                    lo = layout.span(key)[0] + start
+                    full[lo : lo + values.numel()].copy_(values)
+            self._count_allreduce(layout.numel * 4, world)
+            dist.all_reduce(full, group=group)
+            layout.stripe_residual = full[own.start : own.end].clone()
+        else:
+            layout.stripe_residual = torch.zeros(own.numel, **fp32)
+        for key in keys:
+            self._home[key] = layout
+        self._carry |= keyset
+        return layout
+
+    def _encode_(self, x: torch.Tensor, stripe: _Stripe, layout: _Layout,
+                 chunk: torch.Tensor) -> torch.Tensor:
+        """Quantize stripe values ``x`` (replaced by their error) into ``chunk``; finite flags."""
+        codes = torch.empty(stripe.numel, dtype=torch.uint8, device=x.device)
+        stats = torch.empty(stripe.ncols, 2, dtype=torch.float32, device=x.device)
+        for b in stripe.blocks:
+            n = b.ncols * b.length
+            c, s = quantize_with_feedback_(
+                x[b.start : b.start + n].view(b.ncols, b.length), bits=self.bits, rule=self.rule
+            )
+            codes[b.start : b.start + n] = c.view(-1)
+            stats[b.col : b.col + b.ncols] = s
+        chunk[: 8 * stripe.ncols] = stats.view(-1).view(torch.uint8)
+        packed = pack_codes(codes, bits=self.bits)
+        chunk[layout.codes_at : layout.codes_at + packed.numel()] = packed
+        return columns_finite(stats, rule=self.rule)
+
+    def _decode(self, chunk: torch.Tensor, stripe: _Stripe, layout: _Layout,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The FP32 values a chunk encodes for ``stripe`` (written to ``out`` when given)."""
+        stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
+        codes = unpack_codes(chunk[layout.codes_at :], stripe.numel, bits=self.bits)
+        if out is None:
+            out = torch.empty(stripe.numel, dtype=torch.float32, device=chunk.device)
+        for b in stripe.blocks:
+            n = b.ncols * b.length
+            dequantize_columns(
+                codes[b.start : b.start + n].view(b.ncols, b.length),
+                stats[b.col : b.col + b.ncols],
+                bits=self.bits,
+                rule=self.rule,
+                out=out[b.start : b.start + n].view(b.ncols, b.length),
+            )
+        return out
+
+    def _compressed(self, bucket: dist.GradBucket, buffer: torch.Tensor,
+                    group: dist.ProcessGroup) -> torch.futures.Future:
+        layout = self._layout_for(bucket, buffer, group)
+        world, rank, size = group.size(), dist.get_rank(group), layout.chunk_bytes
+        # Stage 1: local error feedback, then stripe r of every rank to rank r.
+        x = torch.add(buffer, layout.local)  # FP32 (a BF16/FP16 buffer is promoted)
+        send = torch.zeros(world, size, dtype=torch.uint8, device=buffer.device)
+        bad = torch.zeros((), dtype=torch.bool, device=buffer.device)
+        for j, stripe in enumerate(layout.stripes):
+            if stripe.ncols:
+                finite = self._encode_(x[stripe.start : stripe.end], stripe, layout, send[j])
+                bad |= ~finite.all()
+        send[:, size - 1] = bad.to(torch.uint8)  # every receiver learns whether we are finite
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+        self.bytes_sent += (world - 1) * size
+        self.bytes_received += (world - 1) * size
+        self.uncompressed_bytes += 2 * (world - 1) * buffer.numel() * buffer.element_size() // world
+        if bool(recv[:, size - 1].any()):  # some rank is not finite: all ranks fall back together
+            self.fallback_buckets += 1
+            return self._allreduce(buffer, group)
+        layout.local = x  # x now holds gradient + old residual - reconstruction
+        # Stage 2: sum this rank's stripe over all senders, average, requantize.
+        own = layout.stripes[rank]
+        send2 = torch.zeros(size, dtype=torch.uint8, device=buffer.device)
+        if own.ncols:
+            acc = self._decode(recv[0], own, layout)
+            for k in range(1, world):
+                acc.add_(self._decode(recv[k], own, layout))
+            acc.div_(world).add_(layout.stripe_residual)
+            finite = self._encode_(acc, own, layout, send2)
+            if bool(finite.all()):
+                layout.stripe_residual = acc
+            else:
+                send2[size - 1] = 1
+        # Stage 3: every rank gets every requantized stripe.
+        gathered = torch.empty(world, size, dtype=torch.uint8, device=buffer.device)
+        work = _all_gather_single(gathered.view(-1), send2, group=group, async_op=True)
+        self.bytes_sent += (world - 1) * size
+        self.bytes_received += (world - 1) * size
+        self.compressed_buckets += 1
+        stripes = layout.stripes
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            fut.wait()
+            for j, stripe in enumerate(stripes):
+                if not stripe.ncols:
+                    continue
+                part = buffer[stripe.start : stripe.end]
+                if part.dtype == torch.float32:
+                    self._decode(gathered[j], stripe, layout, out=part)
+                else:
+                    part.copy_(self._decode(gathered[j], stripe, layout))
+            return buffer
+
+        if buffer.device.type == "cpu":
+            # Finish here, so that `then` runs decompress at once in this thread: from gloo's
+            # thread it would compete with the backward pass for the cores (2x slower measured
+            # with 2 processes on 2 cores). On GPU the chain stays asynchronous.
+            work.wait()
+        return work.get_future().then(decompress)
+
+    # ---------------------------------------------------------------------------- checkpoints
+
+    def _own_residuals(self) -> dict[str, Any]:
+        local: dict[str, torch.Tensor] = {}
+        stripe: dict[str, dict[str, Any]] = {}
+        for key in sorted(set(self._home) | set(self._pending_local) | set(self._pending_stripe)):
+            home = self._home.get(key)
+            src = self._pending_local.get(key)
+            if src is None and home is not None:
+                a, b = home.span(key)
+                src = home.local[a:b]
+            if src is not None:
+                local[key] = src.detach().to("cpu", torch.float32, copy=True)
+            piece = self._pending_stripe.get(key)
+            if piece is None and home is not None:
+                piece = home.own_piece(key)
+            if piece is not None:
+                stripe[key] = {"offset": piece[0],
+                               "residual": piece[1].detach().to("cpu", torch.float32, copy=True)}
+        return {"local": local, "stripe": stripe, "counters": self.counters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's residuals and counters, the settings and the iteration, on every rank.
+
+        A collective over the state's process group: call it on **every** rank (then save the
+        result on one). The process group itself is not saved.
+
+        Returns:
+            ``{"format", "version", "world_size", "iter", "config", "ranks"}``; ``ranks[r]`` holds
+            rank ``r``'s ``"local"`` residuals (name -> FP32 CPU tensor of the parameter's size),
+            ``"stripe"`` residuals (name -> ``{"offset", "residual"}``, the values of the stripe
+            it aggregates) and ``"counters"``.
+        """
+        group = self._group()
+        ranks: list[Any] = [None] * group.size()
+        dist.all_gather_object(ranks, self._own_residuals(), group=group)
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "world_size": group.size(),
+            "iter": self.iter,
+            "config": self.config(),
+            "ranks": ranks,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
+        """Restore residuals, counters and the iteration from ``state_dict()``; call on every rank.
+
+        Each rank takes its own part; residuals are placed when their parameters' buckets next
+        appear. Loading replaces all residuals this state holds.
+
+        Args:
+            state_dict: A dict from ``state_dict()``, saved with the same world size.
+            strict: Also require the same ``bits``, ``rule``, ``column_size`` and
+                ``min_column_size``, and only names of this module's parameters (default: True).
+                With ``strict=False`` residuals of unknown names are dropped and other settings
+                accepted (residuals are per value, so they still carry the error, but the run no
+                longer resumes bit for bit). The state keeps its own settings either way.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict from ``OneBitState.state_dict()``.
+            ValueError: A different world size, a parameter of another size, or (``strict``) other
+                settings or unknown parameter names.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise TypeError(
+                "state_dict is not a OneBitState.state_dict() (no format "
+                f"{_FORMAT!r}); pass the dict that state.state_dict() returned."
+            )
+        if state_dict.get("version") != _VERSION:
+            raise ValueError(
+                f"OneBitState checkpoint version {state_dict.get('version')!r} is not supported "
+                f"(this lowprec reads version {_VERSION})."
+            )
+        group = self._group()
+        world, rank = group.size(), dist.get_rank(group)
+        saved_world = state_dict["world_size"]
+        if saved_world != world or len(state_dict["ranks"]) != world:
+            raise ValueError(
+                f"the OneBitState checkpoint was saved by {saved_world} ranks but this process "
+                f"group has {world}: residuals are per rank and cannot be re-split. Resume with "
+                f"{saved_world} ranks, or start this state afresh (skip load_state_dict)."
+            )
+        if strict:
+            diff = [f"{k}: saved {state_dict['config'].get(k)!r}, here {getattr(self, k)!r}"
+                    for k in _NUMERIC_CONFIG if state_dict["config"].get(k) != getattr(self, k)]
+            if diff:
+                raise ValueError(
+                    "the OneBitState checkpoint was made with other settings (" + "; ".join(diff)
+                    + "): build the state with the saved settings to resume bit for bit, or "
+                    "pass strict=False to carry the residuals over anyway."
+                )
+        for r, part in enumerate(state_dict["ranks"]):
+            for key in set(part["local"]) | set(part["stripe"]):
+                if key not in self._numels:
+                    if strict:
+                        raise ValueError(
+                            f"the OneBitState checkpoint has residuals for {key!r} (rank {r}), "
+                            "which is not a parameter of this module; load into a state built "
+                            "on the same model, or pass strict=False to drop them."
+                        )
+                    continue
+                numel = self._numels[key]
+                local = part["local"].get(key)
+                piece = part["stripe"].get(key)
+                if (local is not None and local.numel() != numel) or (
+                    piece is not None and piece["offset"] + piece["residual"].numel() > numel
+                ):
+                    raise ValueError(
+                        f"the OneBitState checkpoint's residual for {key!r} (rank {r}) does not "
+                        f"fit the parameter's {numel} values: it was saved for another model."
+                    )
+        mine = state_dict["ranks"][rank]
+        self._layouts.clear()
+        self._home.clear()
+        self._pending_local = {
+            k: v.detach().to(torch.float32).reshape(-1).clone()
+            for k, v in mine["local"].items() if k in self._numels
+        }
+        self._pending_stripe = {
+            k: (int(v["offset"]), v["residual"].detach().to(torch.float32).reshape(-1).clone())
+            for k, v in mine["stripe"].items() if k in self._numels
+        }
+        self._carry = {k for part in state_dict["ranks"] for k in part["stripe"]
+                       if k in self._numels}
+        self.iter = int(state_dict["iter"])
+        for k in _COUNTERS:
+            setattr(self, k, int(mine["counters"].get(k, 0)))
+
+
+def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a DDP gradient bucket over the ranks with 1-bit SGD (error feedback, stripes).
+
+    For ``state.warmup_steps`` iterations the bucket is all-reduced uncompressed (as DDP's default
+    hook does); after that it is quantized, exchanged in stripes and dequantized as the module
+    docstring describes. Every rank gets the same averaged gradient.
+
+    Args:
+        state: The hook's ``OneBitState``.
+        bucket: The bucket DDP passes in.
+
+    Returns:
+        A future of the bucket's buffer, holding the averaged gradient.
+
+    Raises:
+        TypeError: ``state`` is not a ``OneBitState``, or the bucket's dtype is not FP32, FP16 or
+            BF16.
+
+    Example::
+
+        >>> state = OneBitState(model, warmup_steps=100)
+        >>> ddp_model.register_comm_hook(state, onebit_hook)
+    """
+    if not isinstance(state, OneBitState):
+        raise TypeError(
+            f"onebit_hook needs a OneBitState, got {type(state).__name__}: register it with "
+            "ddp_model.register_comm_hook(OneBitState(model), onebit_hook)."
+        )
+    buffer = bucket.buffer()
+    if buffer.dtype not in _DTYPES:
+        raise TypeError(
+            f"onebit_hook compresses float32, float16 and bfloat16 gradients, got {buffer.dtype}; "
+            "keep DDP's default all-reduce for this model."
+        )
+    group = state._group()
+    try:
+        if state.iter < state.warmup_steps or buffer.numel() == 0:
+            state.uncompressed_buckets += 1
+            state.uncompressed_bytes += (
+                2 * (group.size() - 1) * buffer.numel() * buffer.element_size() // group.size()
+            )
+            return state._allreduce(buffer, group)
+        return state._compressed(bucket, buffer, group)
+    finally:
+        if bucket.is_last():
+            state.iter += 1
