@@ -1,0 +1,344 @@
+"""What a training setup costs in memory, per parameter element: measured and expected.
+
+``measure`` counts the bytes of the tensors a model and its optimizer actually hold, by category:
+
+=================  ==========================================================================
+category           tensors
+=================  ==========================================================================
+weights            the model's parameters
+grads              their ``.grad`` (or, with ``assume_grads=True``, one per trainable
+                   parameter in its dtype where none exists yet)
+optimizer_state    the update rule's buffers: momentum, moments, Adagrad's ``sum``
+master             the master-weight strategy's buffers: ``master_weight`` (FP32 copy),
+                   ``trail`` (split) or ``compensation`` (Kahan)
+other              everything else in optimizer state, in practice the 0-d ``step`` counters
+                   (4 bytes per parameter tensor, not per element)
+=================  ==========================================================================
+
+Each tensor is counted once by its storage (``untyped_storage()``: its data pointer and size), so
+tied weights and views are not counted twice, and a tensor is charged for the whole storage it
+keeps alive. Figures per element divide by the number of distinct parameter elements.
+
+``expected`` gives the same categories analytically for a model whose parameters are all in a
+recipe's weight dtype, derived from the optimizer's own choices (its master strategy's buffers,
+its ``state_dtype`` default, the buffers its update rule keeps) rather than from a hand-written
+table; ``table`` lists every recipe, optionally beside a measurement of a real model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec import recipes
+from lowprec.optim.base import LowPrecisionOptimizer
+
+__all__ = [
+    "CATEGORIES",
+    "DEFAULT_HYPERPARAMETERS",
+    "MemoryReport",
+    "expected",
+    "measure",
+    "table",
+]
+
+#: The byte categories, in display order (``total`` is their sum).
+CATEGORIES: tuple[str, ...] = ("weights", "grads", "optimizer_state", "master", "other")
+
+#: Hyperparameters ``expected``/``table`` use when given none: SGD with momentum (without it SGD
+#: keeps no state at all), the other optimizers at their defaults.
+DEFAULT_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr": 1e-3, "momentum": 0.9},
+    "adamw": {"lr": 1e-3},
+    "adagrad": {"lr": 1e-2},
+    "lamb": {"lr": 1e-3},
+}
+
+# State keys of master-weight strategies, for optimizers that are not lowprec's.
+_MASTER_KEYS = ("master_weight", "trail", "compensation")
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by a model and its optimizer, by category.
+
+    Attributes:
+        numel: Distinct parameter elements (the denominator of ``bytes_per_param``).
+        bytes: Absolute bytes per category of ``CATEGORIES``, plus ``"total"``.
+        bytes_per_param: ``bytes`` divided by ``numel`` (all 0.0 for a model without parameters).
+    """
+
+    numel: int
+    bytes: dict[str, int]
+    bytes_per_param: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Counter:
+    """Bytes per category, each storage counted once (by device and data pointer)."""
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(CATEGORIES, 0)
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, category: str, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        key = (str(t.device), storage.data_ptr())
+        if t.device.type == "meta" or key[1] == 0:
+            # No real memory to deduplicate by: count the tensor's own bytes.
+            self.bytes[category] += t.numel() * t.element_size()
+            return
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes[category] += nbytes
+
+    def add_bytes(self, category: str, n: int) -> None:
+        self.bytes[category] += n
+
+
+def _param_key(p: torch.Tensor) -> tuple[Any, ...]:
+    return (str(p.device), p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape),
+            p.stride())
+
+
+def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) -> dict[str, str]:
+    """The category of each state key of ``p`` that the optimizer's own code names."""
+    if not isinstance(optimizer, LowPrecisionOptimizer):
+        return {}
+    cats = dict.fromkeys(optimizer._math_buffers(group), "optimizer_state")
+    cats.update(dict.fromkeys(optimizer._storage(group, p).buffers(p), "master"))
+    return cats
+
+
+@torch.no_grad()
+def measure(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    assume_grads: bool = False,
+) -> MemoryReport:
+    """Measure the bytes per parameter element that ``model`` and ``optimizer`` hold now.
+
+    Optimizer state is created on the first step, so measure after one step to see it.
+
+    Args:
+        model: The model; all its parameters count as weights (frozen ones too).
+        optimizer: Its optimizer, a lowprec one or any ``torch.optim.Optimizer`` (default: None,
+            meaning no optimizer state). For lowprec optimizers the buffers are categorised by the
+            names their code declares; for others ``master_weight``/``trail``/``compensation``
+            count as master, 0-d tensors and ``step`` as other, and the rest as optimizer state.
+        assume_grads: Count a gradient in the parameter's dtype for each trainable parameter
+            whose ``.grad`` is None (default: False, meaning count only existing gradients).
+
+    Returns:
+        A ``MemoryReport``.
+
+    Raises:
+        TypeError: ``model`` is not a module or ``optimizer`` not an optimizer.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"measure() takes an nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}."
+        )
+    counter = _Counter()
+    numel = 0
+    seen_params: set[tuple[Any, ...]] = set()
+    for p in model.parameters():  # parameters() already drops repeated (tied) Parameters
+        key = _param_key(p)
+        if key in seen_params:
+            continue
+        seen_params.add(key)
+        numel += p.numel()
+        counter.add("weights", p)
+        if p.grad is not None:
+            counter.add("grads", p.grad)
+        elif assume_grads and p.requires_grad:
+            counter.add_bytes("grads", p.numel() * p.element_size())
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                named = _state_categories(optimizer, p, group)
+                for k, v in state.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if k in named:
+                        cat = named[k]
+                    elif k == "step" or v.dim() == 0:
+                        cat = "other"
+                    elif k in _MASTER_KEYS:
+                        cat = "master"
+                    else:
+                        cat = "optimizer_state"
+                    counter.add(cat, v)
+    by_cat = {**counter.bytes, "total": sum(counter.bytes.values())}
+    per = {k: (v / numel if numel else 0.0) for k, v in by_cat.items()}
+    return MemoryReport(numel=numel, bytes=by_cat, bytes_per_param=per)
+
+
+def _check_optimizer_name(optimizer_name: str) -> str:
+    key = optimizer_name.lower() if isinstance(optimizer_name, str) else optimizer_name
+    if key not in DEFAULT_HYPERPARAMETERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer_name!r}; choose one of "
+            f"{', '.join(DEFAULT_HYPERPARAMETERS)}."
+        )
+    return key
+
+
+def _hyperparameters(key: str, hyperparameters: dict[str, Any] | None) -> dict[str, Any]:
+    if hyperparameters is None:
+        return dict(DEFAULT_HYPERPARAMETERS[key])
+    if not isinstance(hyperparameters, dict):
+        raise TypeError(
+            f"hyperparameters must be a dict or None, got {type(hyperparameters).__name__}."
+        )
+    return dict(hyperparameters)
+
+
+def expected(
+    optimizer_name: str,
+    recipe_name: str,
+    *,
+    hyperparameters: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """The analytic bytes per parameter element of a recipe with an optimizer.
+
+    For a model whose parameters are all in the recipe's weight dtype (no layers kept in FP32),
+    with gradients present and the optimizer's state created. The figures come from the
+    optimizer the recipe builds: its master strategy's buffers and their dtypes, the dtype of its
+    update-rule buffers (``state_dtype``, by default FP32 under ``"fp32"``/``"split"`` and the
+    weight dtype otherwise) and the buffers the rule keeps with these hyperparameters.
+
+    Args:
+        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
+        hyperparameters: The optimizer's hyperparameters (default: None, meaning
+            ``DEFAULT_HYPERPARAMETERS``: SGD with momentum 0.9, the others at their defaults).
+            They matter where they add buffers (``momentum``, ``amsgrad``, ``state_dtype``).
+
+    Returns:
+        Bytes per element for each of ``CATEGORIES`` and ``"total"``; ``"other"`` is 0.0 (the
+        4-byte step counters are per tensor, not per element).
+
+    Raises:
+        ValueError: An unknown optimizer or recipe name.
+    """
+    key = _check_optimizer_name(optimizer_name)
+    recipe = recipes.get(recipe_name)
+    p = nn.Parameter(torch.zeros(2, 2, dtype=recipe.param_dtype))
+    opt = recipe.optimizer(key, [p], **_hyperparameters(key, hyperparameters))
+    group = opt._group_of(p)
+    storage = opt._storage(group, p)
+    state_dtype = opt._state_dtype(group, p, storage)
+
+    def size(dtype: torch.dtype) -> float:
+        return float(torch.empty((), dtype=dtype).element_size())
+
+    out = {
+        "weights": size(p.dtype),
+        "grads": size(p.dtype),  # autograd gives a parameter a gradient of its own dtype
+        "optimizer_state": len(opt._math_buffers(group)) * size(state_dtype),
+        "master": float(sum(size(d) for d in storage.buffers(p).values())),
+        "other": 0.0,
+    }
+    return {**out, "total": sum(out.values())}
+
+
+@torch.no_grad()
+def _measured_after_one_step(
+    optimizer_name: str,
+    recipe_name: str,
+    model: nn.Module | Callable[[], nn.Module],
+    hyperparameters: dict[str, Any],
+    keep_fp32: tuple[type[nn.Module], ...] | None,
+    seed: int,
+) -> MemoryReport:
+    fresh = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
+    if not isinstance(fresh, nn.Module):
+        raise TypeError(
+            f"model must be an nn.Module or a function returning one, got a function returning "
+            f"{type(fresh).__name__}."
+        )
+    overrides = {} if keep_fp32 is None else {"keep_fp32": tuple(keep_fp32)}
+    recipe = recipes.get(recipe_name, **overrides)
+    fresh = recipe.convert(fresh)
+    params = [p for p in fresh.parameters() if p.requires_grad]
+    opt = recipe.optimizer(optimizer_name, params, **hyperparameters)
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        # Synthetic gradients: memory does not depend on their values, and no input is needed.
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(1e-3)
+        p.grad = g.to(device=p.device, dtype=p.dtype)
+    opt.step()  # the state is created lazily by the first step
+    return measure(fresh, opt)
+
+
+def table(
+    optimizer_name: str,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    hyperparameters: dict[str, Any] | None = None,
+    keep_fp32: tuple[type[nn.Module], ...] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Bytes per parameter element of every recipe with one optimizer, expected and measured.
+
+    Args:
+        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        model: A model, or a function returning a fresh one (default: None, meaning no
+            measurement). For each recipe a copy (a module is deep-copied, a function called) is
+            converted, given random gradients and stepped once, then measured.
+        hyperparameters: The optimizer's hyperparameters (default: None, meaning
+            ``DEFAULT_HYPERPARAMETERS``).
+        keep_fp32: Layer types the recipes keep in FP32 when converting (default: None, meaning
+            each recipe's own choice, the normalization layers). Pass ``()`` to convert every
+            layer, the assumption of the expected figures.
+        seed: Seed of the synthetic gradients (default: 0).
+
+    Returns:
+        One dict per recipe, in ``recipes.RECIPES`` order: ``"recipe"``, ``"optimizer"``,
+        ``"expected"`` (``expected()``'s dict), ``"measured"`` (``MemoryReport.bytes_per_param``
+        after one step, or None without a model) and ``"measured_bytes"``
+        (``MemoryReport.bytes``, or None).
+
+    Raises:
+        ValueError: An unknown optimizer name.
+        TypeError: ``model`` is neither a module nor a function returning one.
+    """
+    key = _check_optimizer_name(optimizer_name)
+    if model is not None and not (isinstance(model, nn.Module) or callable(model)):
+        raise TypeError(
+            f"model must be an nn.Module, a function returning one, or None; got "
+            f"{type(model).__name__}."
+        )
+    hp = _hyperparameters(key, hyperparameters)
+    rows = []
+    for name in recipes.RECIPES:
+        row: dict[str, Any] = {
+            "recipe": name,
+            "optimizer": key,
+            "expected": expected(key, name, hyperparameters=hp),
+            "measured": None,
+            "measured_bytes": None,
+        }
+        if model is not None:
+            report = _measured_after_one_step(key, name, model, hp, keep_fp32, seed)
+            row["measured"] = report.bytes_per_param
+            row["measured_bytes"] = report.bytes
+        rows.append(row)
+    return rows
