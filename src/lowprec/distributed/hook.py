@@ -550,29 +550,103 @@ class OneBitState:
                                "residual": piece[1].detach().to("cpu", torch.float32, copy=True)}
         return {"local": local, "stripe": stripe, "counters": self.counters()}
 
+    def _comm_device(self, group: dist.ProcessGroup) -> torch.device:
+        """Where the checkpoint collectives' tensors live: CUDA for an NCCL-only group, else CPU."""
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def state_dict(self) -> dict[str, Any]:
         """Every rank's residuals and counters, the settings and the iteration, on every rank.
 
         A collective over the state's process group: call it on **every** rank (then save the
-        result on one). The process group itself is not saved.
+        result on one). The process group itself is not saved. Only tensor collectives are used
+        (no pickling through ``all_gather_object``): an int64 header per rank (counters, and per
+        parameter the length of its local residual and the offset and length of its stripe
+        piece), then every rank's residuals as one flat FP32 tensor, padded to the longest.
 
         Returns:
             ``{"format", "version", "world_size", "iter", "config", "ranks"}``; ``ranks[r]`` holds
             rank ``r``'s ``"local"`` residuals (name -> FP32 CPU tensor of the parameter's size),
             ``"stripe"`` residuals (name -> ``{"offset", "residual"}``, the values of the stripe
             it aggregates) and ``"counters"``.
+
+        Raises:
+            RuntimeError: The ranks' states were built on models with different parameters.
         """
         group = self._group()
-        ranks: list[Any] = [None] * group.size()
-        dist.all_gather_object(ranks, self._own_residuals(), group=group)
+        world = group.size()
+        device = self._comm_device(group)
+        own = self._own_residuals()
+        names = list(self._numels)  # the module's parameters, in order: the same on every rank
+        counters = own["counters"]
+        header = [counters["iter"], *(counters[k] for k in _COUNTERS)]
+        payload: list[torch.Tensor] = []
+        for name in names:
+            local = own["local"].get(name)
+            piece = own["stripe"].get(name)
+            header.append(-1 if local is None else local.numel())
+            header += [-1, -1] if piece is None else [piece["offset"], piece["residual"].numel()]
+            if local is not None:
+                payload.append(local)
+            if piece is not None:
+                payload.append(piece["residual"])
+        flat = torch.cat(payload) if payload else torch.zeros(0)
+        # 1. Sizes: the header's length names the model (the same on every rank, else nobody can
+        # decode the others' headers), the payload's length sets the padding.
+        sizes = torch.tensor([len(header), flat.numel(), sum(self._numels.values())],
+                             dtype=torch.int64, device=device)
+        all_sizes = torch.empty(world, 3, dtype=torch.int64, device=device)
+        _all_gather_single(all_sizes.view(-1), sizes, group=group)
+        all_sizes = all_sizes.cpu()
+        if not bool((all_sizes[:, [0, 2]] == all_sizes[0, [0, 2]]).all()):
+            raise RuntimeError(
+                "OneBitState.state_dict(): the ranks' states were built on different models "
+                f"(parameters per rank: {(all_sizes[:, 0] - 1 - len(_COUNTERS)) // 3}, values "
+                f"per rank: {all_sizes[:, 2].tolist()}); build every rank's state on the same "
+                "model DDP wraps."
+            )
+        # 2. Headers (now known to have one length) and 3. payloads, padded to the longest.
+        headers = torch.empty(world, len(header), dtype=torch.int64, device=device)
+        _all_gather_single(headers.view(-1), torch.tensor(header, dtype=torch.int64,
+                                                           device=device), group=group)
+        headers = headers.cpu()
+        longest = int(all_sizes[:, 1].max())
+        send = torch.zeros(longest, dtype=torch.float32, device=device)
+        send[: flat.numel()] = flat
+        payloads = torch.empty(world, longest, dtype=torch.float32, device=device)
+        if longest:
+            _all_gather_single(payloads.view(-1), send, group=group)
+        payloads = payloads.cpu()
+        ranks = [self._decode_rank(names, headers[r].tolist(), payloads[r]) for r in range(world)]
         return {
             "format": _FORMAT,
             "version": _VERSION,
-            "world_size": group.size(),
+            "world_size": world,
             "iter": self.iter,
             "config": self.config(),
             "ranks": ranks,
         }
+
+    @staticmethod
+    def _decode_rank(names: list[str], header: list[int], payload: torch.Tensor) -> dict[str, Any]:
+        """One rank's part of ``state_dict()`` from its header and payload (see there)."""
+        counters = {"iter": header[0], **dict(zip(_COUNTERS, header[1 : 1 + len(_COUNTERS)],
+                                                  strict=True))}
+        local: dict[str, torch.Tensor] = {}
+        stripe: dict[str, dict[str, Any]] = {}
+        at, h = 0, 1 + len(_COUNTERS)
+        for name in names:
+            n_local, offset, n_stripe = header[h : h + 3]
+            h += 3
+            if n_local >= 0:
+                local[name] = payload[at : at + n_local].clone()
+                at += n_local
+            if n_stripe >= 0:
+                stripe[name] = {"offset": offset, "residual": payload[at : at + n_stripe].clone()}
+                at += n_stripe
+        return {"local": dict(sorted(local.items())), "stripe": dict(sorted(stripe.items())),
+                "counters": counters}
 
     def load_state_dict(self, state_dict: dict[str, Any], *, strict: bool = True) -> None:
         """Restore residuals, counters and the iteration from ``state_dict()``; call on every rank.
