@@ -7,13 +7,14 @@ import torch
 from torch import nn
 
 from lowprec import recipes
+from lowprec.dfp import DFPConv2d, DFPLinear
 from lowprec.diagnostics import gradient_range
 
 STEPS = 150
 #: Each recipe's final training loss must be within this relative gap of FP32's.
 TOLERANCE = {
     "amp-bf16": 0.03, "amp-fp16": 0.03, "bf16": 0.10, "bf16-kahan": 0.03, "bf16-split": 0.03,
-    "bf16-sr": 0.03, "fp16-master": 0.03,
+    "bf16-sr": 0.03, "fp16-master": 0.03, "dfp16": 0.03,
 }
 
 
@@ -133,3 +134,57 @@ def test_recipe_state_dict_round_trip():
     assert b.scaler.get_scale() == a.scaler.get_scale()
     with pytest.raises(ValueError, match="for recipe 'amp-fp16', not 'fp16-master'"):
         recipes.get("fp16-master").load_state_dict(a.state_dict())
+
+
+def test_every_named_recipe_is_buildable_and_listed():
+    assert recipes.names() == recipes.RECIPES
+    assert set(recipes.RECIPES) == {"fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan",
+                                    "bf16-split", "bf16-sr", "fp16-master", "dfp16"}
+    for name in recipes.RECIPES:
+        assert recipes.get(name).name == name
+
+
+class _Kept(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_dfp16_converts_linear_and_conv_and_keeps_fp32_masters():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 4), nn.LayerNorm(4),
+                          _Kept())
+    before = [p for p in model.parameters()]
+    recipe = recipes.get("dfp16", keep_fp32=(*recipes.NORM_LAYERS, _Kept))
+    model = recipe.convert(model)
+    assert type(model[0]) is DFPConv2d and type(model[2]) is DFPLinear
+    assert type(model[4].lin) is nn.Linear  # inside a kept layer type: left alone
+    # the parameters are the same FP32 objects: they are the masters the optimizer updates
+    assert [p for p in model.parameters()] == before
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    opt = recipe.optimizer("sgd", model.parameters(), lr=0.1)
+    assert opt.param_groups[0]["master"] == "none" and recipe.scaler is None
+    # a bare layer is replaced, not converted in place: convert returns the new module
+    layer = recipes.get("dfp16", dfp_rounding="stochastic").convert(nn.Linear(3, 2))
+    assert type(layer) is DFPLinear and layer.rounding == "stochastic"
+    with pytest.raises(ValueError, match="dfp_rounding applies to DFP recipes only"):
+        recipes.get("bf16", dfp_rounding="nearest")
+    with pytest.raises(ValueError, match="dfp_rounding must be one of"):
+        recipes.get("dfp16", dfp_rounding="up")
+
+
+def test_dfp16_forward_and_gradients_are_close_to_fp32_but_not_equal():
+    torch.manual_seed(0)
+    ref = _Net()
+    got = recipes.get("dfp16").convert(_Net())
+    got.load_state_dict(ref.state_dict())
+    x, y = _data(64)
+    for m in (ref, got):
+        (m(x) - y).pow(2).mean().backward()
+    out_ref, out_got = ref(x), got(x)
+    assert not torch.equal(out_ref, out_got)  # really quantized
+    torch.testing.assert_close(out_got, out_ref, rtol=0, atol=2e-3)
+    for a, b in zip(ref.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=2e-3 * float(a.grad.abs().max()))

@@ -26,12 +26,20 @@ bf16-kahan     BF16            kahan             no         no
 bf16-split     BF16            split             no         no
 bf16-sr        BF16            stochastic        no         no
 fp16-master    FP16            fp32              no         dynamic (Micikevicius et al.)
+dfp16          FP32 (master)   none              no         no (shared exponents, Das et al.)
 =============  ==============  ================  =========  ==============================
 
 Converting a model to a low-precision dtype keeps chosen layer types in FP32 (by default the
 normalization layers, whose statistics are fragile in 8 or 11 bits): their inputs are cast to
 FP32 on the way in and their outputs back on the way out. The converted model casts floating
 inputs to its dtype and returns FP32 outputs, so softmax and the loss are computed in FP32.
+
+``dfp16`` (Das et al. 2018) keeps FP32 weights, which are the master copy, and swaps every
+``nn.Linear`` and ``nn.Conv2d`` for its DFP-16 version (``lowprec.dfp.convert_to_dfp``): their
+products are INT16 x INT16 summed in INT32, with activations, weights and output gradients
+quantized to INT16 mantissas sharing one exponent. Everything else (embeddings, attention,
+normalization, the loss) stays FP32, as in the paper. The exponent has FP32's whole range, so no
+loss scaling is needed. DFP is exact integer emulation and slow: see docs/dfp.md.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import torch
 from torch import nn
 
 from lowprec import optim
+from lowprec.dfp import ROUNDING_MODES, convert_to_dfp
 from lowprec.scaling import LossScaler
 
 __all__ = ["NORM_LAYERS", "RECIPES", "Recipe", "get", "names"]
@@ -89,6 +98,10 @@ class Recipe:
         loss_scaling: ``"dynamic"``, ``"static"`` or None.
         keep_fp32: Layer types left in FP32 by ``convert`` (default: ``NORM_LAYERS``).
         scaler_options: Options passed to ``LossScaler`` (default: none).
+        dfp_rounding: When set, ``convert`` swaps Linear/Conv2d layers for DFP-16 ones with this
+            rounding (``"nearest"``, ``"stochastic"``, ``"biased"`` or ``"floor"``) for
+            activations, weights and output gradients (default: None, no DFP).
+        description: One line for tables.
     """
 
     name: str
@@ -98,9 +111,15 @@ class Recipe:
     loss_scaling: str | None = None
     keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
     scaler_options: dict[str, Any] = field(default_factory=dict)
+    dfp_rounding: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
+        if self.dfp_rounding is not None and self.dfp_rounding not in ROUNDING_MODES:
+            raise ValueError(
+                f"dfp_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))} or None, "
+                f"got {self.dfp_rounding!r}."
+            )
         self.scaler: LossScaler | None = None
         if self.loss_scaling is not None:
             if self.loss_scaling not in ("dynamic", "static"):
@@ -118,7 +137,10 @@ class Recipe:
 
         Parameters and floating buffers of ``keep_fp32`` layers stay FP32, with hooks casting
         their inputs to FP32 and outputs back. The model casts floating inputs to its dtype and
-        returns FP32 floating outputs. Calling ``convert`` twice is an error.
+        returns FP32 floating outputs. A DFP recipe swaps ``nn.Linear``/``nn.Conv2d`` layers for
+        DFP-16 ones (sharing their parameters), except those inside ``keep_fp32`` layers; when
+        ``model`` is itself such a layer the new module is returned, so use the return value.
+        Calling ``convert`` twice is an error.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
@@ -128,6 +150,14 @@ class Recipe:
                 "convert a fresh copy of the model instead."
             )
         dtype = self.param_dtype
+        if self.dfp_rounding is not None:
+            if dtype != torch.float32:
+                raise ValueError(
+                    f"recipe {self.name!r}: DFP layers keep FP32 master weights; set "
+                    "param_dtype=torch.float32."
+                )
+            kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
+            model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
         if dtype == torch.float32:
             model._lowprec_recipe = self.name
             return model
@@ -243,6 +273,8 @@ _SPECS: dict[str, dict[str, Any]] = {
                     description="BF16 weights with stochastic rounding."),
     "fp16-master": dict(param_dtype=torch.float16, master="fp32", loss_scaling="dynamic",
                         description="FP16 weights, FP32 master copy, dynamic loss scaling."),
+    "dfp16": dict(param_dtype=torch.float32, master="none", dfp_rounding="nearest",
+                  description="FP32 master weights, Linear/Conv2d in DFP-16 with INT32 sums."),
 }
 
 #: The recipe names, in display order.
@@ -258,10 +290,13 @@ def get(name: str, **overrides: Any) -> Recipe:
     """A new ``Recipe`` by name; ``overrides`` replace its fields (e.g. ``keep_fp32=()``)."""
     if name not in _SPECS:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}.")
-    unknown = set(overrides) - {"keep_fp32", "scaler_options", "loss_scaling"}
+    valid = ("keep_fp32", "scaler_options", "loss_scaling", "dfp_rounding")
+    unknown = set(overrides) - set(valid)
     if unknown:
-        raise TypeError(
-            f"get() got unknown options {sorted(unknown)}; valid: keep_fp32, scaler_options, "
-            "loss_scaling."
+        raise TypeError(f"get() got unknown options {sorted(unknown)}; valid: {', '.join(valid)}.")
+    if "dfp_rounding" in overrides and _SPECS[name].get("dfp_rounding") is None:
+        raise ValueError(
+            f"dfp_rounding applies to DFP recipes only; recipe {name!r} has no DFP layers "
+            "(use 'dfp16')."
         )
     return Recipe(name=name, **{**_SPECS[name], **overrides})
