@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -389,3 +390,128 @@ def test_closure_and_several_losses():
 
 def test_exported_at_top_level():
     assert lowprec.LossScaler is LossScaler
+
+
+def test_defaults_and_state_dict_keys_match_grad_scaler():
+    ours, theirs = LossScaler(), torch.amp.GradScaler("cpu")
+    assert ours.get_scale() == theirs.get_scale()
+    assert ours.get_growth_factor() == theirs.get_growth_factor()
+    assert ours.get_backoff_factor() == theirs.get_backoff_factor()
+    assert ours.get_growth_interval() == theirs.get_growth_interval()
+    assert ours.enabled is theirs.is_enabled() is ours.is_enabled()
+    model = _model()
+    for scaler in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(_loss(model, 0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    mine, ref = ours.state_dict(), theirs.state_dict()
+    assert set(ref) <= set(mine)
+    assert {k: mine[k] for k in ref} == ref
+
+
+# Every lowprec optimizer x master strategy the recipes use: a skipped iteration must be
+# invisible, i.e. the run equals one in which that iteration never happened, bit for bit (no
+# moment, trail, compensation, step counter or stochastic-rounding stream moved).
+SKIP_CASES = [
+    (cls, master, dtype)
+    for cls in (lowprec.SGD, lowprec.Adagrad, lowprec.Lamb, lowprec.AdamW)
+    for master, dtype in (("none", torch.float32), ("none", torch.bfloat16),
+                          ("kahan", torch.bfloat16), ("split", torch.bfloat16),
+                          ("stochastic", torch.bfloat16))
+]
+
+
+@pytest.mark.parametrize(
+    "cls, master, dtype", SKIP_CASES,
+    ids=[f"{c.__name__}-{m}-{str(d)[6:]}" for c, m, d in SKIP_CASES],
+)
+def test_skipped_iteration_is_invisible(cls, master, dtype):
+    def run(inject):
+        model = _model(dtype)
+        kw = {"momentum": 0.9} if cls is lowprec.SGD else {}
+        opt = cls(model.parameters(), lr=1e-2, master=master, seed=1, **kw)
+        scaler = LossScaler(init_scale=2.0**10, growth_interval=3)
+        took = []
+        for i in range(6):
+            if inject and i == 3:  # an extra iteration that overflows
+                opt.zero_grad()
+                scaler.scale(_loss(model, 99, dtype, poison="nan")).backward()
+                before = _snapshot(model, opt)
+                took.append(bool(scaler.step(opt)))
+                assert _equal(_snapshot(model, opt), before)
+                scaler.update()
+            opt.zero_grad()
+            scaler.scale(_loss(model, i, dtype)).backward()
+            took.append(bool(scaler.step(opt)))
+            scaler.update()
+        return _snapshot(model, opt), took, scaler.get_scale()
+
+    clean, took_clean, scale_clean = run(False)
+    skipped, took_skipped, scale_skipped = run(True)
+    assert took_clean == [True] * 6 and took_skipped == [True] * 3 + [False] + [True] * 3
+    assert scale_skipped < scale_clean  # it backed off: the runs really differ in scale
+    assert _equal(skipped, clean)
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    """Make every way of reading a tensor's value on the host raise."""
+    names = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync inside scaler.step")
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, boom)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host():
+    model = _model(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, master="kahan")
+    scaler = LossScaler(init_scale=2.0**8)
+    for i in range(3):
+        opt.zero_grad()
+        loss = scaler.scale(_loss(model, i, torch.bfloat16, poison="inf" if i == 2 else None))
+        loss.backward()
+        with _no_host_reads():
+            stepped = scaler.step(opt)  # unscale, inf/NaN check and skip all on the device
+        assert bool(stepped) == (i != 2)
+        scaler.update()
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"scale": float("inf")}, ValueError, "scale must be finite and > 0"),
+        ({"scale": -1.0}, ValueError, "scale must be finite and > 0"),
+        ({"growth_factor": 0.5}, ValueError, "growth_factor must be finite and > 1"),
+        ({"backoff_factor": 2.0}, ValueError, "backoff_factor must be < 1"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be an int >= 1"),
+        ({"_growth_tracker": -1}, ValueError, "_growth_tracker must be an int >= 0"),
+        ({"hysteresis": 0}, ValueError, "hysteresis must be an int >= 1"),
+        ({"min_scale": 1e9}, ValueError, "must lie in"),
+        ({"scale": "big"}, TypeError, "scale must be a number"),
+    ],
+)
+def test_bad_state_dict_raises_and_changes_nothing(change, error, match):
+    model = _model()
+    opt = SGD(model.parameters(), lr=0.1, master="none")
+    scaler = LossScaler(init_scale=2.0**9, growth_interval=3)
+    scaler.scale(_loss(model, 0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    before = scaler.state_dict()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict({**before, **change})
+    assert scaler.state_dict() == before
+    fresh = LossScaler()  # before its first scale(): the pending state must stay untouched too
+    with pytest.raises(error, match=match):
+        fresh.load_state_dict({**before, **change})
+    assert fresh.state_dict() == LossScaler().state_dict()

@@ -415,7 +415,11 @@ class LossScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict`` of this class or of ``torch.amp.GradScaler``."""
+        """Load a ``state_dict`` of this class or of ``torch.amp.GradScaler``.
+
+        Every value is checked before any is applied: a bad state dict raises and leaves the
+        scaler unchanged.
+        """
         if not self._enabled:
             return
         if len(state_dict) == 0:
@@ -427,19 +431,43 @@ class LossScaler:
                    "_growth_tracker"} - set(state_dict)
         if missing:
             raise ValueError(f"not a loss-scaler state dict: missing {sorted(missing)}.")
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
+
+        def count(name: str, default: int, low: int) -> int:
+            value = state_dict.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+            return value
+
+        scale = _check_positive("scale", state_dict["scale"])
+        growth_factor = _check_positive("growth_factor", state_dict["growth_factor"],
+                                        above_one=True)
+        backoff_factor = _check_positive("backoff_factor", state_dict["backoff_factor"])
+        if backoff_factor >= 1:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff_factor}.")
+        growth_interval = count("growth_interval", 0, 1)
+        tracker = count("_growth_tracker", 0, 0)
+        run = count("_overflow_run", 0, 0)
+        hysteresis = count("hysteresis", self._hysteresis, 1)
+        max_skips = count("max_consecutive_skips", self._max_skips, 1)
+        min_scale = _check_positive("min_scale", state_dict.get("min_scale", self._min_scale))
+        max_scale = _check_positive("max_scale", state_dict.get("max_scale", self._max_scale))
+        if not min_scale <= max_scale:
+            raise ValueError(f"min_scale={min_scale} must be <= max_scale={max_scale}.")
+        if "min_scale" in state_dict and not min_scale <= scale <= max_scale:
+            # (a GradScaler state has no bounds: its scale is taken as it is)
+            raise ValueError(
+                f"scale={scale} must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}]."
+            )
+
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
         self._dynamic = bool(state_dict.get("dynamic", self._dynamic))
-        self._min_scale = float(state_dict.get("min_scale", self._min_scale))
-        self._max_scale = float(state_dict.get("max_scale", self._max_scale))
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._max_skips = int(state_dict.get("max_consecutive_skips", self._max_skips))
-        values = {
-            "scale": float(state_dict["scale"]),
-            "_growth_tracker": int(state_dict["_growth_tracker"]),
-            "_overflow_run": int(state_dict.get("_overflow_run", 0)),
-        }
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._hysteresis = hysteresis
+        self._max_skips = max_skips
+        values = {"scale": scale, "_growth_tracker": tracker, "_overflow_run": run}
         if self._scale is None:
             self._pending = values
         else:
