@@ -76,6 +76,11 @@ SYNTH_SHAPES = {
 SYNTH_USE_ORDER = ("emb", "w1", "scalar", "b1", "long", "w3", "tiny", "conv", "w2")
 #: 4 x 256 output units of 1024 values: long columns, one bucket, for the byte counts.
 BIG_SHAPES = {f"w{i}": (256, 1024) for i in range(4)}
+#: Edge cases, one bucket each with a tiny bucket_cap_mb: an empty parameter, one value, odd sizes.
+TINY_SHAPES = {"empty": (0, 5), "one": (), "odd": (7,), "w": (3, 41), "single": (1,),
+               "three": (3,)}
+MODELS = {"synth": (SYNTH_SHAPES, SYNTH_USE_ORDER), "big": (BIG_SHAPES, None),
+          "tiny": (TINY_SHAPES, ("w", "three", "one", "empty", "single", "odd"))}
 
 
 def synthetic_grad(shape: tuple[int, ...], *, step: int, rank: int, index: int,
@@ -113,8 +118,7 @@ def _names(module: nn.Module) -> dict[int, str]:
 
 def run_synthetic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Feed synthetic gradients through DDP + onebit_hook; record outputs, layouts, counters."""
-    shapes = BIG_SHAPES if cfg.get("model") == "big" else SYNTH_SHAPES
-    order = None if cfg.get("model") == "big" else SYNTH_USE_ORDER
+    shapes, order = MODELS[cfg.get("model", "synth")]
     dtype = getattr(torch, cfg.get("dtype", "float32"))
     model = SynthModel(shapes, order).to(dtype)
     ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
@@ -148,8 +152,36 @@ def _chunk_sizes(state: OneBitState) -> list[int]:
     return sorted(layout.chunk_bytes for layout in state._layouts.values())
 
 
+class FakeBucket:
+    """The part of ``dist.GradBucket`` that ``onebit_hook`` uses, for buckets DDP never makes."""
+
+    def __init__(self, params: list[nn.Parameter], buffer: torch.Tensor) -> None:
+        self._params, self._buffer = params, buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return True
+
+
+def direct_edge_buckets(rank: int) -> dict[str, torch.Tensor]:
+    """``onebit_hook`` called directly (compressing from the first step) on a bucket of no values
+    (DDP folds empty parameters into others) and on a one-value bucket."""
+    model = nn.ParameterDict({"empty": nn.Parameter(torch.zeros(0)),
+                              "one": nn.Parameter(torch.zeros(1))})
+    state = OneBitState(model, warmup_steps=0)
+    empty = onebit_hook(state, FakeBucket([model["empty"]], torch.zeros(0))).wait()
+    one = onebit_hook(state, FakeBucket([model["one"]], torch.tensor([rank + 1.5]))).wait()
+    return {"empty": empty, "one": one, "counters": state.counters()}
+
+
 def worker_synthetic(rank: int, world: int, out: Path, configs: list[dict[str, Any]]) -> None:
     results = [run_synthetic(rank, world, cfg) for cfg in configs]
+    results.append(direct_edge_buckets(rank))
     torch.save(results, out / f"synthetic-{rank}.pt")
 
 
@@ -252,8 +284,10 @@ def _bad_loads(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_trained(rank: int, world: int, out: Path, hooks: dict[str, dict[str, Any]],
-                   steps: int, save_at: int, converge: dict[str, dict[str, Any]]) -> None:
-    """Resume each hook configuration from a checkpoint, try bad loads, run convergence."""
+                   steps: int, save_at: int, converge: dict[str, dict[str, Any]],
+                   scaler_run: dict[str, Any]) -> None:
+    """Resume each hook configuration from a checkpoint, try bad loads, run convergence, and
+    train with a loss scaler through a NaN on one rank."""
     resume: dict[str, Any] = {}
     for name, hook in hooks.items():
         full = train(rank, hook=hook, steps=steps, save_at=save_at, bucket_cap_mb=0.03)
@@ -276,5 +310,112 @@ def worker_trained(rank: int, world: int, out: Path, hooks: dict[str, dict[str, 
     for r in results.values():
         r.pop("params")
         r.pop("checkpoint")
-    torch.save({"resume": resume, "errors": errors, "converge": results},
+    scaled = train_with_scaler(rank, **scaler_run)
+    torch.save({"resume": resume, "errors": errors, "converge": results, "scaler": scaled},
                out / f"trained-{rank}.pt")
+
+
+# ------------------------------------------------------------- a NaN on one rank, loss scaler
+
+
+def train_with_scaler(rank: int, *, steps: int, poison_step: int, poison_rank: int,
+                      poison_param: str, warmup_steps: int) -> dict[str, Any]:
+    """Train the MLP with DDP, onebit_hook and lowprec.LossScaler; at ``poison_step`` rank
+    ``poison_rank`` makes ``poison_param``'s gradient NaN (a tensor hook, before DDP sees it).
+
+    Returns per step whether the scaler stepped, the scale, the parameters and the local
+    residuals (from ``state_dict()``) after the step, and the final counters."""
+    from lowprec import LossScaler
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = LossScaler(init_scale=2.0**10)
+    state = OneBitState(model, warmup_steps=warmup_steps)
+    ddp = DDP(model, bucket_cap_mb=0.03)  # several buckets: the poisoned one falls back alone
+    ddp.register_comm_hook(state, onebit_hook)
+    step_now = [0]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if rank == poison_rank and step_now[0] == poison_step:
+            return torch.full_like(grad, float("nan"))
+        return grad
+
+    dict(model.named_parameters())[poison_param].register_hook(poison)
+    stepped, scales, params, residuals = [], [], [], []
+    for t in range(steps):
+        step_now[0] = t
+        x, y = teacher_data(16, seed=t * 131 + rank)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(nn.functional.mse_loss(ddp(x), y)).backward()
+        stepped.append(bool(scaler.step(opt)))
+        scaler.update()
+        scales.append(scaler.get_scale())
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        residuals.append(state.state_dict()["ranks"][rank]["local"])
+    return {"stepped": stepped, "scales": scales, "params": params, "residuals": residuals,
+            "counters": state.counters()}
+
+
+# ------------------------------------------------------------------------- a rank that dies
+
+
+def dying_rank(rank: int, world: int, port: int, out: str, mode: str, timeout_s: float,
+               die_after: int) -> None:
+    """Rank 1 is killed (``mode="kill"``: SIGKILL) or stalls (``"stall"``: sleeps) after
+    ``die_after`` steps; the others keep training and record what they raised and when."""
+    import signal
+    import time
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = DDP(model)
+    ddp.register_comm_hook(OneBitState(model, warmup_steps=1), onebit_hook)
+    result: dict[str, Any] = {"error": None, "steps": 0}
+    t0 = time.monotonic()
+    try:
+        for t in range(die_after + 50):
+            if rank == 1 and t == die_after:
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(600)  # stall: never reach the next collective (killed)
+            x, y = teacher_data(16, seed=t * 131 + rank)
+            opt.zero_grad(set_to_none=True)
+            t0 = time.monotonic()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            result["steps"] = t + 1
+    except Exception as e:  # the test checks type, message and time
+        result["error"] = (type(e).__name__, [c.__name__ for c in type(e).__mro__], str(e))
+    result["seconds"] = time.monotonic() - t0
+    torch.save(result, Path(out) / f"dying-{rank}.pt")
+    os._exit(0)  # no destroy_process_group: it would wait for the dead rank
+
+
+def run_dying(world: int, out: Path, mode: str, *, timeout_s: float, die_after: int,
+              wait_s: float) -> int | None:
+    """Start ``dying_rank`` in ``world`` processes and wait up to ``wait_s`` seconds for rank 0;
+    return its exit code (None: still running, i.e. hung). Every process left is then killed."""
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=dying_rank, args=(r, world, port, str(out), mode, timeout_s,
+                                                  die_after)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + wait_s
+    try:
+        for p in procs[:1] + procs[2:]:  # the survivors (rank 1 is the one that dies)
+            p.join(max(0.0, deadline - time.monotonic()))
+        return procs[0].exitcode
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()

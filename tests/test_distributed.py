@@ -394,6 +394,12 @@ SYNTHETIC = {
                                  "bucket_cap_mb": 0.02}),
     "w3-big-1bit": (3, {"model": "big", "state": {"rule": "zero-threshold", "warmup_steps": 0},
                         "steps": 3}),
+    # One parameter per bucket: an empty one, single values, odd sizes, a 3-value bucket on 3
+    # ranks (one value per stripe) and a 1-value bucket (stripes of 0 values on all but one rank).
+    "w2-tiny": (2, {"model": "tiny", "state": {"warmup_steps": 0}, "steps": 3,
+                    "bucket_cap_mb": 1e-6}),
+    "w3-tiny": (3, {"model": "tiny", "state": {"rule": "zero-threshold", "warmup_steps": 0},
+                    "steps": 3, "bucket_cap_mb": 1e-6, "nonfinite": [(2, 1, "w", NAN)]}),
 }
 
 #: Resume scenarios (2 ranks): a run checkpointed after step SAVE_AT and resumed in fresh DDP
@@ -403,6 +409,11 @@ RESUME_HOOKS = {
     "range-2bit": {"rule": "range", "bits": 2, "warmup_steps": 2},
 }
 RESUME_STEPS, SAVE_AT = 8, 4
+
+#: A NaN on one rank under a loss scaler (2 ranks, several buckets): rank 1 poisons the first
+#: layer's weight gradient at step 4, after 2 uncompressed steps.
+SCALER_RUN = {"steps": 7, "poison_step": 4, "poison_rank": 1, "poison_param": "net.0.weight",
+              "warmup_steps": 2}
 
 #: Bad checkpoints (built in workers._bad_loads): case -> (exception, message regex); None: loads.
 BAD_LOADS = {
@@ -421,10 +432,10 @@ BAD_LOADS = {
 #: Convergence: an MLP regression, 2 ranks x batch 32, SGD(lr=0.02, momentum=0.9), 400 steps, the
 #: first 10 uncompressed. Over seeds 0-5 the 1-bit runs' final eval loss was above the uncompressed
 #: run's by 0.10 % on average (0.13 % at most) for "range" and 0.78 % (1.07 %) for
-#: "zero-threshold" (docs/distributed.md); the test allows 5 %.
+#: "zero-threshold" (docs/distributed.md); the issue's target, and the test's bound, is 2 %.
 CONVERGE_TRAIN = {"steps": 400, "lr": 0.02, "batch": 32}
 CONVERGE_WARMUP = 10
-CONVERGE_RTOL = 0.05
+CONVERGE_RTOL = 0.02
 CONVERGE_RUNS = {
     "fp32": {"hook": None},
     "zero-threshold": {"hook": {"rule": "zero-threshold", "warmup_steps": CONVERGE_WARMUP}},
@@ -450,6 +461,7 @@ def synthetic(tmp_path_factory):
                     for r in range(world)]
         for i, n in enumerate(names):
             results[n] = [per_rank[r][i] for r in range(world)]
+        results[f"direct-w{world}"] = [per_rank[r][-1] for r in range(world)]
     return results
 
 
@@ -457,13 +469,14 @@ def synthetic(tmp_path_factory):
 def trained(tmp_path_factory):
     """Resume scenarios, bad loads and convergence runs, in one 2-process group."""
     out = _launch(2, tmp_path_factory, workers.worker_trained, RESUME_HOOKS, RESUME_STEPS,
-                  SAVE_AT, {n: {**kw, **CONVERGE_TRAIN} for n, kw in CONVERGE_RUNS.items()})
+                  SAVE_AT, {n: {**kw, **CONVERGE_TRAIN} for n, kw in CONVERGE_RUNS.items()},
+                  SCALER_RUN)
     return [torch.load(out / f"trained-{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _inputs(name):
     world, cfg = SYNTHETIC[name]
-    shapes = workers.BIG_SHAPES if cfg.get("model") == "big" else workers.SYNTH_SHAPES
+    shapes = workers.MODELS[cfg.get("model", "synth")][0]
     grads = []
     for t in range(cfg["steps"]):
         step = []
@@ -652,3 +665,125 @@ def test_convergence_close_to_uncompressed(trained, rule):
     counters = ours["counters"]
     assert counters["uncompressed_buckets"] > 0 and counters["compressed_buckets"] > 0
     assert counters["fallback_buckets"] == 0
+
+
+@pytest.mark.multiprocess
+def test_edge_buckets_exist(synthetic):
+    """The tiny scenarios (checked bit for bit above) really have buckets of 1 value and of odd
+    sizes on 2 and 3 ranks, and an empty parameter; DDP never makes an empty bucket, so the hook
+    is also called directly on one (and on a one-value bucket, compressed: exact)."""
+    shapes = workers.TINY_SHAPES
+    for name in ("w2-tiny", "w3-tiny"):
+        buckets = [b for step in synthetic[name][0]["layouts"] for b in step]
+        sizes = {sum(math.prod(shapes[n.removeprefix("params.")]) for n in b) for b in buckets}
+        assert {1, 3, 7, 123} <= sizes, (name, sizes)
+        assert any("params.empty" in b for b in buckets)
+        assert synthetic[name][0]["counters"][-1]["compressed_buckets"] > 0
+    for world in (1, 2, 3):
+        for rank in synthetic[f"direct-w{world}"]:
+            assert rank["empty"].shape == (0,)
+            assert rank["one"].tolist() == [sum(k + 1.5 for k in range(world)) / world]
+            assert rank["counters"]["compressed_buckets"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["w2-1bit-zero", "w2-1bit-range-warmup", "w3-1bit-zero",
+                                  "w2-big-2bit", "w3-tiny"])
+def test_telescoping_identity(synthetic, name):
+    """What was applied over all steps, plus the final residuals (the aggregation residual and
+    the ranks' mean local residual), equals the sum of the true averaged gradients, to FP32
+    rounding: error feedback loses nothing."""
+    world, cfg, shapes, grads = _inputs(name)
+    ranks = synthetic[name]
+    state = ranks[0]["state"]
+    agg = _stripe_residuals(state, shapes)
+    largest = 0.0
+    for n in shapes:
+        applied = sum(ranks[0]["outputs"][t][n].reshape(-1).double() for t in range(cfg["steps"]))
+        local = sum(state["ranks"][k]["local"][n].double() for k in range(world)) / world
+        true = sum(grads[t][k][n].reshape(-1).double() / world
+                   for t in range(cfg["steps"]) for k in range(world))
+        # Each step rounds a handful of FP32 operations on values about the size of the gradients.
+        size = sum(grads[t][k][n].reshape(-1).double().abs() / world
+                   for t in range(cfg["steps"]) for k in range(world))
+        size = size + sum(ranks[0]["outputs"][t][n].reshape(-1).double().abs()
+                          for t in range(cfg["steps"]))
+        bound = 8 * world * EPS32 * size
+        ok = ~true.isfinite() | ((applied + agg[n].double() + local - true).abs() <= bound)
+        assert bool(ok.all()), (n, float((applied + agg[n].double() + local - true).abs().max()))
+        if local.numel():
+            largest = max(largest, float((agg[n].abs() + local.abs()).max()))
+    assert largest > 0  # the residuals are not trivially zero
+
+
+@pytest.mark.multiprocess
+def test_nan_on_one_rank_skips_the_step_on_every_rank(trained):
+    """Rank 1's NaN gradient in one bucket: that bucket is all-reduced uncompressed, so the loss
+    scaler sees the NaN on every rank, every rank skips the step and backs off, the models stay
+    identical, and the poisoned parameter's residuals are kept as they were."""
+    step, param = SCALER_RUN["poison_step"], SCALER_RUN["poison_param"]
+    a, b = (rank["scaler"] for rank in trained)
+    expected = [t != step for t in range(SCALER_RUN["steps"])]
+    assert a["stepped"] == expected and b["stepped"] == expected
+    assert a["scales"][step] == a["scales"][step - 1] / 2 == b["scales"][step]
+    for t in range(SCALER_RUN["steps"]):
+        for n, p in a["params"][t].items():
+            assert torch.equal(p, b["params"][t][n]), (t, n)
+            if t == step:  # skipped: nothing moved
+                assert torch.equal(p, a["params"][t - 1][n]), n
+    for rank in (a, b):
+        assert torch.equal(rank["residuals"][step][param], rank["residuals"][step - 1][param])
+        moved = [n for n in rank["residuals"][step] if n != param and not torch.equal(
+            rank["residuals"][step][n], rank["residuals"][step - 1][n])]
+        assert moved, "the other buckets were compressed as usual"
+        assert rank["counters"]["fallback_buckets"] == 1
+        assert all(torch.isfinite(v).all() for v in rank["residuals"][-1].values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("mode", "message"), [("kill", r"Connection reset|Connection closed"),
+                                               ("stall", r"Timed out")])
+def test_dead_rank_raises_on_the_others_not_hangs(tmp_path, mode, message):
+    """Rank 1 of 3 is SIGKILLed (or stalls) after 3 steps; ranks 0 and 2 raise from backward()
+    (gloo's error, or its timeout) within the group's timeout instead of hanging."""
+    timeout_s = 4.0
+    code = workers.run_dying(3, tmp_path, mode, timeout_s=timeout_s, die_after=3, wait_s=120)
+    assert code == 0, "rank 0 hung or crashed"
+    for r in (0, 2):
+        got = torch.load(tmp_path / f"dying-{r}.pt", weights_only=False)
+        assert got["steps"] == 3 and got["error"] is not None, got
+        assert "RuntimeError" in got["error"][1] and re.search(message, got["error"][2]), got
+        assert got["seconds"] < timeout_s + 3, got
+
+
+@pytest.mark.multiprocess
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/ddp_onebit.py with ``torchrun --nproc-per-node 2`` on 127.0.0.1: trains with the
+    hook and the loss scaler, saves a checkpoint, and resumes from it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_onebit.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    ckpt = tmp_path / "ckpt.pt"
+
+    def torchrun(*args: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(workers.free_port()), str(script), "--log-every", "5",
+               "--warmup-steps", "3", "--loss-scaler", *args]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    first = torchrun("--steps", "10", "--checkpoint", str(ckpt))
+    assert re.search(r"done: 2 ranks, 10 steps .* skipped 0", first), first
+    assert re.search(r"7 buckets compressed, 3 uncompressed, 0 fell back", first), first
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["step"] == 10 and saved["onebit"]["world_size"] == 2
+    assert all(part["local"] for part in saved["onebit"]["ranks"])
+    second = torchrun("--steps", "14", "--resume", str(ckpt))
+    assert re.search(r"done: 2 ranks, 4 steps", second), second
+    assert re.search(r"11 buckets compressed, 3 uncompressed", second), second
