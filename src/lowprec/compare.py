@@ -30,7 +30,7 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
 
 # Learning rates per optimizer for the built-in task (AdamW/LAMB in the usual range for a small
 # transformer; SGD and Adagrad need larger steps).
-DEFAULT_LR = {"adamw": 2e-3, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.3}
+DEFAULT_LR = {"adamw": 1e-3, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.3}
 
 
 @dataclass
@@ -175,15 +175,24 @@ def run_recipe(
             on_step(step, value)
     tail = [v for v in losses[-max(1, cfg.steps // 10):] if math.isfinite(v)]
     mem = memory.measure(model, opt)
+    lost = None
+    if monitor is not None:
+        # What the training trajectory loses: updates that left the master value unchanged
+        # (for Kahan, split and an FP32 copy the stored BF16/FP16 weight may lag while the
+        # master keeps the update).
+        lost = monitor.master_lost_fraction
+        if lost is None:
+            lost = monitor.lost_update_fraction
+        monitor.close()
     return {
         "recipe": name,
         "final_loss": statistics.fmean(tail) if tail else float("nan"),
         "eval_loss": _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches)),
         "step_time_s": statistics.median(times[1:] if len(times) > 1 else times),
         "bytes_per_param": mem.bytes_per_param,
-        "lost_update_fraction": monitor.lost_update_fraction if monitor is not None else None,
-        "master_lost_fraction": (
-            monitor.master_lost_fraction if monitor is not None else None
+        "lost_update_fraction": lost,
+        "stored_unchanged_fraction": (
+            monitor.lost_update_fraction if monitor is not None else None
         ),
         "skipped_steps": skipped,
         "losses": losses,

@@ -1,0 +1,535 @@
+"""The ``lowprec`` command: ``compare``, ``memory`` and ``numerics``.
+
+The numbers come from ``lowprec.compare``, ``lowprec.memory`` and ``lowprec.demos``, which print
+nothing; this module parses options (argparse), shows progress and tables (rich) and draws the
+loss curves (matplotlib, headless). A user mistake (an unknown recipe, a negative step count)
+ends with one ``lowprec: error: ...`` line and exit status 2, never a traceback; Ctrl-C during
+``compare`` prints the recipes measured so far, saves them, and exits with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lowprec
+from lowprec import recipes as recipes_mod
+
+__all__ = ["main"]
+
+_EXTRA_HINT = 'the lowprec command needs its extras: pip install "lowprec[cli]" ({})'
+
+
+class UsageError(Exception):
+    """A mistake in the command line: printed as one line, exit status 2."""
+
+
+def _import_rich():
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError as exc:  # pragma: no cover - the cli extra installs rich
+        raise UsageError(_EXTRA_HINT.format(exc)) from None
+    return Console, Table
+
+
+def _console():
+    """A rich console; wide enough for the tables when the output is a file or a pipe."""
+    Console, _ = _import_rich()
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    return console
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _recipe_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    valid = recipes_mod.names()
+    if not names:
+        raise argparse.ArgumentTypeError(f"no recipe given; choose from {', '.join(valid)}")
+    for name in names:
+        if name not in valid:
+            raise argparse.ArgumentTypeError(
+                f"unknown recipe {name!r}; choose from {', '.join(valid)}"
+            )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("a recipe is listed twice; list each once")
+    return names
+
+
+def _optimizer(text: str) -> str:
+    from lowprec.compare import OPTIMIZERS
+
+    key = text.strip().lower()
+    if key not in OPTIMIZERS:
+        raise argparse.ArgumentTypeError(
+            f"unknown optimizer {text!r}; choose from {', '.join(OPTIMIZERS)}"
+        )
+    return key
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lowprec.compare import DEFAULT_LR, DEFAULT_RECIPES, CompareConfig
+    from lowprec.task import ModelConfig
+
+    cfg, model = CompareConfig(), ModelConfig()
+    parser = argparse.ArgumentParser(
+        prog="lowprec",
+        description="Compare low-precision training recipes: loss, speed, memory, lost updates.",
+    )
+    parser.add_argument("--version", action="version", version=f"lowprec {lowprec.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser(
+        "compare",
+        help="train the built-in model under each recipe and compare (the main job)",
+        description=(
+            "Train a byte-level transformer language model on Python's own standard-library "
+            "sources under each recipe, from the same initial weights and batches, and report "
+            "the final train and eval loss and gap to FP32, the median step time and speed-up, "
+            "the bytes per parameter by buffer, and the fraction of updates lost to rounding. "
+            "Writes a JSON file with every number and a PNG of the loss curves."
+        ),
+    )
+    c.add_argument("--recipes", type=_recipe_list, default=DEFAULT_RECIPES,
+                   help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; "
+                        f"all: {','.join(recipes_mod.names())})")
+    c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
+                   help=f"sgd, adagrad, lamb or adamw (default: {cfg.optimizer})")
+    c.add_argument("--steps", type=_positive_int, default=cfg.steps,
+                   help=f"training steps per recipe (default: {cfg.steps})")
+    c.add_argument("--lr", type=_positive_float, default=None,
+                   help="peak learning rate (default: per optimizer, adamw "
+                        f"{DEFAULT_LR['adamw']:g})")
+    c.add_argument("--seed", type=_nonnegative_int, default=cfg.seed,
+                   help=f"seed of the initial weights and the batches (default: {cfg.seed})")
+    c.add_argument("--batch-size", type=_positive_int, default=cfg.batch_size,
+                   help=f"sequences per batch (default: {cfg.batch_size})")
+    c.add_argument("--d-model", type=_positive_int, default=model.d_model,
+                   help=f"model width (default: {model.d_model})")
+    c.add_argument("--n-layer", type=_positive_int, default=model.n_layer,
+                   help=f"transformer blocks (default: {model.n_layer})")
+    c.add_argument("--n-head", type=_positive_int, default=model.n_head,
+                   help=f"attention heads (default: {model.n_head})")
+    c.add_argument("--context", type=_positive_int, default=model.context,
+                   help=f"sequence length in bytes (default: {model.context})")
+    c.add_argument("--threads", type=_positive_int, default=cfg.threads,
+                   help=f"torch threads (default: {cfg.threads})")
+    c.add_argument("--eval-batches", type=_positive_int, default=cfg.eval_batches,
+                   help=f"held-out batches for the eval loss (default: {cfg.eval_batches})")
+    c.add_argument("--monitor-every", type=_nonnegative_int, default=cfg.monitor_every,
+                   help="count lost updates every k steps, 0 for never "
+                        f"(default: {cfg.monitor_every})")
+    c.add_argument("--out", type=Path, default=Path("lowprec-out"),
+                   help="folder for compare.json and compare.png (default: lowprec-out)")
+    c.add_argument("--json", type=Path, default=None,
+                   help="where to write the JSON (default: OUT/compare.json)")
+    c.add_argument("--plot", type=Path, default=None,
+                   help="where to write the loss-curve PNG (default: OUT/compare.png)")
+    c.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=_cmd_compare)
+
+    m = sub.add_parser(
+        "memory",
+        help="bytes per parameter of each recipe, expected and measured",
+        description=(
+            "Bytes per parameter element (weights, gradients, optimizer state, master copy / "
+            "trail / compensation) of each recipe with one optimizer: derived from the "
+            "optimizer's own choices, and measured from the tensors of the built-in model "
+            "after one step (every layer converted, so the two must agree)."
+        ),
+    )
+    m.add_argument("--optimizer", type=_optimizer, default="adamw",
+                   help="sgd, adagrad, lamb or adamw (default: adamw)")
+    m.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
+    m.set_defaults(func=_cmd_memory)
+
+    n = sub.add_parser(
+        "numerics",
+        help="the precision problems made visible: swamping, FP16 underflow, DFP-16 rounding",
+        description=(
+            "Three small experiments: a small number added many times to a large one in FP32, "
+            "BF16, BF16 + Kahan, split and stochastic rounding (swamping); gradient-sized "
+            "values cast to FP16 with and without loss scaling (underflow); and the DFP-16 "
+            "quantization error of each rounding mode."
+        ),
+    )
+    n.add_argument("--big", type=float, default=1.0, help="the large value (default: 1.0)")
+    n.add_argument("--small", type=float, default=1e-4, help="the increment (default: 1e-4)")
+    n.add_argument("--steps", type=_nonnegative_int, default=1000,
+                   help="number of additions (default: 1000)")
+    n.add_argument("--seed", type=_nonnegative_int, default=0, help="seed (default: 0)")
+    n.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    n.set_defaults(func=_cmd_numerics)
+    return parser
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _fmt(value: Any, spec: str, none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "lowprec": lowprec.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "bf16_matmul_isa": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+# ---------------------------------------------------------------------------------- compare
+
+
+def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None):
+    """The comparison as a rich ``Table``."""
+    _, Table = _import_rich()
+    table = Table(title=title, title_justify="left")
+    for name, justify in (
+        ("recipe", "left"), ("train loss", "right"), ("eval loss", "right"),
+        ("gap vs fp32", "right"), ("step ms", "right"), ("speed-up", "right"),
+        ("B/param", "right"), ("weights", "right"), ("grads", "right"), ("state", "right"),
+        ("master", "right"), ("lost updates", "right"), ("skipped", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for r in records:
+        b = r["bytes_per_param"]
+        gap = r.get("eval_gap")
+        table.add_row(
+            r["recipe"],
+            _fmt(r["final_loss"], ".4f"),
+            _fmt(r["eval_loss"], ".4f"),
+            _fmt(None if gap is None else 100 * gap, "+.2f", "-") + ("%" if gap is not None else ""),
+            _fmt(1e3 * r["step_time_s"], ".1f"),
+            _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
+            _fmt(b["total"], ".1f"),
+            _fmt(b["weights"], ".1f"),
+            _fmt(b["grads"], ".1f"),
+            _fmt(b["optimizer_state"], ".1f"),
+            _fmt(b["master"], ".1f"),
+            _fmt(None if r["lost_update_fraction"] is None else 100 * r["lost_update_fraction"],
+                 ".2f") + ("%" if r["lost_update_fraction"] is not None else ""),
+            str(r["skipped_steps"]),
+        )
+    return table
+
+
+def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
+    """Draw each recipe's training loss (smoothed) against the step, and its eval loss."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - the cli extra installs matplotlib
+        raise UsageError(_EXTRA_HINT.format(exc)) from None
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in records:
+        losses = r["losses"]
+        smooth, ema = [], None
+        for v in losses:
+            if math.isfinite(v):
+                ema = v if ema is None else 0.9 * ema + 0.1 * v
+            smooth.append(math.nan if ema is None else ema)
+        style = "--" if r["recipe"] == "fp32" else "-"
+        for axis in (ax, zoom):
+            axis.plot(range(1, len(smooth) + 1), smooth, style, label=r["recipe"], lw=1.3)
+    ax.set(xlabel="step", ylabel="train loss (EMA 0.9)", title=title)
+    half = max(1, len(records[0]["losses"]) // 2) if records else 1
+    tails = [v for r in records for v in r["losses"][half:] if math.isfinite(v)]
+    zoom.set(xlabel="step", title="second half, zoomed")
+    if tails:
+        lo, hi = min(tails), sorted(tails)[int(0.98 * (len(tails) - 1))]
+        pad = max(0.02 * (hi - lo), 1e-3 * abs(hi), 1e-6)
+        zoom.set_xlim(half, max(len(r["losses"]) for r in records) + 1)
+        zoom.set_ylim(lo - pad, hi + pad)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    zoom.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from lowprec.compare import CompareConfig, compare, config_dict
+    from lowprec.task import ModelConfig
+
+    console = _console()
+    try:
+        model = ModelConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
+                            context=args.context)
+        cfg = CompareConfig(
+            recipes=args.recipes, optimizer=args.optimizer, steps=args.steps, lr=args.lr,
+            seed=args.seed, batch_size=args.batch_size, model=model, threads=args.threads,
+            eval_batches=args.eval_batches, monitor_every=args.monitor_every,
+        )
+        cfg.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    json_path = args.json or args.out / "compare.json"
+    plot_path = None if args.no_plot else (args.plot or args.out / "compare.png")
+    title = (f"{cfg.optimizer}, {cfg.steps} steps, d_model {model.d_model} x {model.n_layer} "
+             f"layers, batch {cfg.batch_size}x{model.context}, {cfg.threads} threads")
+
+    records: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    started = time.perf_counter()
+    progress = None
+    if not args.no_progress:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        progress = Progress(
+            TextColumn("[bold]{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=console, transient=False,
+        )
+    tasks: dict[str, Any] = {}
+
+    def on_start(name: str) -> None:
+        current.clear()
+        current.update(recipe=name, step=0, loss=math.nan)
+        if progress is not None:
+            tasks[name] = progress.add_task(name, total=cfg.steps, loss="-")
+
+    def on_step(step: int, loss: float) -> None:
+        current.update(step=step + 1, loss=loss)
+        if progress is not None:
+            progress.update(tasks[current["recipe"]], advance=1, loss=f"{loss:.4f}")
+
+    def on_done(record: dict[str, Any]) -> None:
+        current.clear()
+
+    console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(cfg.recipes)}")
+    interrupted = False
+    try:
+        if progress is not None:
+            progress.start()
+        try:
+            compare(cfg, on_start=on_start, on_step=on_step, on_done=on_done, records=records)
+        finally:
+            if progress is not None:
+                progress.stop()
+    except KeyboardInterrupt:
+        interrupted = True
+        where = (f"; {current['recipe']} stopped at step {current['step']}/{cfg.steps}"
+                 if current else "")
+        console.print(f"[yellow]Interrupted[/yellow] after {len(records)} of "
+                      f"{len(cfg.recipes)} recipes{where}.")
+
+    payload = {
+        "command": "compare",
+        "interrupted": interrupted,
+        "wall_time_s": time.perf_counter() - started,
+        "config": config_dict(cfg),
+        "environment": _environment(),
+        "records": records,
+    }
+    if records:
+        console.print(compare_table(records, title=f"lowprec compare: {title}"))
+        _notes(console, records)
+    else:
+        console.print("No recipe finished: nothing to report.")
+    _write_json(json_path, payload)
+    console.print(f"JSON: {json_path}")
+    if plot_path is not None and records:
+        plot_losses(records, plot_path, title=title)
+        console.print(f"Plot: {plot_path}")
+    console.print(f"Total {payload['wall_time_s']:.0f} s.")
+    return 130 if interrupted else 0
+
+
+def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
+    """One line of reading help under the table."""
+    console.print(
+        "gap: eval loss relative to fp32's; speed-up: fp32's median step time over the "
+        "recipe's; B/param: bytes per parameter measured from the tensors (state = moments, "
+        "master = FP32 copy / trail / compensation); lost updates: updates that left the "
+        "(master) weight unchanged; skipped: steps skipped on inf/NaN by the loss scaler.",
+        style="dim",
+    )
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from lowprec import memory
+    from lowprec.task import CharTransformer, ModelConfig
+
+    _, Table = _import_rich()
+    console = _console()
+    torch.manual_seed(0)
+    model = CharTransformer(ModelConfig())
+    rows = memory.table(args.optimizer, model=model, keep_fp32=())
+    numel = sum(p.numel() for p in model.parameters())
+    table = Table(
+        title=f"Bytes per parameter, {args.optimizer} (measured: the built-in model, "
+              f"{numel:,} parameters, every layer converted, after one step)",
+        title_justify="left",
+    )
+    for col in ("recipe", "weights", "grads", "state", "master", "total", "measured",
+                "agrees"):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    all_agree = True
+    for row in rows:
+        e, m = row["expected"], row["measured"]
+        # The measured total also holds the per-tensor step counters (a few bytes per tensor).
+        agrees = all(abs(e[k] - m[k]) < 1e-9 for k in memory.CATEGORIES if k != "other")
+        all_agree &= agrees
+        table.add_row(row["recipe"], f"{e['weights']:g}", f"{e['grads']:g}",
+                      f"{e['optimizer_state']:g}", f"{e['master']:g}", f"[bold]{e['total']:g}",
+                      f"{m['total']:.3f}", "yes" if agrees else "[red]NO")
+    console.print(table)
+    console.print("weights/grads/state/master/total: derived from the optimizer each recipe "
+                  "builds; measured: counted from the actual tensors (the remainder is the "
+                  "per-tensor step counters).", style="dim")
+    if args.json is not None:
+        _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
+                                "numel": numel, "rows": rows, "environment": _environment()})
+        console.print(f"JSON: {args.json}")
+    return 0 if all_agree else 1
+
+
+# ---------------------------------------------------------------------------------- numerics
+
+
+def _cmd_numerics(args: argparse.Namespace) -> int:
+    from lowprec import demos
+
+    _, Table = _import_rich()
+    console = _console()
+    try:
+        swamp = demos.swamping(big=args.big, small=args.small, steps=args.steps, seed=args.seed)
+        under = demos.fp16_underflow(seed=args.seed)
+        dfp = demos.dfp16_errors(seed=args.seed)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+    t = Table(title=f"Swamping: {swamp['big']:g} + {swamp['steps']} x {swamp['small']:g} "
+                    f"(exact {swamp['exact']:.6g})", title_justify="left")
+    for col in ("storage", "master value", "stored weight", "relative error"):
+        t.add_column(col, justify="left" if col == "storage" else "right")
+    for name, r in swamp["methods"].items():
+        err = r["relative_error"]
+        extra = ""
+        if "mean_final" in r:
+            extra = f" (mean of {r['trials']} runs: {r['mean_relative_error']:.2e})"
+        t.add_row(name, f"{r['final']:.7g}", f"{r['stored']:.7g}", f"{err:.2e}{extra}")
+    console.print(t)
+
+    t = Table(title=f"FP16 underflow: {under['n']:,} gradient magnitudes, log-uniform in "
+                    f"[{under['low']:.1e}, {under['high']:.1e}]", title_justify="left")
+    for col in ("loss scale", "flushed to 0", "subnormal", "overflow", "median rel. error"):
+        t.add_column(col, justify="right")
+    for r in under["rows"]:
+        t.add_row(f"{r['scale']:g}", f"{100 * r['flushed']:.1f}%", f"{100 * r['subnormal']:.1f}%",
+                  f"{100 * r['overflow']:.1f}%", f"{r['median_relative_error']:.2e}")
+    console.print(t)
+
+    t = Table(title=f"DFP-16 quantization of {dfp['n']:,} N(0,1) values: error in units of "
+                    f"the shared exponent (2^{dfp['exponent']})", title_justify="left")
+    for col in ("rounding", "max |error|", "mean error (bias)", "mean |error|"):
+        t.add_column(col, justify="left" if col == "rounding" else "right")
+    for mode, r in dfp["modes"].items():
+        t.add_row(mode, f"{r['max_abs_error']:.4f}", f"{r['mean_error']:+.2e}",
+                  f"{r['mean_abs_error']:.4f}")
+    console.print(t)
+    if args.json is not None:
+        _write_json(args.json, {"command": "numerics", "swamping": swamp, "fp16_underflow": under,
+                                "dfp16": dfp})
+        console.print(f"JSON: {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lowprec`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"lowprec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def entry_point() -> None:  # pragma: no cover - the console script
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The ``lowprec`` command end to end: compare, memory, numerics, and the user's mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowprec import cli, compare, memory, recipes
+from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
+
+# A model and run small enough for a test: the whole comparison takes seconds.
+TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
+        "--batch-size", "4", "--eval-batches", "1", "--monitor-every", "2", "--no-progress"]
+RECORD_FIELDS = {"recipe", "final_loss", "eval_loss", "step_time_s", "bytes_per_param",
+                 "lost_update_fraction", "eval_gap", "speedup", "losses", "skipped_steps"}
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The command as a user runs it: a fresh interpreter, ``python -m lowprec``."""
+    return subprocess.run([sys.executable, "-m", "lowprec", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_compare_end_to_end_in_a_subprocess(tmp_path):
+    out = tmp_path / "out"
+    names = "fp32,bf16,bf16-kahan,fp16-master"
+    proc = run_cli("compare", "--recipes", names, *TINY, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for name in names.split(","):
+        assert name in proc.stdout
+    data = json.loads((out / "compare.json").read_text())
+    assert data["interrupted"] is False
+    assert data["config"]["steps"] == 4 and data["config"]["recipes"] == names.split(",")
+    records = data["records"]
+    assert [r["recipe"] for r in records] == names.split(",")
+    for r in records:
+        assert set(r) >= RECORD_FIELDS
+        assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"])
+        assert r["eval_loss"] > 0 and r["step_time_s"] > 0
+        assert 0 <= r["lost_update_fraction"] <= 1
+        parts = sum(r["bytes_per_param"][k] for k in memory.CATEGORIES)
+        assert r["bytes_per_param"]["total"] == pytest.approx(parts)
+    by = {r["recipe"]: r for r in records}
+    assert by["fp32"]["eval_gap"] == 0 and by["fp32"]["speedup"] == 1
+    # Bytes per parameter come from the tensors: BF16 weights and grads, an FP32 master for FP16.
+    assert by["fp32"]["bytes_per_param"]["weights"] == pytest.approx(4.0)
+    assert by["bf16-kahan"]["bytes_per_param"]["master"] > 1.9
+    assert by["fp16-master"]["bytes_per_param"]["master"] > 3.9
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_compare_same_start_and_data_for_every_recipe():
+    cfg = compare.CompareConfig(recipes=("fp32", "amp-bf16"), steps=3,
+                                model=ModelConfig(d_model=32, n_layer=1, n_head=2, context=16),
+                                batch_size=4, eval_batches=1, monitor_every=0)
+    text = load_text(200_000)
+    batches = Batches(text, context=16, batch_size=4, seed=0)
+    torch.manual_seed(0)
+    initial = CharTransformer(cfg.model).state_dict()
+    a = compare.run_recipe("fp32", cfg, batches, initial)
+    b = compare.run_recipe("fp32", cfg, batches, initial)
+    c = compare.run_recipe("amp-bf16", cfg, batches, initial)
+    assert a["losses"] == b["losses"] and a["eval_loss"] == b["eval_loss"]  # deterministic
+    # The first loss is computed before any update: same weights and batch, BF16 matmuls.
+    assert c["losses"][0] == pytest.approx(a["losses"][0], rel=1e-2)
+    assert c["losses"] != a["losses"]
+
+
+def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
+    json_path = tmp_path / "deep" / "r.json"
+    code = cli.main(["compare", "--recipes", "fp32", *TINY, "--json", str(json_path),
+                     "--no-plot", "--out", str(tmp_path / "unused")])
+    assert code == 0
+    assert json.loads(json_path.read_text())["records"][0]["recipe"] == "fp32"
+    assert not (tmp_path / "unused").exists()
+
+
+def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
+    real = compare.run_recipe
+
+    def interrupted_second(name, *args, **kwargs):
+        if name == "bf16":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "run_recipe", interrupted_second)
+    code = cli.main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
+                     "--out", str(tmp_path)])
+    assert code == 130
+    out = capsys.readouterr().out
+    assert "Interrupted after 1 of 3 recipes" in out and "fp32" in out
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["interrupted"] is True
+    assert [r["recipe"] for r in data["records"]] == ["fp32"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compare", "--recipes", "fp32,bf17"], "unknown recipe 'bf17'; choose from fp32"),
+        (["compare", "--recipes", "fp32,fp32"], "a recipe is listed twice"),
+        (["compare", "--optimizer", "adam"], "unknown optimizer 'adam'; choose from sgd"),
+        (["compare", "--steps", "0"], "must be at least 1, got 0"),
+        (["compare", "--steps", "ten"], "expected a whole number, got 'ten'"),
+        (["compare", "--lr", "-1"], "must be a positive finite number"),
+        (["compare", "--lr", "nan"], "must be a positive finite number"),
+        (["compare", "--d-model", "30", "--n-head", "4"], "d_model=30 must be a multiple of"),
+        (["memory", "--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
+        (["numerics", "--steps", "-3"], "must be 0 or more"),
+        (["numerics", "--small", "inf"], "small must be finite"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_user_mistakes_give_a_message_not_a_traceback(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        code = cli.main(args)
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unwritable_output_is_a_message(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = run_cli("numerics", "--steps", "10", "--json", str(blocker / "x.json"))
+    assert proc.returncode == 2
+    assert "lowprec: error: cannot write" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "compare" in capsys.readouterr().out
+
+
+def test_memory_table_agrees_with_the_tensors(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    assert cli.main(["memory", "--optimizer", "adamw", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "NO" not in out
+    rows = {r["recipe"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == set(recipes.RECIPES)
+    # The issue's AdamW figures: mixed precision 16, BF16 + Kahan 10, pure BF16 8, split 14.
+    expected = {"amp-bf16": 16, "bf16-kahan": 10, "bf16": 8, "bf16-split": 14, "fp16-master": 16}
+    for name, total in expected.items():
+        assert rows[name]["expected"]["total"] == total
+        assert rows[name]["measured"]["total"] == pytest.approx(total, abs=0.01)
+
+
+def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
+    path = tmp_path / "n.json"
+    assert cli.main(["numerics", "--steps", "500", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    methods = data["swamping"]["methods"]
+    assert methods["bf16"]["final"] == 1.0  # every 1e-4 below half a BF16 ulp of 1.0: lost
+    assert methods["bf16-split"]["relative_error"] < 1e-4
+    assert methods["bf16-kahan"]["relative_error"] < 0.01 < methods["bf16"]["relative_error"]
+    rows = data["fp16_underflow"]["rows"]
+    assert rows[0]["flushed"] > 0.1 > rows[-1]["flushed"]
+    assert set(data["dfp16"]["modes"]) >= {"nearest", "stochastic", "biased"}
+    out = capsys.readouterr().out
+    assert "Swamping" in out and "FP16 underflow" in out and "DFP-16" in out
