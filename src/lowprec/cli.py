@@ -283,29 +283,40 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) ->
     except ImportError as exc:  # pragma: no cover - the cli extra installs matplotlib
         raise UsageError(_EXTRA_HINT.format(exc)) from None
 
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in records:
-        losses = r["losses"]
-        smooth, ema = [], None
-        for v in losses:
+    def ema(values: Sequence[float]) -> list[float]:
+        out, avg = [], None
+        for v in values:
             if math.isfinite(v):
-                ema = v if ema is None else 0.9 * ema + 0.1 * v
-            smooth.append(math.nan if ema is None else ema)
-        style = "--" if r["recipe"] == "fp32" else "-"
-        for axis in (ax, zoom):
-            axis.plot(range(1, len(smooth) + 1), smooth, style, label=r["recipe"], lw=1.3)
+                avg = v if avg is None else 0.9 * avg + 0.1 * v
+            out.append(math.nan if avg is None else avg)
+        return out
+
+    smooth = {r["recipe"]: ema(r["losses"]) for r in records}
+    ref = smooth.get("fp32")
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in records:
+        name, style = r["recipe"], ("--" if r["recipe"] == "fp32" else "-")
+        steps = range(1, len(smooth[name]) + 1)
+        ax.plot(steps, smooth[name], style, label=name, lw=1.3)
+        if ref is not None:
+            diff = [a - b for a, b in zip(smooth[name], ref, strict=False)]
+            gap.plot(range(1, len(diff) + 1), diff, style, label=name, lw=1.3)
     ax.set(xlabel="step", ylabel="train loss (EMA 0.9)", title=title)
-    half = max(1, len(records[0]["losses"]) // 2) if records else 1
-    tails = [v for r in records for v in r["losses"][half:] if math.isfinite(v)]
-    zoom.set(xlabel="step", title="second half, zoomed")
-    if tails:
-        lo, hi = min(tails), sorted(tails)[int(0.98 * (len(tails) - 1))]
-        pad = max(0.02 * (hi - lo), 1e-3 * abs(hi), 1e-6)
-        zoom.set_xlim(half, max(len(r["losses"]) for r in records) + 1)
-        zoom.set_ylim(lo - pad, hi + pad)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    zoom.grid(alpha=0.3)
+    if ref is not None:
+        gap.set(xlabel="step", ylabel="train loss - fp32's (EMA 0.9)",
+                title="gap to fp32 (above 0: worse)")
+        gap.axhline(0, color="black", lw=0.6)
+        diffs = [a - b for name in smooth for a, b in
+                 zip(smooth[name][len(ref) // 5:], ref[len(ref) // 5:], strict=False)
+                 if math.isfinite(a - b)]
+        if diffs:
+            span = max(abs(d) for d in diffs) or 1e-3
+            gap.set_ylim(-1.1 * span, 1.1 * span)
+    else:
+        gap.set_axis_off()
+    gap.grid(alpha=0.3)
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
