@@ -515,3 +515,40 @@ def test_bad_state_dict_raises_and_changes_nothing(change, error, match):
     with pytest.raises(error, match=match):
         fresh.load_state_dict({**before, **change})
     assert fresh.state_dict() == LossScaler().state_dict()
+
+
+@pytest.mark.parametrize("lowprec_opts", [False, True], ids=["torch-sgd", "lowprec-sgd"])
+def test_two_optimizers_overflowing_separately_match_grad_scaler(lowprec_opts):
+    # inf in one optimizer's gradients skips that optimizer only; the scale backs off once per
+    # iteration whichever optimizers overflowed, as GradScaler does.
+    bad_first, bad_second = {2, 5, 6}, {5, 9}
+    results = []
+    for cls in (torch.amp.GradScaler, LossScaler):
+        model = _model()
+        params = list(model.parameters())
+        if lowprec_opts:
+            opts = [SGD(params[:2], lr=0.1, master="none"), SGD(params[2:], lr=0.1, master="none")]
+        else:
+            opts = [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
+        kw = {"device": "cpu"} if cls is torch.amp.GradScaler else {}
+        scaler = cls(init_scale=2.0**10, growth_interval=2, **kw)
+        scales, took = [], []
+        for i in range(12):
+            for o in opts:
+                o.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            if i in bad_first:
+                params[0].grad.view(-1)[0] = float("inf")
+            if i in bad_second:
+                params[3].grad.view(-1)[1] = float("nan")
+            for o in opts:
+                r = scaler.step(o)
+                took.append(bool(r) if cls is LossScaler else None)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        results.append((scales, [p.detach().clone() for p in params], took))
+    (s_ref, p_ref, _), (s_got, p_got, took) = results
+    assert s_got == s_ref
+    assert all(torch.equal(a, b) for a, b in zip(p_ref, p_got, strict=True))
+    expected = [ok for i in range(12) for ok in (i not in bad_first, i not in bad_second)]
+    assert took == expected
