@@ -305,7 +305,7 @@ def all_reduce(step_grads, names, world):
 
 def simulate(grads, buckets, shapes, *, world, warmup_steps, bits=1, rule=DEFAULT_RULE,
              column_size=1024,
-             min_column_size=32, drop_residuals_at=None):
+             min_column_size=32, drop_residuals_at=None, fused=None):
     """1-bit SGD with error feedback, for all ranks at once, one column at a time.
 
     ``grads[t][k][name]`` is rank k's gradient at step t; ``buckets[t]`` the names per bucket
@@ -394,6 +394,13 @@ SYNTHETIC = {
                                  "bucket_cap_mb": 0.02}),
     "w3-big-1bit": (3, {"model": "big", "state": {"rule": "zero-threshold", "warmup_steps": 0},
                         "steps": 3}),
+    # The compiled kernels (fused=True, on CPU: Inductor's C++) against the same simulation.
+    "w2-fused-1bit": (2, {"state": {"warmup_steps": 1, "fused": True}, "steps": 4,
+                          "bucket_cap_mb": 0.02, "nonfinite": [(3, 0, "w1", NAN)]}),
+    "w2-fused-bf16": (2, {"dtype": "bfloat16", "state": {"warmup_steps": 0, "fused": True},
+                          "steps": 2, "bucket_cap_mb": 0.02}),
+    "w3-fused-2bit": (3, {"state": {"bits": 2, "warmup_steps": 0, "fused": True}, "steps": 3,
+                          "bucket_cap_mb": 0.02}),
     # One parameter per bucket: an empty one, single values, odd sizes, a 3-value bucket on 3
     # ranks (one value per stripe) and a 1-value bucket (stripes of 0 values on all but one rank).
     "w2-tiny": (2, {"model": "tiny", "state": {"warmup_steps": 0}, "steps": 3,

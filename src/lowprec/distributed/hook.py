@@ -63,6 +63,7 @@ process group is not saved.
 # annotations with the real dist.GradBucket and Future[Tensor] objects, not with strings.
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,16 +71,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.distributed.quantize import (
-    DEFAULT_RULE,
-    check_quantizer,
-    columns_finite,
-    dequantize_columns,
-    pack_codes,
-    packed_size,
-    quantize_with_feedback_,
-    unpack_codes,
-)
+from lowprec.distributed import kernels
+from lowprec.distributed.quantize import DEFAULT_RULE, check_quantizer, packed_size
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "OneBitState", "column_runs", "onebit_hook"]
 
@@ -265,6 +258,10 @@ class OneBitState:
         column_size: Longest column cut from a flat parameter (default: 1024).
         min_column_size: Shortest output unit of a weight that is its own column; weights with
             shorter ones are cut like flat parameters (default: 32).
+        fused: Run the quantizer as compiled kernels (``torch.compile``: C++ on CPU, Triton on
+            GPU), with the same results as the eager code bit for bit; ``"range"`` rule only
+            (default: None, meaning fused on CUDA with the ``"range"`` rule, eager otherwise).
+            The first compressed step compiles (seconds to a minute).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
@@ -281,6 +278,7 @@ class OneBitState:
         warmup_steps: int = DEFAULT_WARMUP_STEPS,
         column_size: int = 1024,
         min_column_size: int = 32,
+        fused: bool | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -297,6 +295,13 @@ class OneBitState:
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
             if value < least:
                 raise ValueError(f"{name}={value} is out of range: must be >= {least}.")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be True, False or None, got {type(fused).__name__}.")
+        if fused and rule != "range":
+            raise ValueError(
+                f"fused=True compiles the 'range' rule only (a compiled column sum would not "
+                f"match the eager one bit for bit); with rule={rule!r} pass fused=None or False."
+            )
         if isinstance(module, nn.parallel.DistributedDataParallel):
             module = module.module
         named = list(module.named_parameters())
@@ -309,6 +314,11 @@ class OneBitState:
         self.warmup_steps = warmup_steps
         self.column_size = column_size
         self.min_column_size = min_column_size
+        self.fused = fused
+        # Decided at the first compressed bucket (None: not yet), False for good after a failed
+        # compilation.
+        self._fused_active: bool | None = None if fused is None else fused
+        self._spares: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
         self.iter = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -432,78 +442,127 @@ class OneBitState:
         self._carry |= keyset
         return layout
 
-    def _encode_(self, x: torch.Tensor, stripe: _Stripe, layout: _Layout,
-                 chunk: torch.Tensor) -> torch.Tensor:
-        """Quantize stripe values ``x`` (replaced by their error) into ``chunk``; finite flags."""
-        codes = torch.empty(stripe.numel, dtype=torch.uint8, device=x.device)
-        stats = torch.empty(stripe.ncols, 2, dtype=torch.float32, device=x.device)
-        for b in stripe.blocks:
-            n = b.ncols * b.length
-            c, s = quantize_with_feedback_(
-                x[b.start : b.start + n].view(b.ncols, b.length), bits=self.bits, rule=self.rule
-            )
-            codes[b.start : b.start + n] = c.view(-1)
-            stats[b.col : b.col + b.ncols] = s
-        chunk[: 8 * stripe.ncols] = stats.view(-1).view(torch.uint8)
-        packed = pack_codes(codes, bits=self.bits)
-        chunk[layout.codes_at : layout.codes_at + packed.numel()] = packed
-        return columns_finite(stats, rule=self.rule)
+    def _kernel(self, name: str, *args: Any) -> Any:
+        """Run ``kernels.<name>(*args)``: compiled on the fused path, else (or if compiling
+        fails: a warning, then eagerly for good) as plain Python. Same results either way."""
+        if self._fused_active:
+            try:
+                variant = (self.bits, self.rule, args[0].dtype, args[0].dim())
+                with kernels.compile_settings():
+                    return kernels.compiled(name, *variant)(*args)
+            except kernels.COMPILE_ERRORS as error:
+                self._fused_active = False
+                warnings.warn(
+                    "lowprec: the fused (torch.compile) 1-bit hook is unavailable here "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    "); continuing eagerly, with the same results, more slowly. Install a C++ "
+                    "compiler (CPU) or Triton (GPU), or pass fused=False to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return getattr(kernels, name)(*args)
 
-    def _decode(self, chunk: torch.Tensor, stripe: _Stripe, layout: _Layout,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """The FP32 values a chunk encodes for ``stripe`` (written to ``out`` when given)."""
+    def _spare(self, numel: int, device: torch.device) -> torch.Tensor:
+        """An FP32 buffer of ``numel`` values for new residuals (reused: see ``_give_back``)."""
+        pool = self._spares.get((numel, device))
+        return pool.pop() if pool else torch.empty(numel, dtype=torch.float32, device=device)
+
+    def _give_back(self, t: torch.Tensor) -> None:
+        self._spares.setdefault((t.numel(), t.device), []).append(t)
+
+    def _encode_stripe(self, kernel: str, stripe: _Stripe, layout: _Layout, chunk: torch.Tensor,
+                       codes: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                       res_out: torch.Tensor) -> list[torch.Tensor]:
+        """Quantize a stripe block by block with ``kernel`` into ``chunk`` (stats, packed codes)
+        and ``res_out`` (new residual); ``inputs[i]`` are flat over the stripe (the senders' codes
+        and stats for ``"reaggregate"``: ``[W, values]`` and ``[W, columns, 2]``). Returns the
+        blocks' "all columns finite" flags."""
         stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
-        codes = unpack_codes(chunk[layout.codes_at :], stripe.numel, bits=self.bits)
-        if out is None:
-            out = torch.empty(stripe.numel, dtype=torch.float32, device=chunk.device)
+        flags = []
+        for b in stripe.blocks:
+            n, shape = b.ncols * b.length, (b.ncols, b.length)
+            if kernel == "encode":
+                g, res = inputs
+                args = (g[b.start : b.start + n].view(shape), res[b.start : b.start + n].view(shape))
+            else:
+                all_codes, all_stats, res = inputs
+                args = (all_codes[:, b.start : b.start + n].view(-1, *shape),
+                        all_stats[:, b.col : b.col + b.ncols], res[b.start : b.start + n].view(shape))
+            flags.append(self._kernel(kernel, *args, res_out[b.start : b.start + n].view(shape),
+                                      codes[b.start : b.start + n].view(shape),
+                                      stats[b.col : b.col + b.ncols], self.bits, self.rule))
+        m = packed_size(stripe.numel, self.bits)
+        codes[stripe.numel : m * (8 // self.bits)].zero_()  # the last byte's unused slots
+        kernels.pack(codes[: m * (8 // self.bits)], chunk[layout.codes_at : layout.codes_at + m],
+                     self.bits)
+        return flags
+
+    def _decode_stripe(self, chunk: torch.Tensor, stripe: _Stripe, layout: _Layout,
+                       codes: torch.Tensor, out: torch.Tensor) -> None:
+        """Dequantize ``chunk`` (a stripe's stats and packed codes) into ``out``, block by block."""
+        m = packed_size(stripe.numel, self.bits)
+        kernels.unpack(chunk[None, layout.codes_at : layout.codes_at + m],
+                       codes[None, : m * (8 // self.bits)], self.bits)
+        stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
         for b in stripe.blocks:
             n = b.ncols * b.length
-            dequantize_columns(
-                codes[b.start : b.start + n].view(b.ncols, b.length),
-                stats[b.col : b.col + b.ncols],
-                bits=self.bits,
-                rule=self.rule,
-                out=out[b.start : b.start + n].view(b.ncols, b.length),
-            )
-        return out
+            self._kernel("decode", codes[b.start : b.start + n].view(b.ncols, b.length),
+                         stats[b.col : b.col + b.ncols],
+                         out[b.start : b.start + n].view(b.ncols, b.length), self.bits, self.rule)
 
     def _compressed(self, bucket: dist.GradBucket, buffer: torch.Tensor,
                     group: dist.ProcessGroup) -> torch.futures.Future:
+        if self._fused_active is None:
+            self._fused_active = buffer.device.type == "cuda" and self.rule == "range"
         layout = self._layout_for(bucket, buffer, group)
         world, rank, size = group.size(), dist.get_rank(group), layout.chunk_bytes
-        # Stage 1: local error feedback, then stripe r of every rank to rank r.
-        x = torch.add(buffer, layout.local)  # FP32 (a BF16/FP16 buffer is promoted)
-        send = torch.zeros(world, size, dtype=torch.uint8, device=buffer.device)
-        bad = torch.zeros((), dtype=torch.bool, device=buffer.device)
+        device, per = buffer.device, 8 // self.bits
+        # Unpacked codes of one stripe at a time (padded to whole bytes), reused by every stage.
+        longest = max(s.numel for s in layout.stripes)
+        codes = torch.empty(packed_size(longest, self.bits) * per, dtype=torch.uint8,
+                            device=device)
+        # Stage 1: local error feedback (the new residual goes to a spare buffer, so that the
+        # old one survives a fallback), then stripe r of every rank to rank r.
+        local = self._spare(layout.numel, device)
+        send = torch.zeros(world, size, dtype=torch.uint8, device=device)
+        flags: list[torch.Tensor] = []
         for j, stripe in enumerate(layout.stripes):
             if stripe.ncols:
-                finite = self._encode_(x[stripe.start : stripe.end], stripe, layout, send[j])
-                bad |= ~finite.all()
-        send[:, size - 1] = bad.to(torch.uint8)  # every receiver learns whether we are finite
+                part = slice(stripe.start, stripe.end)
+                flags += self._encode_stripe("encode", stripe, layout, send[j], codes,
+                                             (buffer[part], layout.local[part]), local[part])
+        if flags:  # every receiver learns whether we are finite
+            send[:, size - 1] = (~torch.stack(flags).all()).to(torch.uint8)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
         self.bytes_sent += (world - 1) * size
         self.bytes_received += (world - 1) * size
         self.uncompressed_bytes += 2 * (world - 1) * buffer.numel() * buffer.element_size() // world
         if bool(recv[:, size - 1].any()):  # some rank is not finite: all ranks fall back together
+            self._give_back(local)
             self.fallback_buckets += 1
             return self._allreduce(buffer, group)
-        layout.local = x  # x now holds gradient + old residual - reconstruction
+        self._give_back(layout.local)
+        layout.local = local  # gradient + old residual - reconstruction
         # Stage 2: sum this rank's stripe over all senders, average, requantize.
         own = layout.stripes[rank]
-        send2 = torch.zeros(size, dtype=torch.uint8, device=buffer.device)
+        send2 = torch.zeros(size, dtype=torch.uint8, device=device)
         if own.ncols:
-            acc = self._decode(recv[0], own, layout)
-            for k in range(1, world):
-                acc.add_(self._decode(recv[k], own, layout))
-            acc.div_(world).add_(layout.stripe_residual)
-            finite = self._encode_(acc, own, layout, send2)
-            if bool(finite.all()):
-                layout.stripe_residual = acc
-            else:
+            m = packed_size(own.numel, self.bits)
+            all_codes = torch.empty(world, m * per, dtype=torch.uint8, device=device)
+            kernels.unpack(recv[:, layout.codes_at : layout.codes_at + m], all_codes, self.bits)
+            all_stats = recv[:, : 8 * own.ncols].view(torch.float32).view(world, own.ncols, 2)
+            residual = self._spare(own.numel, device)
+            flags = self._encode_stripe("reaggregate", own, layout, send2, codes,
+                                        (all_codes, all_stats, layout.stripe_residual), residual)
+            if bool(torch.stack(flags).all()):
+                self._give_back(layout.stripe_residual)
+                layout.stripe_residual = residual
+            else:  # the average overflowed: keep the old stripe residual, flag the stripe
+                self._give_back(residual)
                 send2[size - 1] = 1
         # Stage 3: every rank gets every requantized stripe.
-        gathered = torch.empty(world, size, dtype=torch.uint8, device=buffer.device)
+        gathered = torch.empty(world, size, dtype=torch.uint8, device=device)
         work = _all_gather_single(gathered.view(-1), send2, group=group, async_op=True)
         self.bytes_sent += (world - 1) * size
         self.bytes_received += (world - 1) * size
@@ -513,16 +572,12 @@ class OneBitState:
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
             fut.wait()
             for j, stripe in enumerate(stripes):
-                if not stripe.ncols:
-                    continue
-                part = buffer[stripe.start : stripe.end]
-                if part.dtype == torch.float32:
-                    self._decode(gathered[j], stripe, layout, out=part)
-                else:
-                    part.copy_(self._decode(gathered[j], stripe, layout))
+                if stripe.ncols:
+                    self._decode_stripe(gathered[j], stripe, layout, codes,
+                                        buffer[stripe.start : stripe.end])
             return buffer
 
-        if buffer.device.type == "cpu":
+        if device.type == "cpu":
             # Finish here, so that `then` runs decompress at once in this thread: from gloo's
             # thread it would compete with the backward pass for the cores (2x slower measured
             # with 2 processes on 2 cores). On GPU the chain stays asynchronous.

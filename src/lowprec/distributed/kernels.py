@@ -1,0 +1,146 @@
+"""The hook's per-block work as functions that run eagerly or under ``torch.compile``.
+
+``onebit_hook`` spends its compute in four places: quantizing gradient + residual (stage 1),
+summing and requantizing a stripe (stage 2), dequantizing into the bucket (stage 3), and packing
+and unpacking codes. Each is one function here (packing always eager, see ``pack``), written with ``quantize_columns`` and
+``dequantize_columns`` themselves, so there is one copy of the math: the eager path calls these
+functions as they are, the fused path (``OneBitState(fused=True)``) runs the same functions
+through ``torch.compile`` (Inductor: C++ on CPU, Triton on GPU), which fuses each into one pass
+with no full-size temporaries. The results are identical bit for bit for the ``"range"`` rule
+(min, max and elementwise FP32 operations in the same order; the tests check it against a
+single-process simulation). ``"zero-threshold"`` always runs eagerly: its column sums would be
+split into different partial sums by the compiled reduction.
+
+Outputs go into caller-provided tensors (``res_out``, ``codes_out``, ``stats_out``, ``out``), so
+that the compiled kernels write straight into the hook's residual buffers and messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowprec.distributed.quantize import columns_finite, dequantize_columns, quantize_columns
+
+__all__ = ["COMPILE_ERRORS", "compiled", "decode", "encode", "pack", "reaggregate", "unpack"]
+
+
+def encode(g: torch.Tensor, res: torch.Tensor, res_out: torch.Tensor, codes_out: torch.Tensor,
+           stats_out: torch.Tensor, bits: int, rule: str) -> torch.Tensor:
+    """Stage 1 for a block of ``[columns, length]``: quantize ``g + res`` (``g`` in its own dtype,
+    ``res`` FP32); write the codes, the stats and the new residual; return "all columns finite"."""
+    v = g.float() + res
+    codes, stats = quantize_columns(v, bits=bits, rule=rule)
+    res_out.copy_(v - dequantize_columns(codes, stats, bits=bits, rule=rule))
+    codes_out.copy_(codes)
+    stats_out.copy_(stats)
+    return columns_finite(stats, rule=rule).all()
+
+
+def reaggregate(codes: torch.Tensor, stats: torch.Tensor, res: torch.Tensor,
+                res_out: torch.Tensor, codes_out: torch.Tensor, stats_out: torch.Tensor,
+                bits: int, rule: str) -> torch.Tensor:
+    """Stage 2 for a block: dequantize the ``W`` senders' copies (``codes`` ``[W, columns,
+    length]``, ``stats`` ``[W, columns, 2]``), sum them in rank order, divide by ``W``, add the
+    stripe residual ``res`` and quantize like ``encode``; return "all columns finite"."""
+    world = codes.shape[0]
+    acc = dequantize_columns(codes[0], stats[0], bits=bits, rule=rule)
+    for k in range(1, world):
+        acc = acc + dequantize_columns(codes[k], stats[k], bits=bits, rule=rule)
+    v = acc / world + res
+    new_codes, new_stats = quantize_columns(v, bits=bits, rule=rule)
+    res_out.copy_(v - dequantize_columns(new_codes, new_stats, bits=bits, rule=rule))
+    codes_out.copy_(new_codes)
+    stats_out.copy_(new_stats)
+    return columns_finite(new_stats, rule=rule).all()
+
+
+def decode(codes: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, bits: int,
+           rule: str) -> None:
+    """Stage 3 for a block: dequantize into ``out`` (the bucket, in its own dtype)."""
+    out.copy_(dequantize_columns(codes, stats, bits=bits, rule=rule))
+
+
+def pack(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """Pack ``codes`` (1-D ``uint8``, ``out.numel() * per`` of them with ``per = 8 // bits``; the
+    caller pads with zeros) into ``out``, ``per`` per byte, lowest bits first: the layout of
+    ``quantize.pack_codes``, without its allocations. Always eager: a handful of byte-wide passes
+    that Inductor, with dynamic shapes, does not make faster."""
+    per = 8 // bits
+    slots = codes.view(-1, per)
+    out.copy_(slots[:, 0])
+    for j in range(1, per):
+        out.bitwise_or_(slots[:, j] << (bits * j))  # code j of each byte to bits [bits*j, ...)
+
+
+def unpack(packed: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """The inverse of ``pack`` for each row: ``packed`` ``[rows, m]`` into ``out`` ``[rows, m *
+    per]``; code ``j`` of byte ``i`` is ``(packed[i] >> (j * bits)) & (2**bits - 1)``. Always
+    eager: Inductor's dynamic-shape code for this is 20x slower than these ``per`` passes."""
+    per = 8 // bits
+    slots = out.view(out.shape[0], -1, per)
+    for j in range(per):
+        torch.bitwise_and(packed >> (bits * j), (1 << bits) - 1, out=slots[:, :, j])
+
+
+_COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+#: Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
+#: unsupported op): the hook then warns and continues eagerly, with the same results.
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
+try:  # Dynamo's error classes, where this PyTorch has them
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+    COMPILE_ERRORS = (*COMPILE_ERRORS, TorchDynamoException, FailOnRecompileLimitHit)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def compiled(name: str, *variant: Any) -> Callable[..., Any]:
+    """The ``torch.compile``d form of ``encode``, ``reaggregate`` or ``decode`` for one
+    ``variant`` (the hook passes code width, world size and dtype).
+
+    Each variant compiles its own copy of the function's code, so Dynamo keeps a separate cache
+    (and recompile budget) per variant; shapes are dynamic, so one variant serves every block
+    size, apart from the size-1 specializations (one column, or columns of one value).
+    """
+    key = (name, *variant)
+    kernel = _COMPILED.get(key)
+    if kernel is None:
+        fn = globals()[name]
+        label = "_".join(str(v).replace("torch.", "") for v in variant)
+        label = f"lowprec_onebit_{name}_{label}"
+        code = fn.__code__
+        code = (code.replace(co_name=label, co_qualname=label) if sys.version_info >= (3, 11)
+                else code.replace(co_name=label))
+        copy = types.FunctionType(code, fn.__globals__, label, fn.__defaults__, fn.__closure__)
+        kernel = torch.compile(copy, dynamic=True, fullgraph=True)
+        _COMPILED[key] = kernel
+    return kernel
+
+
+def compile_settings() -> Any:
+    """A context for calling the compiled kernels: no duck sizing (two sizes or offsets that
+    happen to be equal must not become a guard that the next block breaks) and a recompile budget
+    for the remaining specializations (sizes and storage offsets of 0 or 1)."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    return contextlib.ExitStack() if _SETTINGS is None else _SETTINGS(dynamo_config, fx_config)
+
+
+def _settings(dynamo_config: Any, fx_config: Any) -> Any:
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    stack.enter_context(dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT))
+    return stack
+
+
+#: Compilations allowed per kernel variant (the sizes and offsets of 0 or 1 give a few each).
+RECOMPILE_LIMIT = 32
+_SETTINGS: Callable[..., Any] | None = _settings
