@@ -25,7 +25,13 @@ from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
 
 __all__ = ["DEFAULT_RECIPES", "OPTIMIZERS", "CompareConfig", "compare", "run_recipe"]
 
-DEFAULT_RECIPES: tuple[str, ...] = recipes_mod.RECIPES
+#: What ``lowprec compare`` runs by default: the reference, the BF16 recipes and the 2017 FP16
+#: recipe. Left out (run them with ``--recipes``): ``amp-fp16``, whose FP16 matmuls have no
+#: hardware path on most CPUs (several times slower than FP32 here), and ``dfp16``, whose exact
+#: integer emulation costs ~20 FP32 steps per step.
+DEFAULT_RECIPES: tuple[str, ...] = (
+    "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "fp16-master",
+)
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
 
 # Learning rates per optimizer for the built-in task (AdamW/LAMB in the usual range for a small
@@ -38,12 +44,12 @@ class CompareConfig:
     """What ``compare`` runs.
 
     Attributes:
-        recipes: Recipe names, FP32 first if present (default: all).
+        recipes: Recipe names, FP32 first if present (default: ``DEFAULT_RECIPES``).
         optimizer: ``"sgd"``, ``"adagrad"``, ``"lamb"`` or ``"adamw"`` (default: ``"adamw"``).
-        steps: Training steps per recipe (default: 300).
+        steps: Training steps per recipe (default: 400).
         lr: Peak learning rate (default: None, the optimizer's default for this task).
         seed: Seed of the initial weights and the batches (default: 0).
-        batch_size: Windows per batch (default: 32).
+        batch_size: Windows per batch (default: 16).
         model: Model size (default: ``ModelConfig()``).
         threads: torch threads (default: 2).
         eval_batches: Evaluation batches at the end (default: 8).
@@ -54,10 +60,10 @@ class CompareConfig:
 
     recipes: Sequence[str] = DEFAULT_RECIPES
     optimizer: str = "adamw"
-    steps: int = 300
+    steps: int = 400
     lr: float | None = None
     seed: int = 0
-    batch_size: int = 32
+    batch_size: int = 16
     model: ModelConfig = field(default_factory=ModelConfig)
     threads: int = 2
     eval_batches: int = 8
