@@ -1,0 +1,32 @@
+"""The README's usage example runs as written, and its commands name what the project ships."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_usage_example_runs():
+    usage = README.split("## Usage", 1)[1]
+    code = re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 512, generator=gen), torch.randint(0, 10, (8,), generator=gen))
+              for _ in range(3)]
+    scope: dict = {"loader": loader}
+    exec(compile(code, "README.md", "exec"), scope)
+    weights = scope["fp32_weights"]
+    assert weights and all(w.dtype == torch.float32 for w in weights.values())
+    assert torch.isfinite(scope["loss"])
+
+
+def test_setup_commands_match_the_project():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'lowprec = "lowprec.cli:entry_point"' in pyproject
+    for extra in re.findall(r'-e "\.\[(\w+)\]"', README):
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+    assert ".venv/bin/lowprec compare" in README and ".venv/bin/python -m pytest" in README
