@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--monitor-every", type=_nonnegative_int, default=cfg.monitor_every,
                    help="count lost updates every k steps, 0 for never "
                         f"(default: {cfg.monitor_every})")
+    c.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the optimizer step with torch.compile (default: the library's "
+                        "choice, compiled on CUDA and eager on CPU)")
     c.add_argument("--out", type=Path, default=Path("lowprec-out"),
                    help="folder for compare.json and compare.png (default: lowprec-out)")
     c.add_argument("--json", type=Path, default=None,
@@ -339,6 +342,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             recipes=args.recipes, optimizer=args.optimizer, steps=args.steps, lr=args.lr,
             seed=args.seed, batch_size=args.batch_size, model=model, threads=args.threads,
             eval_batches=args.eval_batches, monitor_every=args.monitor_every,
+            fused=args.fused,
         )
         cfg.validate()
     except ValueError as exc:
