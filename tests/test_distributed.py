@@ -30,6 +30,7 @@ from lowprec.distributed import (
     column_runs,
     columns_finite,
     dequantize_columns,
+    kernels,
     onebit_hook,
     pack_codes,
     packed_size,
@@ -190,6 +191,19 @@ def test_pack_round_trip_and_layout(bits, n, seed):
         assert (int(packed[i // per]) >> (bits * (i % per))) & (2**bits - 1) == c
     if n % per:  # unused slots of the last byte are zero
         assert int(packed[-1]) >> (bits * (n % per)) == 0
+    # The hook's two packers (eager byte loops; integer views for the compiler), run eagerly here
+    # (compiled in the fused scenarios), on the codes padded to whole bytes as the hook pads them
+    # (the hook never packs an empty stripe).
+    if n == 0:
+        return
+    padded = torch.cat([codes, codes.new_zeros(packed.numel() * per - n)])
+    for pack, unpack in ((kernels.pack, kernels.unpack), (kernels.pack_wide, kernels.unpack_wide)):
+        out = torch.empty_like(packed)
+        pack(padded, out, bits)
+        assert torch.equal(out, packed)
+        rows = torch.empty(2, padded.numel(), dtype=torch.uint8)
+        unpack(torch.stack([packed, packed]), rows, bits)
+        assert torch.equal(rows[0], padded) and torch.equal(rows[1], padded)
 
 
 @pytest.mark.parametrize(

@@ -442,14 +442,14 @@ class OneBitState:
         self._carry |= keyset
         return layout
 
-    def _kernel(self, name: str, *args: Any) -> Any:
-        """Run ``kernels.<name>(*args)``: compiled on the fused path, else (or if compiling
-        fails: a warning, then eagerly for good) as plain Python. Same results either way."""
+    def _kernel(self, name: str, *args: Any, fused_name: str | None = None) -> Any:
+        """Run ``kernels.<name>(*args)`` (``kernels.<fused_name>`` on the fused path, compiled),
+        or if compiling fails, a warning and eagerly for good. Same results either way."""
         if self._fused_active:
             try:
                 variant = (self.bits, self.rule, args[0].dtype, args[0].dim())
                 with kernels.compile_settings():
-                    return kernels.compiled(name, *variant)(*args)
+                    return kernels.compiled(fused_name or name, *variant)(*args)
             except kernels.COMPILE_ERRORS as error:
                 self._fused_active = False
                 warnings.warn(
@@ -493,16 +493,17 @@ class OneBitState:
                                       stats[b.col : b.col + b.ncols], self.bits, self.rule))
         m = packed_size(stripe.numel, self.bits)
         codes[stripe.numel : m * (8 // self.bits)].zero_()  # the last byte's unused slots
-        kernels.pack(codes[: m * (8 // self.bits)], chunk[layout.codes_at : layout.codes_at + m],
-                     self.bits)
+        self._kernel("pack", codes[: m * (8 // self.bits)],
+                     chunk[layout.codes_at : layout.codes_at + m], self.bits,
+                     fused_name="pack_wide")
         return flags
 
     def _decode_stripe(self, chunk: torch.Tensor, stripe: _Stripe, layout: _Layout,
                        codes: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantize ``chunk`` (a stripe's stats and packed codes) into ``out``, block by block."""
         m = packed_size(stripe.numel, self.bits)
-        kernels.unpack(chunk[None, layout.codes_at : layout.codes_at + m],
-                       codes[None, : m * (8 // self.bits)], self.bits)
+        self._kernel("unpack", chunk[None, layout.codes_at : layout.codes_at + m],
+                     codes[None, : m * (8 // self.bits)], self.bits, fused_name="unpack_wide")
         stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
         for b in stripe.blocks:
             n = b.ncols * b.length
@@ -550,7 +551,8 @@ class OneBitState:
         if own.ncols:
             m = packed_size(own.numel, self.bits)
             all_codes = torch.empty(world, m * per, dtype=torch.uint8, device=device)
-            kernels.unpack(recv[:, layout.codes_at : layout.codes_at + m], all_codes, self.bits)
+            self._kernel("unpack", recv[:, layout.codes_at : layout.codes_at + m], all_codes,
+                         self.bits, fused_name="unpack_wide")
             all_stats = recv[:, : 8 * own.ncols].view(torch.float32).view(world, own.ncols, 2)
             residual = self._spare(own.numel, device)
             flags = self._encode_stripe("reaggregate", own, layout, send2, codes,

@@ -2,7 +2,8 @@
 
 ``onebit_hook`` spends its compute in four places: quantizing gradient + residual (stage 1),
 summing and requantizing a stripe (stage 2), dequantizing into the bucket (stage 3), and packing
-and unpacking codes. Each is one function here (packing always eager, see ``pack``), written with ``quantize_columns`` and
+and unpacking codes. Each is one function here (packing has an eager form, ``pack``, and a form
+for the compiler, ``pack_wide``: integer operations, equal by construction and by test), written with ``quantize_columns`` and
 ``dequantize_columns`` themselves, so there is one copy of the math: the eager path calls these
 functions as they are, the fused path (``OneBitState(fused=True)``) runs the same functions
 through ``torch.compile`` (Inductor: C++ on CPU, Triton on GPU), which fuses each into one pass
@@ -27,7 +28,17 @@ import torch
 
 from lowprec.distributed.quantize import columns_finite, dequantize_columns, quantize_columns
 
-__all__ = ["COMPILE_ERRORS", "compiled", "decode", "encode", "pack", "reaggregate", "unpack"]
+__all__ = [
+    "COMPILE_ERRORS",
+    "compiled",
+    "decode",
+    "encode",
+    "pack",
+    "pack_wide",
+    "reaggregate",
+    "unpack",
+    "unpack_wide",
+]
 
 
 def encode(g: torch.Tensor, res: torch.Tensor, res_out: torch.Tensor, codes_out: torch.Tensor,
@@ -69,8 +80,8 @@ def decode(codes: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, bits: in
 def pack(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     """Pack ``codes`` (1-D ``uint8``, ``out.numel() * per`` of them with ``per = 8 // bits``; the
     caller pads with zeros) into ``out``, ``per`` per byte, lowest bits first: the layout of
-    ``quantize.pack_codes``, without its allocations. Always eager: a handful of byte-wide passes
-    that Inductor, with dynamic shapes, does not make faster."""
+    ``quantize.pack_codes``, without its allocations. The eager path's form (``pack_wide`` is
+    the compiled path's)."""
     per = 8 // bits
     slots = codes.view(-1, per)
     out.copy_(slots[:, 0])
@@ -80,12 +91,45 @@ def pack(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
 
 def unpack(packed: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     """The inverse of ``pack`` for each row: ``packed`` ``[rows, m]`` into ``out`` ``[rows, m *
-    per]``; code ``j`` of byte ``i`` is ``(packed[i] >> (j * bits)) & (2**bits - 1)``. Always
-    eager: Inductor's dynamic-shape code for this is 20x slower than these ``per`` passes."""
+    per]``; code ``j`` of byte ``i`` is ``(packed[i] >> (j * bits)) & (2**bits - 1)``. The eager
+    path's form (``unpack_wide`` is the compiled path's)."""
     per = 8 // bits
     slots = out.view(out.shape[0], -1, per)
     for j in range(per):
         torch.bitwise_and(packed >> (bits * j), (1 << bits) - 1, out=slots[:, :, j])
+
+
+# Packing for the compiled path: the ``per`` codes of a byte, ``per`` bytes in a row, read as one
+# integer of ``per`` bytes (little-endian: byte j holds bits 8j...8j+7), so that packing and
+# unpacking are elementwise shifts and masks of one contiguous integer tensor, which Inductor turns
+# into one vectorized pass (10-30x faster than ``pack``/``unpack``; eagerly they are slower).
+_WIDE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_wide(codes: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """``pack`` with integer views (the same bytes): code j of byte i sits at bits ``8j`` of
+    the ``i``-th ``per``-byte integer and moves down to bits ``bits * j``. ``codes`` must start
+    at a multiple of ``per`` bytes (the hook's scratch buffers start at 0)."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    x = codes.view(_WIDE[per])
+    acc = x & mask
+    for j in range(1, per):
+        acc = acc | ((x >> (8 * j - bits * j)) & (mask << (bits * j)))  # bits 8j.. to bits*j..
+    out.copy_(acc)  # < 256: the packed byte
+
+
+def unpack_wide(packed: torch.Tensor, out: torch.Tensor, bits: int) -> None:
+    """``unpack`` with integer views: bits ``bits * j`` of a packed byte move up to bits ``8j``
+    (byte j) of a ``per``-byte integer of ``out``; ``out``'s rows start at multiples of ``per``
+    bytes."""
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    p = packed.to(_WIDE[per])
+    acc = p & mask
+    for j in range(1, per):
+        acc = acc | ((p << (8 * j - bits * j)) & (mask << (8 * j)))  # bits*j.. to byte j
+    out.view(_WIDE[per]).copy_(acc)
 
 
 _COMPILED: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -102,8 +146,8 @@ except ImportError:  # pragma: no cover
 
 
 def compiled(name: str, *variant: Any) -> Callable[..., Any]:
-    """The ``torch.compile``d form of ``encode``, ``reaggregate`` or ``decode`` for one
-    ``variant`` (the hook passes code width, world size and dtype).
+    """The ``torch.compile``d form of ``encode``, ``reaggregate``, ``decode``, ``pack_wide`` or
+    ``unpack_wide`` for one ``variant`` (the hook passes code width, rule, dtype and rank).
 
     Each variant compiles its own copy of the function's code, so Dynamo keeps a separate cache
     (and recompile budget) per variant; shapes are dynamic, so one variant serves every block
