@@ -552,3 +552,22 @@ def test_two_optimizers_overflowing_separately_match_grad_scaler(lowprec_opts):
     assert all(torch.equal(a, b) for a, b in zip(p_ref, p_got, strict=True))
     expected = [ok for i in range(12) for ok in (i not in bad_first, i not in bad_second)]
     assert took == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unscale_gives_the_unscaled_gradients_in_every_dtype(dtype):
+    # The reference: the same backward without a scale. Power-of-two scales make unscaling exact
+    # wherever the scaled backward neither overflows nor rounds differently in the subnormals.
+    ref = _model(dtype)
+    _loss(ref, 0, dtype).backward()
+    model = _model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**8)
+    scaler.scale(_loss(model, 0, dtype)).backward()
+    scaler.unscale_(opt)
+    for a, b in zip(ref.parameters(), model.parameters(), strict=True):
+        assert b.grad.dtype == dtype
+        if dtype == torch.float16:  # FP16's subnormals: the scaled run keeps more bits there
+            torch.testing.assert_close(b.grad, a.grad, rtol=2e-3, atol=2.0**-24)
+        else:
+            assert torch.equal(b.grad, a.grad)
