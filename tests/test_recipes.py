@@ -173,6 +173,10 @@ def test_dfp16_converts_linear_and_conv_and_keeps_fp32_masters():
         recipes.get("bf16", dfp_rounding="nearest")
     with pytest.raises(ValueError, match="dfp_rounding must be one of"):
         recipes.get("dfp16", dfp_rounding="up")
+    with pytest.raises(ValueError, match="needs a dfp_rounding; for no DFP layers use recipe"):
+        recipes.get("dfp16", dfp_rounding=None)
+    with pytest.raises(ValueError, match="DFP layers keep FP32 master weights"):
+        recipes.Recipe("mine", torch.bfloat16, "none", dfp_rounding="nearest")
 
 
 def test_dfp16_forward_and_gradients_are_close_to_fp32_but_not_equal():

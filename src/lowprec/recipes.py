@@ -120,6 +120,11 @@ class Recipe:
                 f"dfp_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))} or None, "
                 f"got {self.dfp_rounding!r}."
             )
+        if self.dfp_rounding is not None and self.param_dtype != torch.float32:
+            raise ValueError(
+                f"recipe {self.name!r}: DFP layers keep FP32 master weights; set "
+                "param_dtype=torch.float32."
+            )
         self.scaler: LossScaler | None = None
         if self.loss_scaling is not None:
             if self.loss_scaling not in ("dynamic", "static"):
@@ -151,11 +156,6 @@ class Recipe:
             )
         dtype = self.param_dtype
         if self.dfp_rounding is not None:
-            if dtype != torch.float32:
-                raise ValueError(
-                    f"recipe {self.name!r}: DFP layers keep FP32 master weights; set "
-                    "param_dtype=torch.float32."
-                )
             kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
             model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
         if dtype == torch.float32:
@@ -294,9 +294,14 @@ def get(name: str, **overrides: Any) -> Recipe:
     unknown = set(overrides) - set(valid)
     if unknown:
         raise TypeError(f"get() got unknown options {sorted(unknown)}; valid: {', '.join(valid)}.")
-    if "dfp_rounding" in overrides and _SPECS[name].get("dfp_rounding") is None:
-        raise ValueError(
-            f"dfp_rounding applies to DFP recipes only; recipe {name!r} has no DFP layers "
-            "(use 'dfp16')."
-        )
+    if "dfp_rounding" in overrides:
+        if _SPECS[name].get("dfp_rounding") is None:
+            raise ValueError(
+                f"dfp_rounding applies to DFP recipes only; recipe {name!r} has no DFP layers "
+                "(use 'dfp16')."
+            )
+        if overrides["dfp_rounding"] is None:
+            raise ValueError(
+                f"recipe {name!r} needs a dfp_rounding; for no DFP layers use recipe 'fp32'."
+            )
     return Recipe(name=name, **{**_SPECS[name], **overrides})
