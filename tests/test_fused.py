@@ -146,3 +146,48 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
                 p.grad = torch.randn_like(p)
         opt.step()
     assert graphs() - start <= 2, graphs() - start
+
+
+PAIR_CASES = [
+    (cls, kw, master, state_dtype, grad_dtype)
+    for (cls, kw) in OPTIMIZERS[:3]
+    for master in ("split", "stochastic")
+    for state_dtype, grad_dtype in (
+        (None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)
+    )
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kw", "master", "state_dtype", "grad_dtype"), PAIR_CASES,
+    ids=[f"{c[0].__name__}-{c[2]}-state{str(c[3])[6:]}-grad{str(c[4])[6:]}" for c in PAIR_CASES],
+)
+def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
+    """The 16-bit strategies' fused step on pairs of elements (int32/int64 words) equals eager.
+
+    Odd lengths (the last element goes eager), BF16 and FP32 moments, BF16 and FP32 gradients,
+    and a parameter viewed at an odd offset of its storage (no pairs: the elementwise kernel).
+    """
+    storage = torch.randn(2 * 301 + 1).to(torch.bfloat16)
+
+    def run(fused):
+        odd_view = storage.clone()[1:302].requires_grad_()  # storage offset 1
+        params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in [(96, 40), (33,)]]
+        params = [*params, odd_view]
+        opt = cls(params, master=master, fused=fused, seed=11, state_dtype=state_dtype, **kw)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            for p in params:
+                if grad_dtype != p.dtype:
+                    p.grad_dtype = None  # allow an FP32 gradient on a BF16 parameter
+                p.grad = torch.randn(p.shape, generator=gen).to(grad_dtype)
+            opt.step()
+        return params, opt
+
+    torch.manual_seed(0)
+    pa, oa = run(False)
+    torch.manual_seed(0)
+    pb, ob = run(True)
+    _assert_same(pa, oa, pb, ob)
+    names = [k[4] for k in base._KERNELS]
+    assert "_param_update_pairs" in names and "_param_update" in names, names

@@ -15,6 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowprec.numerics import (
+    _pack_16_pairs,
+    _pack_bf16_upper_pairs,
+    _pack_f32_pairs,
+    _sr_bf16_bits,
+    _unpack_bf16_pairs,
+    _unpack_f32_pairs,
     counter_bits,
     format_info,
     hash_bits,
@@ -157,6 +163,69 @@ EDGES = [
     ("-NaN all ones", 0xFFFFFFFF, 0x0000),  # wraps to +0
     ("NaN 0x7FFF7FFF", 0x7FFF7FFF, 0x7FFF),
 ]
+
+
+# ------------------------------------------------------------------------- pairs of elements
+
+EVEN_PATTERNS = st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=400).map(
+    lambda v: v[: len(v) & ~1]
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(EVEN_PATTERNS)
+def test_pairs_unpack_and_pack_exactly_for_every_pattern(patterns):
+    """Pair words <-> element values, bit for bit, NaN and subnormal patterns included."""
+    x = torch.tensor(patterns, dtype=torch.int32)
+    f = x.view(FP32)
+    even, odd = _unpack_f32_pairs(f.view(torch.int64))
+    assert torch.equal(even.view(torch.int32), x[0::2]) and torch.equal(odd.view(torch.int32), x[1::2])
+    assert torch.equal(_pack_f32_pairs(even, odd), f.view(torch.int64))
+    h = x.to(torch.int16)  # low halves: arbitrary 16-bit patterns
+    even, odd = _unpack_bf16_pairs(h.view(torch.int32))
+    as_f32 = h.to(torch.int32) * 65536  # a bfloat16 pattern as the FP32 it is, exactly
+    assert torch.equal(even.view(torch.int32), as_f32[0::2])
+    assert torch.equal(odd.view(torch.int32), as_f32[1::2])
+    assert torch.equal(_pack_16_pairs(x[0::2], x[1::2]), h.view(torch.int32))
+    assert torch.equal(_pack_bf16_upper_pairs(x[0::2], x[1::2]), (x >> 16).to(torch.int16).view(torch.int32))
+
+
+@settings(deadline=None, max_examples=200)
+@given(EVEN_PATTERNS)
+def test_split_storage_on_pairs_equals_split_and_join(patterns):
+    """The fused step's pair form of the split strategy gives split()/join()'s bits exactly."""
+    from lowprec.optim.storage import STORAGES
+
+    s = STORAGES["split"]
+    x = torch.tensor(patterns, dtype=torch.int32).view(FP32)
+    top, trail = split(x)
+    words, bufs = s.store_pairs(x[0::2], x[1::2], None, {}, None)
+    assert torch.equal(words, top.view(torch.int32))
+    assert torch.equal(bufs["trail"], trail.view(torch.int32))
+    even, odd = s.load_pairs(top.view(torch.int32), {"trail": trail.view(torch.int32)})
+    back = join(top, trail).view(torch.int32)
+    assert torch.equal(even.view(torch.int32), back[0::2])
+    assert torch.equal(odd.view(torch.int32), back[1::2])
+
+
+@settings(deadline=None, max_examples=100)
+@given(EVEN_PATTERNS, st.integers(0, 2**32 - 1))
+def test_stochastic_storage_on_pairs_equals_elementwise_rounding(patterns, seed):
+    """Pair-form stochastic rounding: the elementwise result, with one hash's halves per pair."""
+    from lowprec.optim.storage import STORAGES
+
+    s = STORAGES["stochastic"]
+    x = torch.tensor(patterns, dtype=torch.int32).view(FP32)
+    h = hash_bits(torch.arange(x.numel() // 2, dtype=torch.int32), seed, 7)
+    noise = torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=1).reshape(-1)
+    words, _ = s.store_pairs(x[0::2], x[1::2], None, {}, h)
+    got = words.view(torch.int16).view(BF16)
+    want = round_stochastic_with_bits(x, noise, BF16)
+    nan = torch.isnan(x)  # NaNs stay NaN (the payload may differ from the conversion's)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(h16_to_u16(got[~nan]), h16_to_u16(want[~nan]))
+    expect = _sr_bf16_bits(x.view(torch.int32), noise) >> 16
+    assert torch.equal(h16_to_u16(got), expect & 0xFFFF)
 
 
 @pytest.mark.parametrize(("name", "bits", "top_bits"), EDGES, ids=[e[0] for e in EDGES])

@@ -70,14 +70,19 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype != torch.float32:
         raise TypeError(f"split() takes a float32 tensor, got {x.dtype}; convert with x.float().")
     bits = x.contiguous().view(torch.int32)
+    # int32 -> int16 keeps the low 16 bits (modulo 2**16, which only the NaN case needs).
+    top = _split_top_bits(bits).to(torch.int16).view(torch.bfloat16)
+    trail = bits.to(torch.int16)  # the low half: int32 -> int16 keeps the low 16 bits
+    return top, trail
+
+
+def _split_top_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``split``'s top half as an int32 whose low 16 bits are the bfloat16 pattern."""
     # Rounding up adds bit 15 (the highest bit bfloat16 drops: the dropped half is >= half a
     # bfloat16 ulp) to the upper half's bit pattern, which increases the magnitude by one ulp
     # (the sign is bit 15 of the half, untouched unless the magnitude was already all ones, i.e.
-    # a NaN). The arithmetic shift keeps the sum in [-2**15, 2**15]; int32 -> int16 keeps its
-    # low 16 bits (modulo 2**16, which only the NaN case needs).
-    top = ((bits >> 16) + ((bits >> 15) & 1)).to(torch.int16).view(torch.bfloat16)
-    trail = bits.to(torch.int16)  # the low half: int32 -> int16 keeps the low 16 bits
-    return top, trail
+    # a NaN). The arithmetic shift keeps the sum in [-2**15, 2**15].
+    return (bits >> 16) + ((bits >> 15) & 1)
 
 
 def join(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
@@ -305,21 +310,11 @@ def round_stochastic_with_bits(
     _check_sr_args(x, dtype)
     bits = bits.reshape(x.shape)
     if dtype == torch.bfloat16:
-        # Integer and comparison ops only, which compiled CPU code vectorizes (torch.isnan,
-        # torch.isinf and sign() become per-element loops there).
         xb = x.contiguous().view(torch.int32)
         noise = (bits & 0xFFFF).to(torch.int32)  # 16 uniform bits: the width bfloat16 drops
-        nan = (xb & 0x7FFFFFFF) > 0x7F800000  # exponent all ones and a nonzero fraction
-        # Adding noise in [0, 2**16) to the bit pattern carries into the kept half exactly when
-        # noise >= 2**16 - (dropped bits), i.e. with probability (dropped bits) / 2**16: an
-        # unbiased round of the magnitude (the sign bit is separate). The sum cannot overflow
-        # for non-NaNs (magnitude <= 0x7F800000); a NaN's all-ones magnitude could, so NaNs
-        # add nothing here and keep their own bits below.
-        up = (xb + torch.where(nan, 0, noise)) & -65536  # low half zero: converts exactly
-        # A NaN converts as x.to(bfloat16) would (to a NaN of the conversion's choosing).
-        # No saturation is needed: a finite |x| <= bfloat16's max (0x7F7F0000) plus less than
-        # 2**16 stays below 0x7F800000, so stochastic rounding never makes inf from it.
-        return torch.where(nan, xb, up).view(torch.float32).to(dtype)
+        # Low half zero: converts to bfloat16 exactly. A NaN converts as x.to(bfloat16) would
+        # (to a NaN of the conversion's choosing).
+        return _sr_bf16_bits(xb, noise).view(torch.float32).to(dtype)
     finfo = torch.finfo(dtype)
     nearest = x.to(dtype)
     near32 = nearest.float()
@@ -340,6 +335,67 @@ def round_stochastic_with_bits(
         torch.isinf(rounded) & in_range, torch.sign(x).to(dtype) * finfo.max, rounded
     )
     return torch.where(nan, x.to(dtype), rounded)
+
+
+def _sr_bf16_bits(xb: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding to bfloat16 on FP32 bit patterns ``xb`` (int32) with 16-bit ``noise``.
+
+    Returns int32 patterns whose upper half is the rounded bfloat16 and whose lower half is zero
+    (NaNs keep their own bits). Integer and comparison ops only, which compiled CPU code
+    vectorizes (torch.isnan, torch.isinf and sign() become per-element loops there).
+    """
+    nan = (xb & 0x7FFFFFFF) > 0x7F800000  # exponent all ones and a nonzero fraction
+    # Adding noise in [0, 2**16) to the bit pattern carries into the kept half exactly when
+    # noise >= 2**16 - (dropped bits), i.e. with probability (dropped bits) / 2**16: an
+    # unbiased round of the magnitude (the sign bit is separate). The sum cannot overflow
+    # for non-NaNs (magnitude <= 0x7F800000); a NaN's all-ones magnitude could, so NaNs
+    # add nothing and keep their own bits. No saturation is needed: a finite |x| <= bfloat16's
+    # max (0x7F7F0000) plus less than 2**16 stays below 0x7F800000, so stochastic rounding
+    # never makes inf from it.
+    up = (xb + torch.where(nan, 0, noise)) & -65536
+    return torch.where(nan, xb, up)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairs: two 16-bit values in one int32 word, two FP32 values in one int64 word
+# ---------------------------------------------------------------------------------------------
+#
+# Compiled CPU code (Inductor's C++ backend) vectorizes int32/int64/float/bfloat16 loops but not
+# int16 ones, so a step that loads or stores an int16 tensor (split's trail) runs one element at
+# a time. Viewing every 16-bit tensor as int32 words (elements 2j and 2j+1 in word j, the even
+# one in the low half: little-endian, as every platform torch runs on) and every 32-bit tensor
+# as int64 words lets the compiled step go through pairs of elements with vector integer ops
+# only. The helpers below convert between those words and the FP32 values of the even and odd
+# elements, exactly (no rounding anywhere).
+
+
+def _unpack_bf16_pairs(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words holding two bfloat16 patterns -> the FP32 values (even, odd), exactly."""
+    # A bfloat16 is the upper half of the FP32 with the same value: the even one moves up, the
+    # odd one is already there and loses the even one below it.
+    return (u << 16).view(torch.float32), (u & -65536).view(torch.float32)
+
+
+def _pack_16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """int32 words from the low 16 bits of ``even`` and of ``odd`` (int32 tensors)."""
+    return (even & 0xFFFF) | (odd << 16)
+
+
+def _pack_bf16_upper_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """int32 words from the upper 16 bits of ``even`` and of ``odd`` (int32 FP32 patterns)."""
+    return ((even >> 16) & 0xFFFF) | (odd & -65536)
+
+
+def _unpack_f32_pairs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 words holding two FP32 patterns -> the FP32 values (even, odd), exactly."""
+    # int64 -> int32 keeps the low 32 bits.
+    return q.to(torch.int32).view(torch.float32), (q >> 32).to(torch.int32).view(torch.float32)
+
+
+def _pack_f32_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """int64 words from two FP32 tensors (even in the low half), exactly."""
+    lo = even.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # sign extension masked off
+    return lo | (odd.view(torch.int32).to(torch.int64) << 32)
 
 
 def round_stochastic(

@@ -29,7 +29,15 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec.numerics import hash_bits, stream_key, stream_key_halves
+from lowprec.numerics import (
+    _pack_bf16_upper_pairs,
+    _pack_f32_pairs,
+    _unpack_bf16_pairs,
+    _unpack_f32_pairs,
+    hash_bits,
+    stream_key,
+    stream_key_halves,
+)
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -329,22 +337,40 @@ class LowPrecisionOptimizer(Optimizer):
         # not its position here), and a compiled kernel's threading is decided by the size it is
         # first compiled for, so the first call of each variant should see a large tensor.
         work.sort(key=lambda item: -item[1].numel())
+        memo: dict[Any, Any] = {}
         for group, p, index, storage in work:
-            self._step_param(group, p, index, storage, scaling)
+            self._step_param(group, p, index, storage, scaling, memo)
         return loss
 
-    def _step_param(self, group, p, index, storage: MasterStorage, scaling=None) -> None:
+    def _step_param(
+        self, group, p, index, storage: MasterStorage, scaling=None, memo=None
+    ) -> None:
+        """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
+        group shares (flags, coefficients and their tensors for a given step number), so that a
+        model of many small tensors does not pay for them per tensor."""
+        memo = {} if memo is None else memo
         state = self.state[p]
         if not state:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = {k: state[k] for k in self._math_buffers(group)}
-        flags = self._flags(group)
+        gid = id(group)
+        flags = memo.get(("flags", gid))
+        if flags is None:
+            flags = memo[("flags", gid)] = self._flags(group)
+        c32 = None
         if scaling is None:
             step = int(state["step"].item()) + 1
-            key = stream_key(group["seed"], step, index) if storage.needs_random_bits else 0
-            lo, hi = key & 0xFFFFFFFF, key >> 32
-            coeffs = self._coefficients(group, step)
+            if storage.needs_random_bits:
+                key = stream_key(group["seed"], step, index)
+                lo, hi = key & 0xFFFFFFFF, key >> 32
+            else:
+                lo = hi = 0
+            cached = memo.get(("coeffs", gid, step))
+            if cached is None:
+                host = self._coefficients(group, step)
+                cached = memo[("coeffs", gid, step)] = (host, None)
+            coeffs, c32 = cached
             extra: dict[str, torch.Tensor] = {}
         else:
             # The step count lives on the parameter's device and advances only when the step is
@@ -370,7 +396,11 @@ class LowPrecisionOptimizer(Optimizer):
             scaled = scaling is not None
             kernel = _compiled_kernel(type(self), storage, flags, scaled=scaled)
             views = (p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs))
-            c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+            if c32 is None:
+                c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+                if scaling is None:  # shared by the group's parameters at this step number
+                    memo[("coeffs", gid, step)] = (coeffs, c32)
+            c32 = dict(c32)  # the sums below are this parameter's own
             try:
                 if self._partial_sums is not None:
                     # The whole-tensor sums in a compiled pass of their own, so that the update
@@ -382,10 +412,34 @@ class LowPrecisionOptimizer(Optimizer):
                         *views, c32, storage=storage, partial_sums=self._partial_sums,
                         flags=flags, inv_scale=extra.get("inv_scale"),
                     )
-                kernel(
-                    *views, c32, torch.as_tensor(lo), torch.as_tensor(hi),
-                    storage=storage, math=self._math, flags=flags, **extra,
-                )
+                pairs = self._pairs_plan(storage, p, sbufs, mbufs)
+                if pairs is None:
+                    kernel(
+                        *views, c32, *_key_tensors(lo, hi),
+                        storage=storage, math=self._math, flags=flags, **extra,
+                    )
+                else:
+                    # 16-bit strategies go through pairs of elements (vectorized); an odd last
+                    # element takes the eager step, with its own index for the random bits.
+                    n = p.numel() & ~1
+                    pair_kernel = _compiled_kernel(
+                        type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
+                        extra_key=pairs,
+                    )
+                    pair_kernel(
+                        _pair_words(p, n), _pair_words(p.grad, n),
+                        {k: _pair_words(v, n) for k, v in sbufs.items()},
+                        {k: _pair_words(v, n) for k, v in mbufs.items()},
+                        c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
+                        flags=flags, dtypes=pairs, **extra,
+                    )
+                    if n < p.numel():
+                        tail = slice(n, None)
+                        _param_update(
+                            p.view(-1)[tail], p.grad.view(-1)[tail], flat(sbufs, tail),
+                            flat(mbufs, tail), coeffs, lo, hi, storage=storage,
+                            math=self._math, flags=flags, offset=n, **extra,
+                        )
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
                 _disable_fused(self, e)
             else:
@@ -418,6 +472,25 @@ class LowPrecisionOptimizer(Optimizer):
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                           math=self._math, flags=flags, offset=offset, **extra)
         self._advance(state, step, scaling, p.device)
+
+    def _pairs_plan(self, storage: MasterStorage, p: torch.Tensor, sbufs, mbufs) -> tuple | None:
+        """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
+
+        Pairs are for strategies with 16-bit tensors that keep compiled CPU code from
+        vectorizing (``storage.pairs_ok``), elementwise rules, and gradients and buffers in
+        bfloat16 or FP32 whose flat views start on a pair boundary.
+        """
+        if (
+            not storage.pairs_ok(p.dtype) or not self._elementwise or p.numel() < 2
+            or p.device.type != "cpu"
+        ):
+            return None
+        tensors = {"grad": p.grad, **mbufs}
+        if any(t.dtype not in (torch.bfloat16, torch.float32) or t.storage_offset() % 2
+               for t in (p, *tensors.values())) or any(
+                   t.element_size() != 2 or t.storage_offset() % 2 for t in sbufs.values()):
+            return None
+        return tuple((k, t.dtype) for k, t in tensors.items())
 
     @staticmethod
     def _advance(state, step, scaling, device) -> None:
@@ -553,12 +626,7 @@ def _param_update(
     new_w, new_m = math(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
     bits = None
     if storage.needs_random_bits:
-        # int32 indices where they fit (the hash is then int32 throughout, much cheaper than
-        # int64 on CPUs without 64-bit vector multiplies); the same bits either way.
-        wide = offset + p.numel() > _INT32_MAX
-        idx = torch.arange(offset, offset + p.numel(), device=p.device,
-                           dtype=torch.int64 if wide else torch.int32)
-        bits = hash_bits(idx.view(p.shape), key_lo, key_hi)
+        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype).view(p.shape)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
     if skip is not None:  # a skipped step writes back what was there, bit for bit
         new_p = torch.where(skip, p, new_p)
@@ -569,6 +637,98 @@ def _param_update(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
+
+
+def _random_bits(
+    offset: int, numel: int, device: torch.device, key_lo: Any, key_hi: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
+
+    Element ``i`` of a bfloat16 parameter takes 16 bits of the 32-bit hash of ``i // 2``: the low
+    half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements (the
+    fused step on pairs computes it once per pair, halving the hashing). Other dtypes (float16
+    takes 24 bits) get the hash of ``i`` itself.
+    """
+    # int32 indices where they fit (the hash is then int32 throughout, much cheaper than int64 on
+    # CPUs without 64-bit vector multiplies); the same bits either way.
+    wide = offset + numel > _INT32_MAX
+    idx = torch.arange(offset, offset + numel, device=device,
+                       dtype=torch.int64 if wide else torch.int32)
+    if dtype != torch.bfloat16:
+        return hash_bits(idx, key_lo, key_hi)
+    # (i & 1) * 16 shifts the odd elements' half down; the & keeps 16 bits either way.
+    return (hash_bits(idx >> 1, key_lo, key_hi) >> ((idx & 1) * 16)) & 0xFFFF
+
+
+def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _unpack_bf16_pairs(t) if dtype == torch.bfloat16 else _unpack_f32_pairs(t)
+
+
+def _pack_pairs(even: torch.Tensor, odd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` would round them."""
+    if dtype == torch.bfloat16:
+        # Round to nearest even (torch's conversion), then take the bfloat16's bits from the
+        # FP32 it converts back to exactly (the upper half).
+        e, o = (x.to(torch.bfloat16).float().view(torch.int32) for x in (even, odd))
+        return _pack_bf16_upper_pairs(e, o)
+    return _pack_f32_pairs(even, odd)
+
+
+def _param_update_pairs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    key_lo: int | torch.Tensor,
+    key_hi: int | torch.Tensor,
+    *,
+    storage: MasterStorage,
+    math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    flags: dict[str, bool],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+    inv_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+) -> None:
+    """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
+
+    Every tensor is a view of one parameter's first ``2 * len(p)`` elements as words holding
+    two elements each (see "Pairs" in ``lowprec.numerics``): int32 for 16-bit tensors, int64 for
+    32-bit ones. ``dtypes`` gives the grad's and each math buffer's real dtype. The update rule
+    runs unchanged on the even and on the odd elements, so each element gets the operations
+    ``_param_update`` gives it; the words are unpacked and packed with exact bit operations.
+    Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
+    """
+    kinds = dict(dtypes)
+    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
+    if inv_scale is not None:
+        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
+    w_even, w_odd = storage.load_pairs(p, sbufs)
+    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
+    new_we, m_even = math(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
+    new_wo, m_odd = math(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
+    bits = None
+    if storage.needs_random_bits:  # one hash per pair: see _random_bits
+        idx = torch.arange(p.numel(), device=p.device,
+                           dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
+        bits = hash_bits(idx, key_lo, key_hi)
+    new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
+    new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
+    if skip is not None:  # a skipped step writes back what was there, bit for bit
+        new_p = torch.where(skip, p, new_p)
+        new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
+        new_m = {k: torch.where(skip, mbufs[k], v) for k, v in new_m.items()}
+    for k, v in new_m.items():
+        mbufs[k].copy_(v)
+    for k, v in new_s.items():
+        sbufs[k].copy_(v)
+    p.copy_(new_p)
+
+
+def _pair_words(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` (even) elements of contiguous ``t`` as words of two elements each."""
+    word = {2: torch.int32, 4: torch.int64}[t.element_size()]
+    return t.view(-1)[:n].view(word)
 
 
 class _Scaling:
@@ -658,6 +818,16 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, Callable[..., None]] = {}
+_ZERO_KEY = torch.zeros((), dtype=torch.int64)
+
+
+def _key_tensors(lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random key's halves as 0-d tensors for a compiled kernel (a constant zero when unused)."""
+    if isinstance(lo, torch.Tensor):
+        return lo, hi
+    if lo == 0 and hi == 0:
+        return _ZERO_KEY, _ZERO_KEY
+    return torch.tensor(lo), torch.tensor(hi)
 _INT32_MAX = 2**31 - 1
 # Elements per piece of the eager step on large tensors: big enough to amortise Python overhead,
 # small enough that the temporaries (40-60 bytes per element at their peak, 3-4 MB here) stay in
@@ -671,7 +841,7 @@ _EAGER_CHUNK = 1 << 16
 
 def _compiled_kernel(
     cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
-    fn: Callable[..., Any] = _param_update,
+    fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
 ) -> Callable[..., Any]:
     """A compiled ``_param_update`` (or ``fn``) for one (optimizer, storage, flags) variant.
 
@@ -679,11 +849,12 @@ def _compiled_kernel(
     cache (and recompile budget) per variant instead of one shared by every optimizer. Shapes are
     dynamic (parameters are passed flattened), so one compilation serves every parameter size.
     """
-    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__)
+    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
         what = "step" if fn is _param_update else fn.__name__.strip("_")
+        what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
         name = f"lowprec_{cls.__name__}_{storage.name}{'_scaled' if scaled else ''}_{what}"
         variant = types.FunctionType(
             code.replace(co_name=name, co_qualname=name)

@@ -21,7 +21,16 @@ from typing import ClassVar
 
 import torch
 
-from lowprec.numerics import join, round_stochastic_with_bits, split
+from lowprec.numerics import (
+    _pack_16_pairs,
+    _pack_bf16_upper_pairs,
+    _split_top_bits,
+    _sr_bf16_bits,
+    _unpack_bf16_pairs,
+    join,
+    round_stochastic_with_bits,
+    split,
+)
 
 __all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "resolve_master"]
 
@@ -55,6 +64,33 @@ class MasterStorage:
         bufs: dict[str, torch.Tensor],
         bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    # The same two operations on pairs of elements (see "Pairs" in ``lowprec.numerics``), for
+    # strategies whose 16-bit tensors would keep the compiled CPU step from vectorizing. Only
+    # bfloat16 parameters; every 16-bit tensor (param, buffers) is an int32 view holding
+    # elements 2j (low half) and 2j+1 (high half). They must give the bits ``load``/``store``
+    # give, element for element; the fused-vs-eager tests check it.
+
+    def pairs_ok(self, dtype: torch.dtype) -> bool:
+        """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``."""
+        return False
+
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP32 masters of the even and of the odd elements."""
+        raise NotImplementedError
+
+    def store_pairs(
+        self,
+        w_even: torch.Tensor,
+        w_odd: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """New (param, buffers) words; ``bits`` holds each pair's 32 random bits (even: low half)."""
         raise NotImplementedError
 
 
@@ -126,6 +162,23 @@ class Split(MasterStorage):
         top, trail = split(w)
         return top, {"trail": trail}
 
+    def pairs_ok(self, dtype):
+        return dtype == torch.bfloat16
+
+    def load_pairs(self, param, bufs):
+        # join() on each half: top * 2**16 + the sign-extended trail, in wrapping int32. The
+        # even top moves up (<< 16) and its trail is sign-extended from the low half
+        # (<< 16 >> 16); the odd top is already in place and its trail is the arithmetic >> 16.
+        p, t = param, bufs["trail"]
+        even = ((p << 16) + ((t << 16) >> 16)).view(torch.float32)
+        odd = ((p & -65536) + (t >> 16)).view(torch.float32)
+        return even, odd
+
+    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
+        be, bo = w_even.view(torch.int32), w_odd.view(torch.int32)
+        top = _pack_16_pairs(_split_top_bits(be), _split_top_bits(bo))
+        return top, {"trail": _pack_16_pairs(be, bo)}  # the trails: the low halves
+
 
 class Kahan(MasterStorage):
     """Kahan-compensated summation: a buffer in the parameter's dtype holds what rounding dropped.
@@ -167,6 +220,23 @@ class Stochastic(MasterStorage):
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
         return round_stochastic_with_bits(w, bits, param.dtype), {}
+
+    def pairs_ok(self, dtype):
+        return dtype == torch.bfloat16
+
+    def load_pairs(self, param, bufs):
+        return _unpack_bf16_pairs(param)
+
+    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
+        if bits is None:
+            raise ValueError("master='stochastic' needs random bits for its store step.")
+        # The pair's 32 bits: the low 16 are the even element's noise, the high 16 the odd's,
+        # as element_random_bits gives them to the elementwise store. Only NaN results may
+        # differ from store(): a NaN keeps its own upper half here instead of the NaN that a
+        # conversion to bfloat16 would choose.
+        even = _sr_bf16_bits(w_even.view(torch.int32), bits & 0xFFFF)
+        odd = _sr_bf16_bits(w_odd.view(torch.int32), (bits >> 16) & 0xFFFF)
+        return _pack_bf16_upper_pairs(even, odd), {}
 
 
 STORAGES: dict[str, MasterStorage] = {
