@@ -22,6 +22,7 @@ ADAM_LIKE = {  # two moments
     "bf16-split": (2, 2, 8, 2),
     "bf16-sr": (2, 2, 4, 0),
     "fp16-master": (2, 2, 8, 4),
+    "dfp16": (4, 4, 8, 0),  # FP32 masters; DFP-16 exists only inside Linear/Conv2d products
 }
 ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "fp32": (4, 4, 4, 0),
@@ -32,6 +33,7 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "bf16-split": (2, 2, 4, 2),
     "bf16-sr": (2, 2, 2, 0),
     "fp16-master": (2, 2, 4, 4),
+    "dfp16": (4, 4, 4, 0),
 }
 HAND = {"adamw": ADAM_LIKE, "lamb": ADAM_LIKE, "sgd": ONE_BUFFER, "adagrad": ONE_BUFFER}
 FIGURES = ("weights", "grads", "optimizer_state", "master")
@@ -82,7 +84,7 @@ def test_measured_equals_expected_without_kept_layers(optimizer):
 def test_table_without_a_model_has_no_measurement():
     rows = memory.table("adamw")
     assert all(r["measured"] is None and r["measured_bytes"] is None for r in rows)
-    assert [r["expected"]["total"] for r in rows] == [16, 16, 16, 8, 10, 14, 8, 16]
+    assert [r["expected"]["total"] for r in rows] == [16, 16, 16, 8, 10, 14, 8, 16, 16]
 
 
 def test_kept_fp32_layers_show_in_the_measurement():
