@@ -9,9 +9,15 @@ iteration, after a barrier, each rank times:
 * ``fp32 all_reduce (buckets)``: one ``all_reduce`` per bucket, as DDP's default hook does;
 * ``1-bit collectives``: only the hook's messages, per bucket one ``all_to_all_single`` and one
   ``all_gather_single`` of the chunk size the hook uses (packed codes + two floats per column);
-* ``1-bit hook (total)``: ``onebit_hook`` per bucket (quantize with error feedback, the two
-  collectives, requantize, dequantize), waited for, with residuals carried over from the last
-  iteration as in training.
+* ``bf16_compress_hook``: PyTorch's ``default_hooks.bf16_compress_hook`` per bucket (cast to
+  BF16, all-reduce, cast back), waited for;
+* ``1-bit hook, fused`` and ``1-bit hook, eager``: ``onebit_hook`` per bucket (quantize with
+  error feedback, the two collectives, requantize, dequantize), waited for, with residuals carried
+  over from the last iteration as in training; ``OneBitState(fused=True)`` (the quantizer compiled
+  by ``torch.compile``, compiled before timing) and ``fused=False``;
+* ``memory floor``: no communication, only the memory traffic any error-feedback hook needs per
+  value (read gradient and residual, write residual and result: ``r += g; g.copy_(r)``), the
+  physical lower bound of the hook's own work on this machine.
 
 A row's time per iteration is the slowest rank's; the table gives the median, the interquartile
 range and the minimum over ``--iters`` iterations after ``--warmup`` untimed ones. Bytes are per
@@ -47,11 +53,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lowprec.distributed import DEFAULT_RULE, OneBitState, onebit_hook
 
-ROWS = ("fp32 all_reduce (1 call)", "fp32 all_reduce (buckets)", "1-bit collectives",
-        "1-bit hook (total)")
+ROWS = ("fp32 all_reduce (1 call)", "fp32 all_reduce (buckets)", "bf16_compress_hook",
+        "1-bit collectives", "1-bit hook, fused", "1-bit hook, eager", "memory floor")
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -131,15 +138,31 @@ def _bench(rank: int, world: int, opts: dict[str, Any], out: str) -> None:
     grads = [torch.randn(sum(p.numel() for p in g), generator=gen) for g in groups]
     flat = torch.cat(grads)
     buffers = [g.clone() for g in grads]
-    state = OneBitState(model, bits=opts["bits"], rule=opts["rule"], warmup_steps=0)
+    fused = opts["rule"] == "range"
+    state = OneBitState(model, bits=opts["bits"], rule=opts["rule"], warmup_steps=0,
+                        fused=fused)
+    eager = OneBitState(model, bits=opts["bits"], rule=opts["rule"], warmup_steps=0, fused=False)
+    floor = [torch.zeros_like(b) for b in buffers]
 
-    def run_hook() -> None:
-        futs = [onebit_hook(state, _Bucket(i, g, b, i == len(groups) - 1))
+    def run_hook(st: OneBitState = state) -> None:
+        futs = [onebit_hook(st, _Bucket(i, g, b, i == len(groups) - 1))
                 for i, (g, b) in enumerate(zip(groups, buffers, strict=True))]
         for f in futs:
             f.wait()
 
-    run_hook()  # builds the layouts; their chunk sizes give the collectives row its messages
+    def run_bf16() -> None:
+        futs = [default_hooks.bf16_compress_hook(None, _Bucket(i, g, b, i == len(groups) - 1))
+                for i, (g, b) in enumerate(zip(groups, buffers, strict=True))]
+        for f in futs:
+            f.wait()
+
+    def run_floor() -> None:
+        for r, b in zip(floor, buffers, strict=True):
+            r.add_(b)
+            b.copy_(r)
+
+    run_hook()  # builds the layouts (and compiles); their chunk sizes give the collectives row
+    run_hook()  # its messages
     chunks = [layout.chunk_bytes for layout in state._layouts.values()]
     sends = [torch.zeros(world * c, dtype=torch.uint8) for c in chunks]
     recvs = [torch.empty_like(s) for s in sends]
@@ -161,11 +184,18 @@ def _bench(rank: int, world: int, opts: dict[str, Any], out: str) -> None:
         times = {ROWS[0]: _timed(lambda copy=copy: dist.all_reduce(copy))}
         reset()
         times[ROWS[1]] = _timed(lambda: [dist.all_reduce(b) for b in buffers])
-        times[ROWS[2]] = _timed(collectives)
+        reset()
+        times[ROWS[2]] = _timed(run_bf16)
+        times[ROWS[3]] = _timed(collectives)
         reset()
         if it == opts["warmup"]:
             before = state.counters()
-        times[ROWS[3]] = _timed(run_hook)
+        times[ROWS[4]] = _timed(run_hook)
+        reset()
+        if not opts["no_eager"]:
+            times[ROWS[5]] = _timed(lambda: run_hook(eager))
+            reset()
+        times[ROWS[6]] = _timed(run_floor)
         if it >= opts["warmup"]:
             for k, v in times.items():
                 samples[k].append(v)
@@ -180,11 +210,13 @@ def _bench(rank: int, world: int, opts: dict[str, Any], out: str) -> None:
             "chunk_bytes": chunks,
             "bytes_per_iteration": {
                 "fp32_ring": 2 * (world - 1) * 4 * n // world,
+                "bf16_ring": 2 * (world - 1) * 2 * n // world,
                 "onebit_sent": (after["bytes_sent"] - before["bytes_sent"]) // opts["iters"],
                 "onebit_received": (after["bytes_received"] - before["bytes_received"])
                 // opts["iters"],
             },
-            "samples_s": samples,
+            "samples_s": {k: v for k, v in samples.items() if v},
+            "fused": fused,
             "torch": torch.__version__,
         }
         Path(out).write_text(json.dumps(result))
@@ -222,6 +254,8 @@ def _report(result: dict[str, Any]) -> str:
     ]
     base = statistics.median(result["samples_s"][ROWS[0]])
     for row in ROWS:
+        if row not in result["samples_s"]:
+            continue
         s = sorted(result["samples_s"][row])
         q = statistics.quantiles(s, n=4) if len(s) > 1 else [s[0], s[0], s[0]]
         med = statistics.median(s)
@@ -231,7 +265,8 @@ def _report(result: dict[str, Any]) -> str:
         "",
         f"bytes sent per rank and iteration: fp32 ring all-reduce {b['fp32_ring']:,}, "
         f"1-bit hook {b['onebit_sent']:,} (received {b['onebit_received']:,}): "
-        f"{b['fp32_ring'] / max(b['onebit_sent'], 1):.1f}x fewer",
+        f"{b['fp32_ring'] / max(b['onebit_sent'], 1):.1f}x fewer; bf16_compress_hook "
+        f"{b['bf16_ring']:,}",
     ]
     return "\n".join(lines)
 
@@ -253,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="intra-op threads per process (default: 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1M values, 3 timed iterations, 1 untimed")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="skip the eager hook's row (the slowest)")
     parser.add_argument("--json", type=Path, help="also write the samples and bytes here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -260,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.world < 1 or args.iters < 1 or args.warmup < 0 or args.values_millions * 1e6 < 1024:
         parser.error("need --world >= 1, --iters >= 1, --warmup >= 0 and at least 1024 values")
     opts = {k: getattr(args, k) for k in ("values_millions", "bucket_mb", "bits", "rule",
-                                          "iters", "warmup", "threads")}
+                                          "iters", "warmup", "threads", "no_eager")}
     OneBitState(torch.nn.Linear(1, 1), bits=args.bits, rule=args.rule)  # check bits and rule
     load_before = _loadavg()
     with tempfile.TemporaryDirectory() as tmp:

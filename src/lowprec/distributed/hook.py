@@ -196,6 +196,9 @@ class _Layout:
         self.chunk_bytes = -(-(self.codes_at + packed_size(max_vals, bits) + 1) // 4) * 4
         self.local = torch.empty(0)
         self.stripe_residual = torch.empty(0)
+        # Scratch for unpacked codes, made at the first compressed step ("meta": not yet).
+        self.codes = torch.empty(0, device="meta")
+        self.all_codes = torch.empty(0, device="meta")
 
     def span(self, key: str) -> tuple[int, int]:
         i = self.index[key]
@@ -518,10 +521,16 @@ class OneBitState:
         layout = self._layout_for(bucket, buffer, group)
         world, rank, size = group.size(), dist.get_rank(group), layout.chunk_bytes
         device, per = buffer.device, 8 // self.bits
-        # Unpacked codes of one stripe at a time (padded to whole bytes), reused by every stage.
-        longest = max(s.numel for s in layout.stripes)
-        codes = torch.empty(packed_size(longest, self.bits) * per, dtype=torch.uint8,
-                            device=device)
+        # Unpacked codes of one stripe at a time (padded to whole bytes), reused by every stage
+        # and every step: allocating it afresh costs page faults on CPU.
+        if layout.codes.device != device:
+            longest = max(s.numel for s in layout.stripes)
+            layout.codes = torch.empty(packed_size(longest, self.bits) * per, dtype=torch.uint8,
+                                       device=device)
+            own = layout.stripes[rank]
+            layout.all_codes = torch.empty(world, packed_size(own.numel, self.bits) * per,
+                                           dtype=torch.uint8, device=device)
+        codes = layout.codes
         # Stage 1: local error feedback (the new residual goes to a spare buffer, so that the
         # old one survives a fallback), then stripe r of every rank to rank r.
         local = self._spare(layout.numel, device)
@@ -550,7 +559,7 @@ class OneBitState:
         send2 = torch.zeros(size, dtype=torch.uint8, device=device)
         if own.ncols:
             m = packed_size(own.numel, self.bits)
-            all_codes = torch.empty(world, m * per, dtype=torch.uint8, device=device)
+            all_codes = layout.all_codes
             self._kernel("unpack", recv[:, layout.codes_at : layout.codes_at + m], all_codes,
                          self.bits, fused_name="unpack_wide")
             all_stats = recv[:, : 8 * own.ncols].view(torch.float32).view(world, own.ncols, 2)
