@@ -411,10 +411,10 @@ SYNTHETIC = {
     # The compiled kernels (fused=True, on CPU: Inductor's C++) against the same simulation.
     "w2-fused-1bit": (2, {"state": {"warmup_steps": 1, "fused": True}, "steps": 4,
                           "bucket_cap_mb": 0.02, "nonfinite": [(3, 0, "w1", NAN)]}),
-    "w2-fused-bf16": (2, {"dtype": "bfloat16", "state": {"warmup_steps": 0, "fused": True},
-                          "steps": 2, "bucket_cap_mb": 0.02}),
-    "w3-fused-2bit": (3, {"state": {"bits": 2, "warmup_steps": 0, "fused": True}, "steps": 3,
-                          "bucket_cap_mb": 0.02}),
+    # (BF16 buckets and 2 bits in one scenario: each new dtype or width compiles new kernels.)
+    "w2-fused-bf16-2bit": (2, {"dtype": "bfloat16", "state": {"bits": 2, "warmup_steps": 0,
+                                                              "fused": True},
+                               "steps": 3, "bucket_cap_mb": 0.02}),
     # One parameter per bucket: an empty one, single values, odd sizes, a 3-value bucket on 3
     # ranks (one value per stripe) and a 1-value bucket (stripes of 0 values on all but one rank).
     "w2-tiny": (2, {"model": "tiny", "state": {"warmup_steps": 0}, "steps": 3,
