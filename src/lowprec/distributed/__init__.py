@@ -15,8 +15,9 @@ stays unbiased over time. Usage::
     state.load_state_dict(ckpt["onebit"])                                 # on every rank
 
 ``lowprec.distributed.quantize`` holds the per-column quantizer and the bit packing;
-``lowprec.distributed.hook`` the striped aggregation, the state and the hook. See
-docs/distributed.md.
+``lowprec.distributed.kernels`` the hook's per-block work, run eagerly or compiled
+(``OneBitState(fused=True)``); ``lowprec.distributed.hook`` the striped aggregation, the state and
+the hook. See docs/distributed.md and examples/ddp_onebit.py.
 """
 
 from lowprec.distributed.hook import DEFAULT_WARMUP_STEPS, OneBitState, column_runs, onebit_hook

@@ -54,9 +54,14 @@ bucket uncompressed, exactly as DDP's default hook would (so a loss scaler still
 nobody keeps that step's local residuals. If the averaged stripe overflows FP32 in step 2 (finite
 inputs near ``3e38``), its owner keeps its old stripe residual and the stripe arrives non-finite.
 
+**Compute.** The per-block work (quantize with error feedback, requantize a stripe, dequantize,
+pack, unpack) lives in ``lowprec.distributed.kernels``; ``fused=True`` (default on CUDA, ``"range"``
+rule only) runs it through ``torch.compile`` with bit-identical results. New residuals are written
+to pooled spare buffers and swapped in only when every rank was finite.
+
 **Checkpoints.** ``state_dict()`` is a collective: every rank's residuals and counters are gathered
-into one dict, which any rank may save; ``load_state_dict()`` on every rank takes its own part. The
-process group is not saved.
+into one dict, which any rank may save (tensor collectives only: no pickling, no numpy);
+``load_state_dict()`` on every rank takes its own part. The process group is not saved.
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
