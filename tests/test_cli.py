@@ -113,7 +113,7 @@ def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
         (["compare", "--lr", "nan"], "must be a positive finite number"),
         (["compare", "--d-model", "30", "--n-head", "4"], "d_model=30 must be a multiple of"),
         (["memory", "--optimizer", "rmsprop"], "unknown optimizer 'rmsprop'"),
-        (["numerics", "--steps", "-3"], "must be 0 or more"),
+        (["numerics", "--steps", "-3"], "must be at least 0, got -3"),
         (["numerics", "--small", "inf"], "small must be finite"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
