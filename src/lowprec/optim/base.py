@@ -338,7 +338,12 @@ class LowPrecisionOptimizer(Optimizer):
         # first compiled for, so the first call of each variant should see a large tensor.
         work.sort(key=lambda item: -item[1].numel())
         memo: dict[Any, Any] = {}
-        for group, p, index, storage in work:
+        small = [item for item in work if item[1].numel() <= _SMALL]
+        for group, p, index, storage in work[: len(work) - len(small)]:
+            self._step_param(group, p, index, storage, scaling, memo)
+        if scaling is None:  # (under a loss scaler the step counts live on the device)
+            small = self._step_small_fused(small, memo)
+        for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         return loss
 
@@ -393,53 +398,14 @@ class LowPrecisionOptimizer(Optimizer):
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
-            scaled = scaling is not None
-            kernel = _compiled_kernel(type(self), storage, flags, scaled=scaled)
-            views = (p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs))
             if c32 is None:
                 c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
                 if scaling is None:  # shared by the group's parameters at this step number
                     memo[("coeffs", gid, step)] = (coeffs, c32)
-            c32 = dict(c32)  # the sums below are this parameter's own
             try:
-                if self._partial_sums is not None:
-                    # The whole-tensor sums in a compiled pass of their own, so that the update
-                    # pass recomputes what it needs instead of keeping full-size temporaries.
-                    sums_kernel = _compiled_kernel(
-                        type(self), storage, flags, scaled=scaled, fn=_param_sums
-                    )
-                    c32["sums"] = sums_kernel(
-                        *views, c32, storage=storage, partial_sums=self._partial_sums,
-                        flags=flags, inv_scale=extra.get("inv_scale"),
-                    )
-                pairs = self._pairs_plan(storage, p, sbufs, mbufs)
-                if pairs is None:
-                    kernel(
-                        *views, c32, *_key_tensors(lo, hi),
-                        storage=storage, math=self._math, flags=flags, **extra,
-                    )
-                else:
-                    # 16-bit strategies go through pairs of elements (vectorized); an odd last
-                    # element takes the eager step, with its own index for the random bits.
-                    n = p.numel() & ~1
-                    pair_kernel = _compiled_kernel(
-                        type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
-                        extra_key=pairs,
-                    )
-                    pair_kernel(
-                        _pair_words(p, n), _pair_words(p.grad, n),
-                        {k: _pair_words(v, n) for k, v in sbufs.items()},
-                        {k: _pair_words(v, n) for k, v in mbufs.items()},
-                        c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
-                        flags=flags, dtypes=pairs, **extra,
-                    )
-                    if n < p.numel():
-                        tail = slice(n, None)
-                        _param_update(
-                            p.view(-1)[tail], p.grad.view(-1)[tail], flat(sbufs, tail),
-                            flat(mbufs, tail), coeffs, lo, hi, storage=storage,
-                            math=self._math, flags=flags, offset=n, **extra,
-                        )
+                self._fused_update(
+                    storage, flags, p, p.grad, sbufs, mbufs, coeffs, c32, lo, hi, extra
+                )
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
                 _disable_fused(self, e)
             else:
@@ -473,7 +439,131 @@ class LowPrecisionOptimizer(Optimizer):
                           math=self._math, flags=flags, offset=offset, **extra)
         self._advance(state, step, scaling, p.device)
 
-    def _pairs_plan(self, storage: MasterStorage, p: torch.Tensor, sbufs, mbufs) -> tuple | None:
+    def _fused_update(
+        self, storage, flags, p, grad, sbufs, mbufs, coeffs, c32, lo, hi, extra
+    ) -> None:
+        """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors)."""
+        flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+        scaled = "skip" in extra
+        views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs))
+        c32 = dict(c32)  # the sums below are this parameter's own
+        if self._partial_sums is not None:
+            # The whole-tensor sums in a compiled pass of their own, so that the update pass
+            # recomputes what it needs instead of keeping full-size temporaries.
+            sums_kernel = _compiled_kernel(
+                type(self), storage, flags, scaled=scaled, fn=_param_sums
+            )
+            c32["sums"] = sums_kernel(
+                *views, c32, storage=storage, partial_sums=self._partial_sums,
+                flags=flags, inv_scale=extra.get("inv_scale"),
+            )
+        pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        if pairs is None:
+            kernel = _compiled_kernel(type(self), storage, flags, scaled=scaled)
+            kernel(
+                *views, c32, *_key_tensors(lo, hi),
+                storage=storage, math=self._math, flags=flags, **extra,
+            )
+            return
+        # 16-bit strategies go through pairs of elements (vectorized); an odd last element
+        # takes the eager step, with its own index for the random bits.
+        n = p.numel() & ~1
+        pair_kernel = _compiled_kernel(
+            type(self), storage, flags, scaled=scaled, fn=_param_update_pairs, extra_key=pairs,
+        )
+        pair_kernel(
+            _pair_words(p, n), _pair_words(grad, n),
+            {k: _pair_words(v, n) for k, v in sbufs.items()},
+            {k: _pair_words(v, n) for k, v in mbufs.items()},
+            c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
+            flags=flags, dtypes=pairs, **extra,
+        )
+        if n < p.numel():
+            tail = slice(n, None)
+            _param_update(
+                p.view(-1)[tail], grad.view(-1)[tail], flat(sbufs, tail), flat(mbufs, tail),
+                coeffs, lo, hi, storage=storage, math=self._math, flags=flags, offset=n,
+                **extra,
+            )
+
+    def _step_small_fused(self, items, memo) -> list:
+        """Fused steps of small parameters batched per group: one compiled call per batch.
+
+        The per-call cost of a compiled kernel (~30-60 us, Dynamo's guards and wrappers) is most of
+        a small tensor's step, and models have many (biases, norms). For deterministic
+        elementwise strategies the batch's tensors are concatenated, stepped in one call with
+        the group's coefficients, and copied back: the same operations on every element, so the
+        same bits. Returns the items it did not take (stepped one by one as before).
+        """
+        rest, buckets = [], {}
+        for item in items:
+            group, p, _index, storage = item
+            g = p.grad
+            if (
+                storage.needs_random_bits or not self._elementwise
+                or not 1 < p.numel() <= _SMALL or p.device.type != "cpu"
+                or not _fused_enabled(self, group, p)
+            ):
+                rest.append(item)
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self._init_state(group, p, storage))
+            bufs = [state[k] for k in (*storage.buffers(p), *self._math_buffers(group))]
+            if not all(t.is_contiguous() for t in (p, g, *bufs)):
+                rest.append(item)
+                continue
+            step = int(state["step"].item()) + 1
+            key = (id(group), storage.name, step, p.dtype, g.dtype, *(t.dtype for t in bufs))
+            bucket = buckets.setdefault(key, [[]])
+            if sum(q.numel() for _, q, _, _ in bucket[-1]) + p.numel() > _SMALL_BATCH:
+                bucket.append([])
+            bucket[-1].append(item)
+        for key, batches in buckets.items():
+            step = key[2]
+            for batch in batches:
+                if len(batch) == 1 or getattr(self, "_fused_broken", False):
+                    rest.extend(batch)
+                    continue
+                group, _, _, storage = batch[0]
+                ps = [p for _, p, _, _ in batch]
+                gid = id(group)
+                flags = memo.get(("flags", gid))
+                if flags is None:
+                    flags = memo[("flags", gid)] = self._flags(group)
+                cached = memo.get(("coeffs", gid, step))
+                if cached is None or cached[1] is None:
+                    coeffs = self._coefficients(group, step)
+                    c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+                    memo[("coeffs", gid, step)] = (coeffs, c32)
+                else:
+                    coeffs, c32 = cached
+                names_s = list(storage.buffers(ps[0]))
+                names_m = list(self._math_buffers(group))
+                dst = {"p": [p.view(-1) for p in ps]}
+                for k in (*names_s, *names_m):
+                    dst[k] = [self.state[p][k].view(-1) for p in ps]
+                cat = {k: torch.cat(v) for k, v in dst.items()}
+                grad = torch.cat([p.grad.view(-1) for p in ps])
+                try:
+                    self._fused_update(
+                        storage, flags, cat["p"], grad, {k: cat[k] for k in names_s},
+                        {k: cat[k] for k in names_m}, coeffs, c32, 0, 0, {},
+                    )
+                except _COMPILE_ERRORS as e:  # nothing of the parameters was written
+                    _disable_fused(self, e)
+                    rest.extend(batch)
+                    continue
+                sizes = [p.numel() for p in ps]
+                for k, views in dst.items():
+                    torch._foreach_copy_(views, list(cat[k].split(sizes)))
+                for p in ps:
+                    self._advance(self.state[p], step, None, p.device)
+        return rest
+
+    def _pairs_plan(
+        self, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
+    ) -> tuple | None:
         """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
 
         Pairs are for strategies with 16-bit tensors that keep compiled CPU code from
@@ -485,7 +575,7 @@ class LowPrecisionOptimizer(Optimizer):
             or p.device.type != "cpu"
         ):
             return None
-        tensors = {"grad": p.grad, **mbufs}
+        tensors = {"grad": grad, **mbufs}
         if any(t.dtype not in (torch.bfloat16, torch.float32) or t.storage_offset() % 2
                for t in (p, *tensors.values())) or any(
                    t.element_size() != 2 or t.storage_offset() % 2 for t in sbufs.values()):
@@ -837,6 +927,10 @@ _INT32_MAX = 2**31 - 1
 # doubles the live temporaries), 2**16 1.01-1.05 row by row (up to 1.08 after earlier rows have
 # fragmented the heap), at 5-25% more time per eager step than 2**17.
 _EAGER_CHUNK = 1 << 16
+# Fused steps of parameters up to _SMALL elements are batched, up to _SMALL_BATCH elements per
+# compiled call (the concatenated copies are the batch's only temporaries: a few MB at most).
+_SMALL = 1 << 16
+_SMALL_BATCH = 1 << 18
 
 
 def _compiled_kernel(
