@@ -192,3 +192,63 @@ def test_dfp16_forward_and_gradients_are_close_to_fp32_but_not_equal():
     torch.testing.assert_close(out_got, out_ref, rtol=0, atol=2e-3)
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=2e-3 * float(a.grad.abs().max()))
+
+
+# ------------------------------------------------------------------ FP16 products on CPU
+
+
+def _half(*shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).half().requires_grad_()
+
+
+HALF_OPS = {
+    "linear": (lambda a, b, c: nn.functional.linear(a, b, c), [(32, 24), (16, 24), (16,)]),
+    "matmul": (lambda a, b: a @ b, [(3, 32, 24), (24, 8)]),
+    "bmm": (lambda a, b: torch.bmm(a, b), [(3, 16, 24), (3, 24, 8)]),
+    "conv2d": (lambda a, b: nn.functional.conv2d(a, b, padding=1), [(2, 3, 8, 8), (4, 3, 3, 3)]),
+    "attention": (lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                              is_causal=True),
+                  [(2, 2, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(HALF_OPS))
+def test_half_products_are_fp32_sums_rounded_once(op):
+    fn, shapes = HALF_OPS[op]
+    args = [_half(*s, seed=i) for i, s in enumerate(shapes)]
+    with recipes.HalfProductsInFP32():
+        out = fn(*args)
+    out.float().square().sum().backward()
+    # The reference: FP16 operands cast to FP32 (exact), FP32 arithmetic, one rounding to FP16.
+    ref_args = [a.detach().float().requires_grad_() for a in args]
+    ref = fn(*ref_args)
+    ref.half().float().square().sum().backward()
+    assert out.dtype == torch.float16 and torch.equal(out, ref.half())
+    for a, r in zip(args, ref_args, strict=True):
+        assert a.grad.dtype == torch.float16
+        # Backward runs in FP32 through the recorded casts; the incoming gradient is the FP16
+        # output's, so compare with a tolerance of FP16 rounding.
+        torch.testing.assert_close(a.grad.float(), r.grad, rtol=2e-3, atol=1e-3)
+    # And it is what PyTorch's own (slow) FP16 kernels give, up to the rounding of the sums.
+    native = fn(*[a.detach() for a in args])
+    torch.testing.assert_close(out.float(), native.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_half_products_leave_other_dtypes_alone():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=gen), torch.randn(16, 4, generator=gen)
+    with recipes.HalfProductsInFP32():
+        bf = a.bfloat16() @ b.bfloat16()
+        f32 = a @ b
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf, a.bfloat16() @ b.bfloat16())
+    assert torch.equal(f32, a @ b)
+
+
+def test_fp16_recipes_use_half_products_on_cpu_only():
+    assert isinstance(recipes.get("fp16-master").autocast("cpu"), recipes.HalfProductsInFP32)
+    assert not isinstance(recipes.get("fp16-master").autocast("cuda"),
+                          recipes.HalfProductsInFP32)
+    for name in ("fp32", "bf16", "bf16-split", "dfp16"):
+        assert not isinstance(recipes.get(name).autocast("cpu"), recipes.HalfProductsInFP32)
+    assert isinstance(recipes.get("amp-fp16").autocast("cpu"), torch.autocast)

@@ -50,13 +50,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lowprec import optim
 from lowprec.dfp import ROUNDING_MODES, convert_to_dfp
 from lowprec.scaling import LossScaler
 
-__all__ = ["NORM_LAYERS", "RECIPES", "Recipe", "get", "names"]
+__all__ = ["NORM_LAYERS", "RECIPES", "HalfProductsInFP32", "Recipe", "get", "names"]
 
 #: Layer types kept in FP32 by default.
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
@@ -81,6 +83,45 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def _has_cpu_half(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype == torch.float16 and obj.device.type == "cpu"
+    if isinstance(obj, (list, tuple)):
+        return any(_has_cpu_half(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has_cpu_half(o) for o in obj.values())
+    return False
+
+
+class HalfProductsInFP32(TorchFunctionMode):
+    """FP16 matrix products on CPU computed as FP16 tensor cores compute them.
+
+    A product of two FP16 numbers is exact in FP32, so casting FP16 operands to FP32, multiplying
+    and summing in FP32, and rounding the result once to FP16 gives what FP16 hardware with FP32
+    accumulation gives (up to the order of the sums). PyTorch's own FP16 GEMM on CPUs without
+    FP16 arithmetic is a slow fallback (about 70x an FP32 GEMM on an AVX-512 BF16 machine), so
+    the FP16 recipes' forward context routes linear layers, matmuls, convolutions and attention
+    on FP16 CPU tensors through FP32 this way. Autograd records the casts, so the backward
+    products are computed the same way. Elementwise ops, weights, activations and gradients
+    stay FP16.
+    """
+
+    OPS = frozenset({
+        F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+        F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
+        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
+        torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul,
+        torch.Tensor.mm, torch.Tensor.bmm,
+    })
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS and (_has_cpu_half(args) or _has_cpu_half(kwargs)):
+            out = func(*_cast_floats(args, torch.float32), **_cast_floats(kwargs, torch.float32))
+            return _cast_floats(out, torch.float16)
+        return func(*args, **kwargs)
 
 
 @dataclass
@@ -214,10 +255,14 @@ class Recipe:
     # ------------------------------------------------------------------ the step
 
     def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
-        """The forward context: ``torch.autocast`` for the amp-* recipes, else a no-op."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.autocast_dtype)
+        """The forward context: ``torch.autocast`` for the amp-* recipes; for FP16 weights on
+        CPU, ``HalfProductsInFP32`` (FP16 products summed in FP32, as FP16 hardware does); else a
+        no-op."""
+        if self.autocast_dtype is not None:
+            return torch.autocast(device_type, dtype=self.autocast_dtype)
+        if self.param_dtype == torch.float16 and device_type == "cpu":
+            return HalfProductsInFP32()
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled where the recipe scales."""
