@@ -36,7 +36,7 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
 
 # Learning rates per optimizer for the built-in task (AdamW/LAMB in the usual range for a small
 # transformer; SGD and Adagrad need larger steps).
-DEFAULT_LR = {"adamw": 1e-3, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.3}
+DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.3}
 
 
 @dataclass

@@ -91,13 +91,13 @@ class ModelConfig:
     """Size of the built-in model.
 
     Attributes:
-        d_model: Width (default: 128).
+        d_model: Width (default: 256).
         n_layer: Transformer blocks (default: 2).
         n_head: Attention heads (default: 4).
         context: Window length (default: 64).
     """
 
-    d_model: int = 128
+    d_model: int = 256
     n_layer: int = 2
     n_head: int = 4
     context: int = 64
