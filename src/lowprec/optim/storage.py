@@ -24,7 +24,6 @@ import torch
 from lowprec.numerics import (
     _pack_16_pairs,
     _pack_bf16_upper_pairs,
-    _split_top_bits,
     _sr_bf16_bits,
     _unpack_bf16_pairs,
     join,
@@ -176,7 +175,12 @@ class Split(MasterStorage):
 
     def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
         be, bo = w_even.view(torch.int32), w_odd.view(torch.int32)
-        top = _pack_16_pairs(_split_top_bits(be), _split_top_bits(bo))
+        # split()'s top, (bits >> 16) + bit 15, is the upper half of bits + 2**15: the low half
+        # carries into it exactly when its bit 15 is set. int32 addition wraps (only NaN
+        # patterns from 0x7FFF8000 up wrap), which keeps the upper 16 bits right modulo 2**16.
+        # Two operations instead of four per element; the even top then moves down.
+        re, ro = be + 0x8000, bo + 0x8000
+        top = ((re >> 16) & 0xFFFF) | (ro & -65536)
         return top, {"trail": _pack_16_pairs(be, bo)}  # the trails: the low halves
 
 
