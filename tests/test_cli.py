@@ -135,6 +135,17 @@ def test_unwritable_output_is_a_message(tmp_path):
     assert "lowprec: error: cannot write" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):
+    code = cli.main(["compare", "--recipes", "fp32", "--optimizer", "sgd", "--lr", "1e12", *TINY,
+                     "--no-plot", "--out", str(tmp_path)])
+    assert code == 0
+    assert "fp32 diverged" in capsys.readouterr().out
+    text = (tmp_path / "compare.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text  # strict JSON: non-finite is null
+    record = json.loads(text)["records"][0]
+    assert record["eval_loss"] is None and record["eval_gap"] is None
+
+
 def test_no_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "compare" in capsys.readouterr().out

@@ -212,16 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------- output
 
 
-def _fmt(value: Any, spec: str, none: str = "-") -> str:
+def _fmt(value: Any, spec: str, *, scale: float = 1.0, unit: str = "") -> str:
+    """``value * scale`` formatted with ``spec`` and ``unit``; "-" for a missing or NaN value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return none
-    return format(value, spec)
+        return "-"
+    return format(value * scale, spec) + unit
+
+
+def _json_ready(obj: Any) -> Any:
+    """``obj`` with inf and NaN (a diverged run's losses) as null: strict JSON has neither."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_ready(v) for v in obj]
+    return obj
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+        path.write_text(json.dumps(_json_ready(payload), indent=2, allow_nan=False) + "\n")
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
@@ -259,16 +271,15 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             r["recipe"],
             _fmt(r["final_loss"], ".4f"),
             _fmt(r["eval_loss"], ".4f"),
-            _fmt(None if gap is None else 100 * gap, "+.2f", "-") + ("%" if gap is not None else ""),
-            _fmt(1e3 * r["step_time_s"], ".1f"),
-            _fmt(r.get("speedup"), ".2f") + ("x" if r.get("speedup") is not None else ""),
+            _fmt(gap, "+.2f", scale=100, unit="%"),
+            _fmt(r["step_time_s"], ".1f", scale=1e3),
+            _fmt(r.get("speedup"), ".2f", unit="x"),
             _fmt(b["total"], ".1f"),
             _fmt(b["weights"], ".1f"),
             _fmt(b["grads"], ".1f"),
             _fmt(b["optimizer_state"], ".1f"),
             _fmt(b["master"], ".1f"),
-            _fmt(None if r["lost_update_fraction"] is None else 100 * r["lost_update_fraction"],
-                 ".2f") + ("%" if r["lost_update_fraction"] is not None else ""),
+            _fmt(r["lost_update_fraction"], ".2f", scale=100, unit="%"),
             str(r["skipped_steps"]),
         )
     return table
@@ -425,7 +436,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
-    """One line of reading help under the table."""
+    """Reading help under the table, and a warning for each run that diverged."""
+    for r in records:
+        if not math.isfinite(r["eval_loss"]):
+            console.print(f"[yellow]{r['recipe']} diverged[/yellow] (its loss became inf or "
+                          "NaN): try a smaller --lr.")
     console.print(
         "gap: eval loss relative to fp32's; speed-up: fp32's median step time over the "
         "recipe's; B/param: bytes per parameter measured from the tensors (state = moments, "
