@@ -133,9 +133,10 @@ class AdamW(LowPrecisionOptimizer):
         state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
-        fused: Run the step as one compiled pass per parameter (``torch.compile``: C++ on CPU,
-            Triton on GPU) with the same results as the eager step (default: None, meaning fused
-            on CUDA devices and eager elsewhere; see ``lowprec.optim``).
+        fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
+            one per parameter (on CPU, small parameters of a group may share one), with the same
+            results as the eager step (default: None, meaning fused on CUDA devices and eager
+            elsewhere; see ``lowprec.optim``).
     """
 
     def __init__(
