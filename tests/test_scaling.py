@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -12,6 +11,7 @@ from torch import nn
 import lowprec
 from lowprec import LossScaler, NonFiniteLossError
 from lowprec.optim import SGD, AdamW
+from tests._host import no_host_reads
 
 BAD = "inf"
 
@@ -454,22 +454,6 @@ def test_skipped_iteration_is_invisible(cls, master, dtype):
     assert _equal(skipped, clean)
 
 
-@contextlib.contextmanager
-def _no_host_reads():
-    """Make every way of reading a tensor's value on the host raise."""
-    names = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def boom(*args, **kwargs):
-        raise AssertionError("host sync inside scaler.step")
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, boom)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
 
 
 def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host():
@@ -480,7 +464,7 @@ def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host():
         opt.zero_grad()
         loss = scaler.scale(_loss(model, i, torch.bfloat16, poison="inf" if i == 2 else None))
         loss.backward()
-        with _no_host_reads():
+        with no_host_reads():
             stepped = scaler.step(opt)  # unscale, inf/NaN check and skip all on the device
         assert bool(stepped) == (i != 2)
         scaler.update()

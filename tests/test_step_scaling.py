@@ -7,12 +7,11 @@ parameter and state tensor bit-identical, and none of it may read a value on the
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from tests._host import no_host_reads
 
 OPTIMIZERS = {
     "sgd": (SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
@@ -191,22 +190,6 @@ def test_torch_grad_scaler_with_fp16_weights_and_fp32_master():
     assert scales[4] < scales[3] and all(torch.isfinite(p).all() for p in params)
 
 
-@contextlib.contextmanager
-def _no_host_reads():
-    """Make every way of reading a tensor's value on the host raise."""
-    names = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def boom(*args, **kwargs):
-        raise AssertionError("host sync inside a scaled step")
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, boom)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
 
 
 @pytest.mark.parametrize(
@@ -223,7 +206,7 @@ def test_scaled_step_never_reads_a_value_on_the_host(master, fused):
         if step == 0:  # warm up: state creation and compilation may read shapes, not values
             opt.step(grad_scale=scale, found_inf=found)
             continue
-        with _no_host_reads():
+        with no_host_reads():
             opt.step(grad_scale=scale, found_inf=found)
     assert all(float(opt.state[p]["step"]) == 3 for p in params if p.numel())
 
