@@ -9,6 +9,7 @@ of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
@@ -171,10 +172,7 @@ def run_recipe(
         with recipe.autocast():
             loss = _loss(model, x, y)
         recipe.backward(loss)
-        if monitor is not None:
-            with monitor.step():
-                stepped = recipe.step(opt)
-        else:
+        with monitor.step() if monitor is not None else contextlib.nullcontext():
             stepped = recipe.step(opt)
         if stepped:
             sched.step()
