@@ -65,7 +65,7 @@ def _assert_same(pa, oa, pb, ob):
 
 
 CASES = [(*o, *d) for o, d in itertools.product(OPTIMIZERS, DETERMINISTIC)] + [
-    (*o, torch.bfloat16, "stochastic") for o in OPTIMIZERS[:2]
+    (*o, torch.bfloat16, "stochastic") for o in OPTIMIZERS
 ]
 
 
@@ -150,7 +150,7 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
 
 PAIR_CASES = [
     (cls, kw, master, state_dtype, grad_dtype)
-    for (cls, kw) in OPTIMIZERS[:3]
+    for (cls, kw) in OPTIMIZERS
     for master in ("split", "stochastic")
     for state_dtype, grad_dtype in (
         (None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)
@@ -191,3 +191,65 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     _assert_same(pa, oa, pb, ob)
     names = [k[4] for k in base._KERNELS]
     assert "_param_update_pairs" in names and "_param_update" in names, names
+    if cls is Lamb:  # the norms' pass on pairs too
+        assert "_param_sums_pairs" in names and "_param_sums" in names, names
+
+
+def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits():
+    """Small BF16 parameters under stochastic rounding are stepped in one compiled call, each
+    word hashed with its own parameter's key and index: bit for bit the eager step, for a seed
+    whose keys use all 64 bits. Odd lengths stay out of the batch."""
+    shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
+    init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    calls = []
+    real = base._compiled_kernel
+
+    def spy(*args, **kwargs):
+        kernel = real(*args, **kwargs)
+        return lambda *a, **k: calls.append((kwargs.get("extra_key"), a[0].numel())) or kernel(
+            *a, **k)
+
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init]
+        opt = AdamW(params, lr=1e-2, master="stochastic", fused=fused, seed=2**64 - 3)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            if fused:
+                base._compiled_kernel = spy
+            try:
+                opt.step()
+            finally:
+                base._compiled_kernel = real
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])
+    batched = [words for key, words in calls if key and ("keys", "batched") in key]
+    # One call per step for the four even-length parameters' 3840 + 6 + 30 + 16 elements.
+    assert batched == [(3840 + 6 + 30 + 16) // 2] * 3, calls
+
+
+@pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])
+def test_fused_lamb_equals_eager_over_whole_segments(master):
+    """LAMB's norms over tensors longer than a segment of the fixed-order sums: the eager step
+    (in chunks), the compiled one (whole; on pairs for split and stochastic, with an odd last
+    element) and a loss-scaled step agree bit for bit."""
+    shapes = [(257, 301), (2, 65536)]
+    init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init]
+        opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, fused=fused, seed=5)
+        gen = torch.Generator().manual_seed(9)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            if step == 2:
+                for p in params:
+                    p.grad.mul_(8)
+                opt.step(grad_scale=torch.tensor(8.0), found_inf=torch.zeros(()))
+            else:
+                opt.step()
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lowprec import numerics
 from lowprec.numerics import (
     _pack_bf16_upper_pairs,
     _pack_f32_pairs,
@@ -37,6 +38,7 @@ from lowprec.numerics import (
     hash_bits,
     stream_key,
     stream_key_halves,
+    block_sum_squares,
 )
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
@@ -100,12 +102,14 @@ class LowPrecisionOptimizer(Optimizer):
     #: large tensor in chunks. LAMB's trust ratio needs whole-tensor norms and sets this False.
     _elementwise = True
 
-    #: For a rule that is not elementwise: ``(w, g, bufs, c, **flags) -> FP64 tensor``, the
-    #: rule's whole-tensor sums over one piece of the tensor. The eager step then goes through a
-    #: large tensor's chunks twice, first adding these up, then updating with the total passed
-    #: to ``_math`` as ``c["sums"]``; the fused step computes them in a compiled pass of their
-    #: own. Neither keeps full-size temporaries. None: one pass, unchunked.
-    _partial_sums: Callable[..., torch.Tensor] | None = None
+    #: For a rule that is not elementwise: ``(w, g, bufs, c, **flags) -> tuple of FP32 tensors``
+    #: whose whole-tensor sums of squares the rule needs (LAMB: ``w`` and its update). The step
+    #: goes through the tensor twice, first summing the squares (``numerics.sum_squares``, which
+    #: gives the same bits whole, in chunks, compiled or on pairs), then updating with the sums
+    #: passed to ``_math`` as ``c["sums"]`` (FP64). The eager step does it chunk by chunk, the
+    #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: one
+    #: pass, unchunked.
+    _norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
         """Initial value of buffer ``name`` (default: 0.0)."""
@@ -411,15 +415,16 @@ class LowPrecisionOptimizer(Optimizer):
             else:
                 self._advance(state, step, scaling, p.device)
                 return
-        chunkable = self._elementwise or self._partial_sums is not None
-        if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
+        chunkable = self._elementwise or self._norm_terms is not None
+        chunk = _EAGER_CHUNK if self._elementwise else _sums_chunk()
+        if chunkable and contiguous and p.numel() > chunk:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step) and the step's
             # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
             # random bits make this bit-identical to one pass.
             pieces = [
                 (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl), sl.start)
-                for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
+                for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
             ]
             if not self._elementwise:
                 # First pass: the rule's whole-tensor sums (FP64), read-only.
@@ -427,7 +432,7 @@ class LowPrecisionOptimizer(Optimizer):
                 for piece_p, piece_g, piece_s, piece_m, _ in pieces:
                     part = _param_sums(
                         piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
-                        partial_sums=self._partial_sums, flags=flags,
+                        norm_terms=self._norm_terms, flags=flags,
                         inv_scale=extra.get("inv_scale"),
                     )
                     sums = part if sums is None else sums + part
@@ -447,18 +452,39 @@ class LowPrecisionOptimizer(Optimizer):
         scaled = "skip" in extra
         views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs))
         c32 = dict(c32)  # the sums below are this parameter's own
-        if self._partial_sums is not None:
+        pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+        if self._norm_terms is not None:
             # The whole-tensor sums in a compiled pass of their own, so that the update pass
             # recomputes what it needs instead of keeping full-size temporaries.
-            sums_kernel = _compiled_kernel(
-                type(self), storage, flags, scaled=scaled, fn=_param_sums
-            )
-            c32["sums"] = sums_kernel(
-                *views, c32, storage=storage, partial_sums=self._partial_sums,
-                flags=flags, inv_scale=extra.get("inv_scale"),
-            )
-        pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+            kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
+                      inv_scale=extra.get("inv_scale"))
+            if pairs is None:
+                sums_kernel = _compiled_kernel(
+                    type(self), storage, flags, scaled=scaled, fn=_param_sums
+                )
+                c32["sums"] = sums_kernel(*views, c32, **kw)
+            else:
+                sums_kernel = _compiled_kernel(
+                    type(self), storage, flags, scaled=scaled, fn=_param_sums_pairs,
+                    extra_key=pairs,
+                )
+                c32["sums"] = sums_kernel(
+                    _pair_words(p, n), _pair_words(grad, n),
+                    {k: _pair_words(v, n) for k, v in sbufs.items()},
+                    {k: _pair_words(v, n) for k, v in mbufs.items()},
+                    c32, dtypes=pairs, **kw,
+                )
+                if n < p.numel():
+                    tail = slice(n, None)
+                    c32["sums"] = c32["sums"] + _param_sums(
+                        p.view(-1)[tail], grad.view(-1)[tail], flat(sbufs, tail),
+                        flat(mbufs, tail), coeffs, **kw,
+                    )
+            coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
         if pairs is None:
+            if "idx" in extra:  # (batches with per-word keys are built for pairs only)
+                raise ValueError("per-word random keys need the fused step on pairs")
             kernel = _compiled_kernel(type(self), storage, flags, scaled=scaled)
             kernel(
                 *views, c32, *_key_tensors(lo, hi),
@@ -467,9 +493,9 @@ class LowPrecisionOptimizer(Optimizer):
             return
         # 16-bit strategies go through pairs of elements (vectorized); an odd last element
         # takes the eager step, with its own index for the random bits.
-        n = p.numel() & ~1
         pair_kernel = _compiled_kernel(
-            type(self), storage, flags, scaled=scaled, fn=_param_update_pairs, extra_key=pairs,
+            type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
+            extra_key=pairs if "idx" not in extra else (*pairs, ("keys", "batched")),
         )
         pair_kernel(
             _pair_words(p, n), _pair_words(grad, n),
@@ -493,14 +519,20 @@ class LowPrecisionOptimizer(Optimizer):
         a small tensor's step, and models have many (biases, norms). For deterministic
         elementwise strategies the batch's tensors are concatenated, stepped in one call with
         the group's coefficients, and copied back: the same operations on every element, so the
-        same bits. Returns the items it did not take (stepped one by one as before).
+        same bits. Stochastic rounding batches too, on pairs of elements (bfloat16 parameters of
+        even length): each word of the batch is hashed with its own parameter's key and its index
+        within that parameter, so it gets the random bits of the parameter's own step. Returns
+        the items it did not take (stepped one by one as before).
         """
         rest, buckets = [], {}
         for item in items:
             group, p, _index, storage = item
             g = p.grad
+            random_ok = not storage.needs_random_bits or (
+                storage.pairs_ok(p.dtype) and p.numel() % 2 == 0
+            )
             if (
-                storage.needs_random_bits or not self._elementwise
+                not random_ok or not self._elementwise
                 or not 1 < p.numel() <= _SMALL or p.device.type != "cpu"
                 or not _fused_enabled(self, group, p)
             ):
@@ -545,10 +577,21 @@ class LowPrecisionOptimizer(Optimizer):
                     dst[k] = [self.state[p][k].view(-1) for p in ps]
                 cat = {k: torch.cat(v) for k, v in dst.items()}
                 grad = torch.cat([p.grad.view(-1) for p in ps])
+                sbufs, mbufs = {k: cat[k] for k in names_s}, {k: cat[k] for k in names_m}
+                lo: Any = 0
+                hi: Any = 0
+                extra: dict[str, torch.Tensor] = {}
+                if storage.needs_random_bits:
+                    if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
+                        rest.extend(batch)
+                        continue
+                    lo, hi, extra["idx"] = _batch_keys(
+                        [(stream_key(group["seed"], step, i), p.numel() // 2)
+                         for _, p, i, _ in batch]
+                    )
                 try:
                     self._fused_update(
-                        storage, flags, cat["p"], grad, {k: cat[k] for k in names_s},
-                        {k: cat[k] for k in names_m}, coeffs, c32, 0, 0, {},
+                        storage, flags, cat["p"], grad, sbufs, mbufs, coeffs, c32, lo, hi, extra,
                     )
                 except _COMPILE_ERRORS as e:  # nothing of the parameters was written
                     _disable_fused(self, e)
@@ -567,11 +610,13 @@ class LowPrecisionOptimizer(Optimizer):
         """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
 
         Pairs are for strategies with 16-bit tensors that keep compiled CPU code from
-        vectorizing (``storage.pairs_ok``), elementwise rules, and gradients and buffers in
-        bfloat16 or FP32 whose flat views start on a pair boundary.
+        vectorizing (``storage.pairs_ok``), elementwise rules or rules whose only reductions
+        are ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views
+        start on a pair boundary.
         """
         if (
-            not storage.pairs_ok(p.dtype) or not self._elementwise or p.numel() < 2
+            not storage.pairs_ok(p.dtype) or p.numel() < 2
+            or not (self._elementwise or self._norm_terms is not None)
             or p.device.type != "cpu"
         ):
             return None
@@ -679,12 +724,73 @@ def _param_sums(
     c: dict[str, Any],
     *,
     storage: MasterStorage,
-    partial_sums: Callable[..., torch.Tensor],
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
     flags: dict[str, bool],
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A non-elementwise rule's whole-tensor sums over ``p`` (read-only; FP64)."""
-    return partial_sums(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
+    """The sums of squares of a rule's ``_norm_terms`` over flat ``p`` (read-only; FP64 each).
+
+    ``p`` is a whole parameter or a piece of one that starts at a multiple of ``_sums_chunk()``.
+    The inputs are split into whole segments and the rest first (``numerics.segment_view``) and
+    the rule runs on each part: the sums of ``numerics.sum_squares``, in any path.
+    """
+    parts = [
+        _inputs(*xs, storage, inv_scale)
+        for xs in _segment_parts(p, grad, sbufs, mbufs, numerics._SQ_LANE)
+    ]
+    blocks, rest = (norm_terms(*part, c, **flags) for part in parts)
+    return torch.stack([block_sum_squares(b, r) for b, r in zip(blocks, rest, strict=True)])
+
+
+def _param_sums_pairs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    storage: MasterStorage,
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
+    flags: dict[str, bool],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+    inv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``): same bits."""
+    kinds = dict(dtypes)
+    sums = None
+    for words in _segment_parts(p, grad, sbufs, mbufs, numerics._SQ_LANE // 2):
+        wp, wg, ws, wm = words
+        g_even, g_odd = _unpack_pairs(wg, kinds["grad"])
+        if inv_scale is not None:
+            g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
+        w_even, w_odd = storage.load_pairs(wp, ws)
+        halves = {k: _unpack_pairs(v, kinds[k]) for k, v in wm.items()}
+        even = norm_terms(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
+        odd = norm_terms(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
+        part = torch.stack([
+            _sum_squares_part(a) + _sum_squares_part(b) for a, b in zip(even, odd, strict=True)
+        ])
+        sums = part if sums is None else sums + part
+    return sums
+
+
+def _segment_parts(p, grad, sbufs, mbufs, width):
+    """(p, grad, sbufs, mbufs) as their whole segments (3-d views), then as the rest (flat)."""
+    views = [numerics.segment_view(t, width) for t in (p, grad)]
+    s_views = {k: numerics.segment_view(v, width) for k, v in sbufs.items()}
+    m_views = {k: numerics.segment_view(v, width) for k, v in mbufs.items()}
+    return [
+        (views[0][i], views[1][i], {k: v[i] for k, v in s_views.items()},
+         {k: v[i] for k, v in m_views.items()})
+        for i in (0, 1)
+    ]
+
+
+def _sum_squares_part(x: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a part from ``_segment_parts``: rows of a 3-d one, else FP64."""
+    if x.dim() == 3:
+        return block_sum_squares(x, x.new_empty(0))
+    return x.double().square().sum()
 
 
 def _param_update(
@@ -779,6 +885,7 @@ def _param_update_pairs(
     dtypes: tuple[tuple[str, torch.dtype], ...],
     inv_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
 ) -> None:
     """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
 
@@ -788,6 +895,10 @@ def _param_update_pairs(
     runs unchanged on the even and on the odd elements, so each element gets the operations
     ``_param_update`` gives it; the words are unpacked and packed with exact bit operations.
     Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
+
+    ``idx`` (int32, one per word) replaces the words' own indices in the random bits' hash, and
+    ``key_lo``/``key_hi`` then hold one key half per word: a batch of small parameters, each word
+    keyed by its own parameter's key and its index within that parameter (``_batch_keys``).
     """
     kinds = dict(dtypes)
     g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
@@ -799,8 +910,9 @@ def _param_update_pairs(
     new_wo, m_odd = math(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
     bits = None
     if storage.needs_random_bits:  # one hash per pair: see _random_bits
-        idx = torch.arange(p.numel(), device=p.device,
-                           dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
+        if idx is None:
+            idx = torch.arange(p.numel(), device=p.device,
+                               dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
         bits = hash_bits(idx, key_lo, key_hi)
     new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
     new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
@@ -813,6 +925,24 @@ def _param_update_pairs(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
+
+
+def _batch_keys(
+    parts: list[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-word random keys of a batch of parameters on pairs; ``parts`` holds (key, words) each.
+
+    Returns the keys' low and high 32 bits (int64, one per word) and each word's index within
+    its own parameter (int32), for ``_param_update_pairs``: together they give every word the
+    hash that its parameter's own step gives it.
+    """
+    words = torch.tensor([w for _, w in parts], dtype=torch.int64)
+    total = sum(w for _, w in parts)
+    halves = torch.tensor([(k & 0xFFFFFFFF, k >> 32) for k, _ in parts], dtype=torch.int64)
+    per_word = halves.repeat_interleave(words, dim=0, output_size=total)
+    starts = torch.cumsum(words, 0) - words
+    idx = torch.arange(total, dtype=torch.int64) - starts.repeat_interleave(words, output_size=total)
+    return per_word[:, 0].contiguous(), per_word[:, 1].contiguous(), idx.to(torch.int32)
 
 
 def _pair_words(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -927,6 +1057,12 @@ _INT32_MAX = 2**31 - 1
 # doubles the live temporaries), 2**16 1.01-1.05 row by row (up to 1.08 after earlier rows have
 # fragmented the heap), at 5-25% more time per eager step than 2**17.
 _EAGER_CHUNK = 1 << 16
+
+
+def _sums_chunk() -> int:
+    """The eager chunk of a rule with ``_norm_terms``: a multiple of ``sum_squares``'s segment."""
+    segment = numerics._SQ_LANES * numerics._SQ_LANE
+    return max(segment, _EAGER_CHUNK // segment * segment)
 # Fused steps of parameters up to _SMALL elements are batched, up to _SMALL_BATCH elements per
 # compiled call (the concatenated copies are the batch's only temporaries: a few MB at most).
 _SMALL = 1 << 16
@@ -958,9 +1094,13 @@ def _compiled_kernel(
         variant.__kwdefaults__ = fn.__kwdefaults__
         # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
         # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
-        kernel = torch.compile(
-            variant, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
-        )
+        options = {"emulate_precision_casts": True}
+        if fn in (_param_sums, _param_sums_pairs):
+            # Each element of a norm term is read once, but from one of _SQ_LANES rows; by
+            # default Inductor stores a term read that many times in a full-size buffer
+            # (a fresh allocation per call) instead of computing it where it is read.
+            options["realize_reads_threshold"] = 4 * numerics._SQ_LANES
+        kernel = torch.compile(variant, dynamic=True, fullgraph=True, options=options)
         _KERNELS[key] = kernel
     return kernel
 

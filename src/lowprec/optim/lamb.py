@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from lowprec.numerics import sqrt_rn
+from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative, _validate_betas
 
-__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_partial_sums", "lamb_update"]
+__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms", "lamb_update"]
 
 
 def lamb_coefficients(
@@ -62,12 +62,7 @@ def _lamb_direction(
     return u, {"exp_avg": m, "exp_avg_sq": v}
 
 
-def _square_sums(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``(sum(w**2), sum(u**2))`` accumulated in FP64, as a 2-element FP64 tensor."""
-    return torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64).square() for x in (w, u)])
-
-
-def lamb_partial_sums(
+def lamb_norm_terms(
     w: torch.Tensor,
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
@@ -75,14 +70,15 @@ def lamb_partial_sums(
     *,
     weight_decay: bool,
     maximize: bool,
-) -> torch.Tensor:
-    """The trust ratio's sums of squares over a piece of a tensor (pure; FP64, 2 elements).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors whose norms make the trust ratio, ``(w, u)``, over a piece of a tensor (pure).
 
-    The eager step adds them over the pieces of a large tensor and hands the total to
-    ``lamb_math`` as ``c["sums"]``, so that no full-size temporary is needed for the norms.
+    The optimizer sums their squares (``lowprec.numerics.sum_squares``) over the whole tensor,
+    in pieces or compiled, and hands the two sums to ``lamb_math`` as ``c["sums"]``, so that no
+    full-size temporary is needed for the norms.
     """
     u, _ = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
-    return _square_sums(w, u)
+    return w, u
 
 
 def lamb_math(
@@ -97,14 +93,13 @@ def lamb_math(
     """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
 
     Elementwise but for the two norms of the trust ratio, which stays a 0-d tensor (no host sync).
-    When ``w`` is a piece of a larger tensor, ``c["sums"]`` holds the whole tensor's
-    ``lamb_partial_sums`` and replaces the piece's own.
+    ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
+    (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
     u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
-    # Norms from sums of squares accumulated in FP64 and rounded once: the eager, the chunked and
-    # the compiled reductions sum in different orders, and FP64 makes that difference vanish in
-    # the FP32 result.
-    sums = c["sums"] if "sums" in c else _square_sums(w, u)
+    # Norms from sums of squares in a fixed order, then FP64, rounded once (see sum_squares):
+    # the eager, chunked, compiled and pairs paths give the same FP32 ratio.
+    sums = c["sums"] if "sums" in c else torch.stack([sum_squares(w), sum_squares(u)])
     w_norm, u_norm = sums.sqrt().float().unbind()
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
     return w - u * (ratio * c["lr"]), out
@@ -212,4 +207,4 @@ class Lamb(LowPrecisionOptimizer):
 
     _math = staticmethod(lamb_math)
     _elementwise = False  # the trust ratio needs whole-tensor norms...
-    _partial_sums = staticmethod(lamb_partial_sums)  # ...which the eager step sums over chunks
+    _norm_terms = staticmethod(lamb_norm_terms)  # ...summed over chunks, or compiled
