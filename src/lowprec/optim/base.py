@@ -233,6 +233,7 @@ class LowPrecisionOptimizer(Optimizer):
         """Validate every group, gradient and state; return the work list. Writes nothing."""
         work = []
         index = -1
+        expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, gi)
             for pi, p in enumerate(group["params"]):
@@ -254,7 +255,10 @@ class LowPrecisionOptimizer(Optimizer):
                 storage = self._storage(group, p)
                 state = self.state.get(p)
                 if state:
-                    self._check_state(state, group, p, storage, where)
+                    key = (gi, p.dtype, storage.name)
+                    if key not in expected:
+                        expected[key] = self._expected_state(group, p, storage)
+                    self._check_state(state, group, p, storage, where, expected[key])
                 work.append((group, p, index, storage))
         return work
 
@@ -262,14 +266,16 @@ class LowPrecisionOptimizer(Optimizer):
         sd = self._state_dtype(group, p, storage)
         return {**storage.buffers(p), **dict.fromkeys(self._math_buffers(group), sd)}
 
-    def _check_state(self, state, group, p, storage, where) -> None:
+    def _check_state(self, state, group, p, storage, where, expected=None) -> None:
         if state.get("master") != storage.name:
             raise ValueError(
                 f"{where}: its optimizer state was created with master={state.get('master')!r} "
                 f"but the group now resolves to {storage.name!r} (was the parameter's dtype or the "
                 "group's master changed?); create a new optimizer after changing either."
             )
-        for name, dtype in self._expected_state(group, p, storage).items():
+        if expected is None:
+            expected = self._expected_state(group, p, storage)
+        for name, dtype in expected.items():
             t = state.get(name)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
                 got = (
@@ -450,11 +456,11 @@ class LowPrecisionOptimizer(Optimizer):
         """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors)."""
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         scaled = "skip" in extra
-        views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs))
-        c32 = dict(c32)  # the sums below are this parameter's own
         pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs)) if pairs is None else ()
         n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
         if self._norm_terms is not None:
+            c32 = dict(c32)  # the sums below are this parameter's own
             # The whole-tensor sums in a compiled pass of their own, so that the update pass
             # recomputes what it needs instead of keeping full-size temporaries.
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
@@ -615,17 +621,22 @@ class LowPrecisionOptimizer(Optimizer):
         start on a pair boundary.
         """
         if (
-            not storage.pairs_ok(p.dtype) or p.numel() < 2
+            not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
             or not (self._elementwise or self._norm_terms is not None)
             or p.device.type != "cpu"
         ):
             return None
-        tensors = {"grad": grad, **mbufs}
-        if any(t.dtype not in (torch.bfloat16, torch.float32) or t.storage_offset() % 2
-               for t in (p, *tensors.values())) or any(
-                   t.element_size() != 2 or t.storage_offset() % 2 for t in sbufs.values()):
+        plan = [("grad", grad.dtype)]
+        if grad.dtype not in _PAIR_DTYPES or grad.storage_offset() % 2:
             return None
-        return tuple((k, t.dtype) for k, t in tensors.items())
+        for k, t in mbufs.items():
+            if t.dtype not in _PAIR_DTYPES or t.storage_offset() % 2:
+                return None
+            plan.append((k, t.dtype))
+        for t in sbufs.values():
+            if t.element_size() != 2 or t.storage_offset() % 2:
+                return None
+        return tuple(plan)
 
     @staticmethod
     def _advance(state, step, scaling, device) -> None:
@@ -945,10 +956,13 @@ def _batch_keys(
     return per_word[:, 0].contiguous(), per_word[:, 1].contiguous(), idx.to(torch.int32)
 
 
+_WORDS = {2: torch.int32, 4: torch.int64}
+
+
 def _pair_words(t: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` (even) elements of contiguous ``t`` as words of two elements each."""
-    word = {2: torch.int32, 4: torch.int64}[t.element_size()]
-    return t.view(-1)[:n].view(word)
+    flat = t.view(-1)
+    return (flat if n == flat.numel() else flat[:n]).view(_WORDS[t.element_size()])
 
 
 class _Scaling:
@@ -1038,6 +1052,7 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, Callable[..., None]] = {}
+_PAIR_DTYPES = (torch.bfloat16, torch.float32)
 _ZERO_KEY = torch.zeros((), dtype=torch.int64)
 
 
