@@ -231,10 +231,10 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
 
 
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])
-def test_fused_lamb_equals_eager_over_whole_segments(master):
-    """LAMB's norms over tensors longer than a segment of the fixed-order sums: the eager step
-    (in chunks), the compiled one (whole; on pairs for split and stochastic, with an odd last
-    element) and a loss-scaled step agree bit for bit."""
+def test_fused_lamb_equals_eager_on_large_tensors(master):
+    """LAMB on tensors longer than the eager chunk: the eager step (norms summed chunk by chunk)
+    and the compiled one (whole; on pairs for split and stochastic, with an odd last element),
+    plain and loss-scaled, agree bit for bit."""
     shapes = [(257, 301), (2, 65536)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     results = []
@@ -253,3 +253,24 @@ def test_fused_lamb_equals_eager_over_whole_segments(master):
                 opt.step()
         results.append((params, opt))
     _assert_same(*results[0], *results[1])
+
+
+@pytest.mark.parametrize("master", ["none", "split"])
+def test_lamb_kernels_serve_every_length(master):
+    """LAMB's two compiled passes (norms, update) are compiled once for tensors shorter and
+    longer than a chunk, of odd and even lengths, at storage offsets."""
+    torch._dynamo.reset()
+    base._KERNELS.clear()
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    start = graphs()
+    for offset, n in ((0, 200_000), (2, 70_000), (0, 65_536), (4, 3_000), (0, 131_075), (0, 12)):
+        storage = torch.randn(offset + n).to(torch.bfloat16)
+        w = torch.nn.Parameter(storage[offset:])  # (a view of a longer storage if offset)
+        ref = w.detach().clone().requires_grad_()
+        for p, fused in ((w, True), (ref, False)):
+            p.grad = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+            Lamb([p], lr=1e-2, master=master, fused=fused).step()
+        assert torch.equal(_bits(w), _bits(ref)), (offset, n)
+    # The norms' pass and the update pass, one more at most where Inductor specialises on the
+    # length being a multiple of its vector width.
+    assert graphs() - start <= 3, graphs() - start

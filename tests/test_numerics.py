@@ -821,41 +821,22 @@ def test_swamping_below_half_ulp(v):
     assert (r != w).any()
 
 
-def _sum_squares_reference(x: torch.Tensor) -> float:
-    """sum_squares by hand: each segment's rows added in order in FP32 (numpy-free: one row at a
-    time with torch's elementwise add), then every block sum and the rest's squares summed
-    exactly (math.fsum) and rounded once."""
-    lanes, width = numerics._SQ_LANES, numerics._SQ_LANE
-    flat = x.reshape(-1).float()
-    seg = lanes * width
-    head = flat.numel() // seg * seg
-    terms = []
-    for start in range(0, head, seg):
-        rows = flat[start:start + seg].view(lanes, width)
-        acc = rows[0] * rows[0]
-        for k in range(1, lanes):
-            acc = acc + rows[k] * rows[k]
-        terms += acc.double().tolist()
-    terms += [v * v for v in flat[head:].double().tolist()]  # exact: FP32 squares fit FP64
-    return math.fsum(terms)
-
-
-@pytest.mark.parametrize("n", [0, 1, 7, 4096, 65536, 3 * 65536 + 777])
-def test_sum_squares_is_the_fixed_order_sum_whole_in_chunks_on_pairs_and_compiled(n):
+@pytest.mark.parametrize("n", [0, 1, 7, 4096, 3 * 65536 + 777])
+def test_sum_squares_is_exact_squares_summed_in_fp64_in_any_order(n):
+    """sum_squares against the correctly rounded sum of the exact squares (math.fsum): whole, in
+    chunks, on pairs and compiled, to FP64's rounding, and the same FP32 norm every way."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
-    ref = _sum_squares_reference(x)
-    whole = numerics.sum_squares(x).item()
-    seg = numerics._SQ_LANES * numerics._SQ_LANE
-    chunks = math.fsum(numerics.sum_squares(x[i:i + seg]).item() for i in range(0, n, seg))
-    # The FP64 sum of the block sums is the only order-dependent step: within a few FP64 ulps.
-    for value in (whole, chunks):
-        assert value == pytest.approx(ref, rel=1e-14, abs=0)
-    assert torch.tensor(whole).sqrt().float() == torch.tensor(ref).sqrt().float()
-    if n % 2 == 0 and n:
-        pairs = numerics.sum_squares_pairs(x[0::2], x[1::2]).item()
-        assert pairs == pytest.approx(ref, rel=1e-14, abs=0)
-    # (An FP64 sum of every square, or an FP32 one, differs from the reference by far more than
-    # 1e-14 once there are whole segments: their rows' FP32 roundings are part of the result.)
-    if n >= 65536:
-        compiled = torch.compile(numerics.sum_squares, dynamic=True)(x).item()
-        assert compiled == pytest.approx(ref, rel=1e-14, abs=0)
+    ref = math.fsum(v * v for v in x.double().tolist())  # FP32 squares are exact in FP64
+    chunks = math.fsum(numerics.sum_squares(x[i:i + 4096]).item() for i in range(0, n, 4096))
+    values = [numerics.sum_squares(x).item(), chunks]
+    if n % 2 == 0:
+        values.append(numerics.sum_squares_pairs(x[0::2], x[1::2]).item())
+    if n > 1:
+        values.append(torch.compile(numerics.sum_squares, dynamic=True)(x).item())
+    for value in values:
+        assert value == pytest.approx(ref, rel=1e-12, abs=0)
+        assert torch.tensor(value).sqrt().float() == torch.tensor(ref).sqrt().float()
+    # An FP32 accumulation is further off than FP64's reordering could ever be.
+    if n > 4096:
+        fp32 = x.square().sum().item()
+        assert abs(fp32 - ref) / ref > 1e-12

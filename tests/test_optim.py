@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from lowprec import numerics
 from lowprec.numerics import join, split
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
 from tests.reference.lamb import ReferenceLamb
@@ -701,7 +700,6 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
     init = make_params(torch.bfloat16, shapes)
     seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
     results = []
-    monkeypatch.setattr(numerics, "_SQ_LANE", 8)  # LAMB's sums: segments of 64, the chunk
     for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
         monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
         params = [p.detach().clone().requires_grad_() for p in init]
@@ -728,8 +726,6 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
     seq[2][0][3, 4] = math.inf  # the third step is skipped
     results = []
     calls = []
-    # Segments of 8 x 8 elements for the sums of squares, so that chunks of 64 are whole ones.
-    monkeypatch.setattr(numerics, "_SQ_LANE", 8)
     for chunk in (1 << 40, 64):
         monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
         params = [p.detach().clone().requires_grad_() for p in init]

@@ -400,72 +400,20 @@ def _pack_f32_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     return lo | (odd.view(torch.int32).to(torch.int64) << 32)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sums of squares in a fixed order (LAMB's norms)
-# ---------------------------------------------------------------------------------------------
-#
-# A whole-tensor sum comes out of eager ATen, of a chunked eager pass and of compiled code in
-# different orders, and the fused step must equal the eager one bit for bit. Summing every
-# element in FP64 makes the order invisible in the FP32 norm, but compiled CPU code converts
-# FP32 to FP64 one element at a time (no vector conversion), which made the norms' pass
-# compute-bound. So the squares are first added in FP32 in a fixed order, with elementwise
-# operations only (the same in every path): each segment of _SQ_LANES * _SQ_LANE elements is
-# read as _SQ_LANES rows of _SQ_LANE, and the rows are added one after the other. Only those
-# sums (one per _SQ_LANES elements) and the squares of the elements after the last whole
-# segment are added in FP64. A piece of a tensor that starts at a multiple of the segment gives
-# the same block sums as the whole tensor, so the eager step may sum a large tensor in chunks
-# of a multiple of the segment.
-_SQ_LANES = 8
-_SQ_LANE = 8192  # even, so that a segment is whole pairs of elements (see below)
-
-
-def segment_view(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` as (its whole segments viewed as (segments, _SQ_LANES, width), the rest).
-
-    ``width`` is ``_SQ_LANE`` for elements and ``_SQ_LANE // 2`` for pairs of elements. The
-    fused step views its inputs this way and computes on the views, since compiled code cannot
-    always view a computed tensor with a symbolic length.
-    """
-    segments = x.numel() // (_SQ_LANES * width)
-    head = segments * _SQ_LANES * width
-    return x[:head].view(segments, _SQ_LANES, width), x[head:]
-
-
-def block_sum_squares(blocks: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of ``segment_view``'s two parts (FP32 values): 0-d FP64.
-
-    Each segment's rows of squares are added in order in FP32, then those sums and the squares
-    of ``rest`` in FP64 (see the comment above).
-    """
-    squares = blocks * blocks
-    rows = squares[:, 0]
-    for k in range(1, squares.shape[1]):
-        rows = rows + squares[:, k]
-    return rows.double().sum() + rest.double().square().sum()
-
-
 def sum_squares(x: torch.Tensor) -> torch.Tensor:
     """The sum of the squares of ``x``'s elements (FP32 values) as a 0-d FP64 tensor.
 
-    Fixed blocks in FP32, then FP64 (see the comment above): the same bits, up to the order of
-    the final FP64 additions, whether ``x`` is summed eagerly, compiled, whole, in chunks that
-    start at multiples of ``_SQ_LANES * _SQ_LANE`` elements, or as pairs (``sum_squares_pairs``).
+    Each square is exact in FP64 (an FP32 significand has 24 bits) and the sum is FP64, so the
+    order in which eager ATen, a chunked loop, compiled code or pairs of elements add them
+    changes the result only in its last FP64 bits, which the FP32 norm built from it does not
+    see (LAMB's fused and eager steps agree bit for bit on that).
     """
-    return block_sum_squares(*segment_view(x.reshape(-1), _SQ_LANE))
+    return x.double().square().sum()
 
 
 def sum_squares_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
-    """``sum_squares`` of a tensor given as its even and odd elements (FP32, equal lengths).
-
-    A segment's row ``k`` holds elements ``k * _SQ_LANE + i``: for even ``i`` that is element
-    ``i // 2`` of the even halves' row, for odd ``i`` of the odd halves' row (the rows are
-    ``_SQ_LANE // 2`` words). So each block sum is the very FP32 value ``sum_squares`` forms.
-    """
-    width = _SQ_LANE // 2
-    return (
-        block_sum_squares(*segment_view(even.reshape(-1), width))
-        + block_sum_squares(*segment_view(odd.reshape(-1), width))
-    )
+    """``sum_squares`` of a tensor given as its even and odd elements (FP32)."""
+    return sum_squares(even) + sum_squares(odd)
 
 
 def round_stochastic(

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec import numerics
 from lowprec.numerics import (
     _pack_bf16_upper_pairs,
     _pack_f32_pairs,
@@ -38,7 +37,8 @@ from lowprec.numerics import (
     hash_bits,
     stream_key,
     stream_key_halves,
-    block_sum_squares,
+    sum_squares,
+    sum_squares_pairs,
 )
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
@@ -104,9 +104,9 @@ class LowPrecisionOptimizer(Optimizer):
 
     #: For a rule that is not elementwise: ``(w, g, bufs, c, **flags) -> tuple of FP32 tensors``
     #: whose whole-tensor sums of squares the rule needs (LAMB: ``w`` and its update). The step
-    #: goes through the tensor twice, first summing the squares (``numerics.sum_squares``, which
-    #: gives the same bits whole, in chunks, compiled or on pairs), then updating with the sums
-    #: passed to ``_math`` as ``c["sums"]`` (FP64). The eager step does it chunk by chunk, the
+    #: goes through the tensor twice, first summing the squares (``numerics.sum_squares``: FP64,
+    #: so whole, chunked, compiled and pairs sums give the same FP32 norms), then updating with
+    #: the sums passed to ``_math`` as ``c["sums"]``. The eager step does it chunk by chunk, the
     #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: one
     #: pass, unchunked.
     _norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
@@ -422,7 +422,7 @@ class LowPrecisionOptimizer(Optimizer):
                 self._advance(state, step, scaling, p.device)
                 return
         chunkable = self._elementwise or self._norm_terms is not None
-        chunk = _EAGER_CHUNK if self._elementwise else _sums_chunk()
+        chunk = _EAGER_CHUNK
         if chunkable and contiguous and p.numel() > chunk:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step) and the step's
@@ -739,18 +739,9 @@ def _param_sums(
     flags: dict[str, bool],
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The sums of squares of a rule's ``_norm_terms`` over flat ``p`` (read-only; FP64 each).
-
-    ``p`` is a whole parameter or a piece of one that starts at a multiple of ``_sums_chunk()``.
-    The inputs are split into whole segments and the rest first (``numerics.segment_view``) and
-    the rule runs on each part: the sums of ``numerics.sum_squares``, in any path.
-    """
-    parts = [
-        _inputs(*xs, storage, inv_scale)
-        for xs in _segment_parts(p, grad, sbufs, mbufs, numerics._SQ_LANE)
-    ]
-    blocks, rest = (norm_terms(*part, c, **flags) for part in parts)
-    return torch.stack([block_sum_squares(b, r) for b, r in zip(blocks, rest, strict=True)])
+    """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each)."""
+    terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
+    return torch.stack([sum_squares(t) for t in terms])
 
 
 def _param_sums_pairs(
@@ -766,42 +757,16 @@ def _param_sums_pairs(
     dtypes: tuple[tuple[str, torch.dtype], ...],
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``): same bits."""
+    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
     kinds = dict(dtypes)
-    sums = None
-    for words in _segment_parts(p, grad, sbufs, mbufs, numerics._SQ_LANE // 2):
-        wp, wg, ws, wm = words
-        g_even, g_odd = _unpack_pairs(wg, kinds["grad"])
-        if inv_scale is not None:
-            g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
-        w_even, w_odd = storage.load_pairs(wp, ws)
-        halves = {k: _unpack_pairs(v, kinds[k]) for k, v in wm.items()}
-        even = norm_terms(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
-        odd = norm_terms(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
-        part = torch.stack([
-            _sum_squares_part(a) + _sum_squares_part(b) for a, b in zip(even, odd, strict=True)
-        ])
-        sums = part if sums is None else sums + part
-    return sums
-
-
-def _segment_parts(p, grad, sbufs, mbufs, width):
-    """(p, grad, sbufs, mbufs) as their whole segments (3-d views), then as the rest (flat)."""
-    views = [numerics.segment_view(t, width) for t in (p, grad)]
-    s_views = {k: numerics.segment_view(v, width) for k, v in sbufs.items()}
-    m_views = {k: numerics.segment_view(v, width) for k, v in mbufs.items()}
-    return [
-        (views[0][i], views[1][i], {k: v[i] for k, v in s_views.items()},
-         {k: v[i] for k, v in m_views.items()})
-        for i in (0, 1)
-    ]
-
-
-def _sum_squares_part(x: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of a part from ``_segment_parts``: rows of a 3-d one, else FP64."""
-    if x.dim() == 3:
-        return block_sum_squares(x, x.new_empty(0))
-    return x.double().square().sum()
+    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
+    if inv_scale is not None:
+        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
+    w_even, w_odd = storage.load_pairs(p, sbufs)
+    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
+    even = norm_terms(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
+    odd = norm_terms(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
+    return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
 
 
 def _param_update(
@@ -1072,12 +1037,6 @@ _INT32_MAX = 2**31 - 1
 # doubles the live temporaries), 2**16 1.01-1.05 row by row (up to 1.08 after earlier rows have
 # fragmented the heap), at 5-25% more time per eager step than 2**17.
 _EAGER_CHUNK = 1 << 16
-
-
-def _sums_chunk() -> int:
-    """The eager chunk of a rule with ``_norm_terms``: a multiple of ``sum_squares``'s segment."""
-    segment = numerics._SQ_LANES * numerics._SQ_LANE
-    return max(segment, _EAGER_CHUNK // segment * segment)
 # Fused steps of parameters up to _SMALL elements are batched, up to _SMALL_BATCH elements per
 # compiled call (the concatenated copies are the batch's only temporaries: a few MB at most).
 _SMALL = 1 << 16
@@ -1109,13 +1068,9 @@ def _compiled_kernel(
         variant.__kwdefaults__ = fn.__kwdefaults__
         # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
         # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
-        options = {"emulate_precision_casts": True}
-        if fn in (_param_sums, _param_sums_pairs):
-            # Each element of a norm term is read once, but from one of _SQ_LANES rows; by
-            # default Inductor stores a term read that many times in a full-size buffer
-            # (a fresh allocation per call) instead of computing it where it is read.
-            options["realize_reads_threshold"] = 4 * numerics._SQ_LANES
-        kernel = torch.compile(variant, dynamic=True, fullgraph=True, options=options)
+        kernel = torch.compile(
+            variant, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
         _KERNELS[key] = kernel
     return kernel
 

@@ -97,8 +97,9 @@ def lamb_math(
     (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
     u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
-    # Norms from sums of squares in a fixed order, then FP64, rounded once (see sum_squares):
-    # the eager, chunked, compiled and pairs paths give the same FP32 ratio.
+    # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
+    # eager, chunked, compiled and pairs reductions add in different orders, and FP64 makes
+    # that difference vanish in the FP32 ratio.
     sums = c["sums"] if "sums" in c else torch.stack([sum_squares(w), sum_squares(u)])
     w_norm, u_norm = sums.sqrt().float().unbind()
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
