@@ -151,7 +151,7 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
 PAIR_CASES = [
     (cls, kw, master, state_dtype, grad_dtype)
     for (cls, kw) in OPTIMIZERS
-    for master in ("split", "stochastic")
+    for master in ("none", "kahan", "split", "stochastic")
     for state_dtype, grad_dtype in (
         (None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)
     )

@@ -388,6 +388,14 @@ def _pack_bf16_upper_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tenso
     return ((even >> 16) & 0xFFFF) | (odd & -65536)
 
 
+def _pack_nearest_bf16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """int32 words holding ``even`` and ``odd`` (FP32) rounded to nearest bfloat16, as ``to()``."""
+    # Round as torch's conversion does, then take the bfloat16's bits from the FP32 it converts
+    # back to exactly (the upper half).
+    e, o = (x.to(torch.bfloat16).float().view(torch.int32) for x in (even, odd))
+    return _pack_bf16_upper_pairs(e, o)
+
+
 def _unpack_f32_pairs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 words holding two FP32 patterns -> the FP32 values (even, odd), exactly."""
     # int64 -> int32 keeps the low 32 bits.

@@ -30,8 +30,8 @@ import torch
 from torch.optim import Optimizer
 
 from lowprec.numerics import (
-    _pack_bf16_upper_pairs,
     _pack_f32_pairs,
+    _pack_nearest_bf16_pairs,
     _unpack_bf16_pairs,
     _unpack_f32_pairs,
     hash_bits,
@@ -839,10 +839,7 @@ def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 def _pack_pairs(even: torch.Tensor, odd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` would round them."""
     if dtype == torch.bfloat16:
-        # Round to nearest even (torch's conversion), then take the bfloat16's bits from the
-        # FP32 it converts back to exactly (the upper half).
-        e, o = (x.to(torch.bfloat16).float().view(torch.int32) for x in (even, odd))
-        return _pack_bf16_upper_pairs(e, o)
+        return _pack_nearest_bf16_pairs(even, odd)
     return _pack_f32_pairs(even, odd)
 
 
