@@ -151,7 +151,7 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
 PAIR_CASES = [
     (cls, kw, master, state_dtype, grad_dtype)
     for (cls, kw) in OPTIMIZERS
-    for master in ("none", "kahan", "split", "stochastic")
+    for master in ("none", "kahan", "split", "stochastic", "fp32")
     for state_dtype, grad_dtype in (
         (None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)
     )
@@ -163,17 +163,25 @@ PAIR_CASES = [
     ids=[f"{c[0].__name__}-{c[2]}-state{str(c[3])[6:]}-grad{str(c[4])[6:]}" for c in PAIR_CASES],
 )
 def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
-    """The 16-bit strategies' fused step on pairs of elements (int32/int64 words) equals eager.
+    """The fused step of BF16 parameters on pairs of elements (int32/int64 words) equals eager.
 
     Odd lengths (the last element goes eager), BF16 and FP32 moments, BF16 and FP32 gradients,
-    and a parameter viewed at an odd offset of its storage (no pairs: the elementwise kernel).
+    small parameters (batched), and a large one viewed at an odd offset of its storage (no
+    pairs: the elementwise kernel).
     """
-    storage = torch.randn(2 * 301 + 1).to(torch.bfloat16)
+    n = base._SMALL + 301
+    storage = torch.randn(n + 1).to(torch.bfloat16)
+    used = []
+    real = base._compiled_kernel
+
+    def spy(*args, **kwargs):
+        used.append(kwargs.get("fn", base._param_update).__name__)
+        return real(*args, **kwargs)
 
     def run(fused):
-        odd_view = storage.clone()[1:302].requires_grad_()  # storage offset 1
+        odd_view = storage.clone()[1:].requires_grad_()  # storage offset 1
         params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in [(96, 40), (33,)]]
-        params = [*params, odd_view]
+        params = [*params, odd_view, torch.randn(n).to(torch.bfloat16).requires_grad_()]
         opt = cls(params, master=master, fused=fused, seed=11, state_dtype=state_dtype, **kw)
         gen = torch.Generator().manual_seed(5)
         for _ in range(4):
@@ -187,12 +195,15 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     torch.manual_seed(0)
     pa, oa = run(False)
     torch.manual_seed(0)
-    pb, ob = run(True)
+    base._compiled_kernel = spy
+    try:
+        pb, ob = run(True)
+    finally:
+        base._compiled_kernel = real
     _assert_same(pa, oa, pb, ob)
-    names = [k[4] for k in base._KERNELS]
-    assert "_param_update_pairs" in names and "_param_update" in names, names
+    assert "_param_update_pairs" in used and "_param_update" in used, used
     if cls is Lamb:  # the norms' pass on pairs too
-        assert "_param_sums_pairs" in names and "_param_sums" in names, names
+        assert "_param_sums_pairs" in used and "_param_sums" in used, used
 
 
 def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits():

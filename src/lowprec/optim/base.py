@@ -634,7 +634,7 @@ class LowPrecisionOptimizer(Optimizer):
                 return None
             plan.append((k, t.dtype))
         for t in sbufs.values():
-            if t.element_size() != 2 or t.storage_offset() % 2:
+            if t.element_size() not in (2, 4) or t.storage_offset() % 2:
                 return None
         return tuple(plan)
 
