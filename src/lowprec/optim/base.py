@@ -758,14 +758,8 @@ def _param_sums_pairs(
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
-    kinds = dict(dtypes)
-    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
-    if inv_scale is not None:
-        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
-    w_even, w_odd = storage.load_pairs(p, sbufs)
-    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
-    even = norm_terms(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
-    odd = norm_terms(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
+    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
+    even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
 
 
@@ -836,6 +830,20 @@ def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return _unpack_bf16_pairs(t) if dtype == torch.bfloat16 else _unpack_f32_pairs(t)
 
 
+def _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale):
+    """``_inputs`` on words: the rule's FP32 (master, gradient, buffers) of the even elements
+    and of the odd ones; ``kinds`` gives the grad's and each math buffer's real dtype."""
+    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
+    if inv_scale is not None:
+        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
+    w_even, w_odd = storage.load_pairs(p, sbufs)
+    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
+    return (
+        (w_even, g_even, {k: h[0] for k, h in halves.items()}),
+        (w_odd, g_odd, {k: h[1] for k, h in halves.items()}),
+    )
+
+
 def _pack_pairs(even: torch.Tensor, odd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` would round them."""
     if dtype == torch.bfloat16:
@@ -874,13 +882,9 @@ def _param_update_pairs(
     keyed by its own parameter's key and its index within that parameter (``_batch_keys``).
     """
     kinds = dict(dtypes)
-    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
-    if inv_scale is not None:
-        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
-    w_even, w_odd = storage.load_pairs(p, sbufs)
-    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
-    new_we, m_even = math(w_even, g_even, {k: h[0] for k, h in halves.items()}, c, **flags)
-    new_wo, m_odd = math(w_odd, g_odd, {k: h[1] for k, h in halves.items()}, c, **flags)
+    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
+    new_we, m_even = math(*even, c, **flags)
+    new_wo, m_odd = math(*odd, c, **flags)
     bits = None
     if storage.needs_random_bits:  # one hash per pair: see _random_bits
         if idx is None:
