@@ -285,3 +285,31 @@ def test_lamb_kernels_serve_every_length(master):
     # The norms' pass and the update pass, one more at most where Inductor specialises on the
     # length being a multiple of its vector width.
     assert graphs() - start <= 3, graphs() - start
+
+
+def test_small_parameters_past_one_batch_take_several_calls():
+    """More small parameters than one batch holds (2**18 elements): several compiled calls, each
+    within the limit, and the same bits as eager."""
+    shapes = [(60_000,)] * 6
+    init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    sizes = []
+    real = base._compiled_kernel
+
+    def spy(*args, **kwargs):
+        kernel = real(*args, **kwargs)
+        return lambda *a, **k: sizes.append(a[0].numel() * 2) or kernel(*a, **k)
+
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init]
+        opt = AdamW(params, lr=1e-2, master="kahan", fused=fused)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+        base._compiled_kernel = spy if fused else real
+        try:
+            opt.step()
+        finally:
+            base._compiled_kernel = real
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])
+    assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters, words of 2 elements

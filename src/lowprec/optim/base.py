@@ -530,7 +530,7 @@ class LowPrecisionOptimizer(Optimizer):
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
         """
-        rest, buckets = [], {}
+        rest, buckets, filled_of = [], {}, {}
         for item in items:
             group, p, _index, storage = item
             g = p.grad
@@ -554,9 +554,12 @@ class LowPrecisionOptimizer(Optimizer):
             step = int(state["step"].item()) + 1
             key = (id(group), storage.name, step, p.dtype, g.dtype, *(t.dtype for t in bufs))
             bucket = buckets.setdefault(key, [[]])
-            if sum(q.numel() for _, q, _, _ in bucket[-1]) + p.numel() > _SMALL_BATCH:
+            filled = filled_of.get(key, 0)  # elements in the bucket's last batch
+            if filled + p.numel() > _SMALL_BATCH:
                 bucket.append([])
+                filled = 0
             bucket[-1].append(item)
+            filled_of[key] = filled + p.numel()
         for key, batches in buckets.items():
             step = key[2]
             for batch in batches:
