@@ -422,15 +422,14 @@ class LowPrecisionOptimizer(Optimizer):
                 self._advance(state, step, scaling, p.device)
                 return
         chunkable = self._elementwise or self._norm_terms is not None
-        chunk = _EAGER_CHUNK
-        if chunkable and contiguous and p.numel() > chunk:
+        if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step) and the step's
             # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
             # random bits make this bit-identical to one pass.
             pieces = [
                 (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl), sl.start)
-                for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
+                for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
             ]
             if not self._elementwise:
                 # First pass: the rule's whole-tensor sums (FP64), read-only.
@@ -618,10 +617,10 @@ class LowPrecisionOptimizer(Optimizer):
     ) -> tuple | None:
         """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
 
-        Pairs are for strategies with 16-bit tensors that keep compiled CPU code from
-        vectorizing (``storage.pairs_ok``), elementwise rules or rules whose only reductions
-        are ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views
-        start on a pair boundary.
+        Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
+        strategy on bfloat16 parameters), elementwise rules or rules whose only reductions are
+        ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views start on
+        a pair boundary.
         """
         if (
             not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
