@@ -6,6 +6,7 @@ stochastic-rounding hash, so this module is marked slow; CI runs it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import warnings
@@ -50,6 +51,26 @@ def _run(cls, kw, dtype, master, fused, steps, init, seed=1, opt_state=None):
             p.grad = None if i == NO_GRAD else torch.randn(p.shape, generator=gen).to(dtype)
         opt.step()
     return params, opt
+
+
+@contextlib.contextmanager
+def _kernel_calls():
+    """Record every compiled-kernel call made inside: (function name, extra key, first input's
+    length), the first input being the parameter (flat, or its words of two elements)."""
+    calls = []
+    real = base._compiled_kernel
+
+    def spy(*args, **kwargs):
+        kernel = real(*args, **kwargs)
+        name = kwargs.get("fn", base._param_update).__name__
+        key = kwargs.get("extra_key")
+        return lambda *a, **k: calls.append((name, key, a[0].numel())) or kernel(*a, **k)
+
+    base._compiled_kernel = spy
+    try:
+        yield calls
+    finally:
+        base._compiled_kernel = real
 
 
 def _assert_same(pa, oa, pb, ob):
@@ -171,13 +192,6 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     """
     n = base._SMALL + 301
     storage = torch.randn(n + 1).to(torch.bfloat16)
-    used = []
-    real = base._compiled_kernel
-
-    def spy(*args, **kwargs):
-        used.append(kwargs.get("fn", base._param_update).__name__)
-        return real(*args, **kwargs)
-
     def run(fused):
         odd_view = storage.clone()[1:].requires_grad_()  # storage offset 1
         params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in [(96, 40), (33,)]]
@@ -195,12 +209,10 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     torch.manual_seed(0)
     pa, oa = run(False)
     torch.manual_seed(0)
-    base._compiled_kernel = spy
-    try:
+    with _kernel_calls() as calls:
         pb, ob = run(True)
-    finally:
-        base._compiled_kernel = real
     _assert_same(pa, oa, pb, ob)
+    used = [name for name, _, _ in calls]
     assert "_param_update_pairs" in used and "_param_update" in used, used
     if cls is Lamb:  # the norms' pass on pairs too
         assert "_param_sums_pairs" in used and "_param_sums" in used, used
@@ -212,31 +224,19 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
     whose keys use all 64 bits. Odd lengths stay out of the batch."""
     shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
-    calls = []
-    real = base._compiled_kernel
-
-    def spy(*args, **kwargs):
-        kernel = real(*args, **kwargs)
-        return lambda *a, **k: calls.append((kwargs.get("extra_key"), a[0].numel())) or kernel(
-            *a, **k)
-
     results = []
     for fused in (False, True):
         params = [x.clone().requires_grad_() for x in init]
         opt = AdamW(params, lr=1e-2, master="stochastic", fused=fused, seed=2**64 - 3)
         gen = torch.Generator().manual_seed(3)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
-            if fused:
-                base._compiled_kernel = spy
-            try:
+        with _kernel_calls() as calls:
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
                 opt.step()
-            finally:
-                base._compiled_kernel = real
         results.append((params, opt))
     _assert_same(*results[0], *results[1])
-    batched = [words for key, words in calls if key and ("keys", "batched") in key]
+    batched = [words for _, key, words in calls if key and ("keys", "batched") in key]
     # One call per step for the four even-length parameters' 3840 + 6 + 30 + 16 elements.
     assert batched == [(3840 + 6 + 30 + 16) // 2] * 3, calls
 
@@ -292,24 +292,15 @@ def test_small_parameters_past_one_batch_take_several_calls():
     within the limit, and the same bits as eager."""
     shapes = [(60_000,)] * 6
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
-    sizes = []
-    real = base._compiled_kernel
-
-    def spy(*args, **kwargs):
-        kernel = real(*args, **kwargs)
-        return lambda *a, **k: sizes.append(a[0].numel() * 2) or kernel(*a, **k)
-
     results = []
     for fused in (False, True):
         params = [x.clone().requires_grad_() for x in init]
         opt = AdamW(params, lr=1e-2, master="kahan", fused=fused)
         for p in params:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
-        base._compiled_kernel = spy if fused else real
-        try:
+        with _kernel_calls() as calls:
             opt.step()
-        finally:
-            base._compiled_kernel = real
         results.append((params, opt))
     _assert_same(*results[0], *results[1])
+    sizes = [words * 2 for _, _, words in calls]
     assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters, words of 2 elements
