@@ -221,7 +221,9 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
 def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits():
     """Small BF16 parameters under stochastic rounding are stepped in one compiled call, each
     word hashed with its own parameter's key and index: bit for bit the eager step, for a seed
-    whose keys use all 64 bits. Odd lengths stay out of the batch."""
+    whose keys use all 64 bits. Odd lengths stay out of the batch. A parameter without a gradient
+    for a step changes the batch (and then its step count differs from the others', so it is
+    stepped on its own): still the eager bits."""
     shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     results = []
@@ -230,15 +232,19 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
         opt = AdamW(params, lr=1e-2, master="stochastic", fused=fused, seed=2**64 - 3)
         gen = torch.Generator().manual_seed(3)
         with _kernel_calls() as calls:
-            for _ in range(3):
+            for step in range(4):
                 for p in params:
                     p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+                if step == 1:
+                    params[1].grad = None
                 opt.step()
         results.append((params, opt))
     _assert_same(*results[0], *results[1])
     batched = [words for _, key, words in calls if key and ("keys", "batched") in key]
-    # One call per step for the four even-length parameters' 3840 + 6 + 30 + 16 elements.
-    assert batched == [(3840 + 6 + 30 + 16) // 2] * 3, calls
+    # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call, then without the
+    # (6,) parameter, which is a step behind the others from then on.
+    assert batched == [(3840 + 6 + 30 + 16) // 2] + [(3840 + 30 + 16) // 2] * 3, calls
+    assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
 
 
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])

@@ -170,6 +170,17 @@ class LowPrecisionOptimizer(Optimizer):
             raise
 
     def _validate_group(self, group: dict[str, Any], index: int) -> None:
+        self._validate_options(group, index)
+        device = None
+        for i, p in enumerate(group["params"]):
+            self._validate_param(group, p, index, i)
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(self._mixed_devices(index, device, p.device))
+
+    def _validate_options(self, group: dict[str, Any], index: int) -> None:
+        """The group's options (not its parameters)."""
         where = f"parameter group {index}"
         if group["master"] not in MASTER_CHOICES:
             raise ValueError(
@@ -191,25 +202,27 @@ class LowPrecisionOptimizer(Optimizer):
             self._validate_hparams(group)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{where}: {e}") from None
-        device = None
-        for i, p in enumerate(group["params"]):
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"{where}, parameter {i}: lowprec optimizers update floating-point parameters,"
-                    f" got {p.dtype}; leave integer and complex tensors out of the optimizer."
-                )
-            try:
-                resolve_master(group["master"], p.dtype)
-            except ValueError as e:
-                raise ValueError(f"{where}, parameter {i}: {e}") from None
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ValueError(
-                    f"{where} mixes devices ({device} and {p.device}); move the model to one "
-                    "device before creating the optimizer, or put each device's parameters in "
-                    "their own group."
-                )
+
+    def _validate_param(self, group, p, index, i) -> MasterStorage:
+        """One parameter of group ``index`` (its dtype against the group's ``master``); returns its
+        storage strategy."""
+        if not p.is_floating_point():
+            raise TypeError(
+                f"parameter group {index}, parameter {i}: lowprec optimizers update floating-point"
+                f" parameters, got {p.dtype}; leave integer and complex tensors out of the "
+                "optimizer."
+            )
+        try:
+            return self._storage(group, p)
+        except ValueError as e:
+            raise ValueError(f"parameter group {index}, parameter {i}: {e}") from None
+
+    @staticmethod
+    def _mixed_devices(index, a, b) -> str:
+        return (
+            f"parameter group {index} mixes devices ({a} and {b}); move the model to one device "
+            "before creating the optimizer, or put each device's parameters in their own group."
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -230,35 +243,46 @@ class LowPrecisionOptimizer(Optimizer):
         return p.dtype
 
     def _collect(self) -> list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage]]:
-        """Validate every group, gradient and state; return the work list. Writes nothing."""
+        """Validate every group, parameter, gradient and state; return the work list. Writes
+        nothing. (Per parameter it does what ``_validate_group`` does plus the gradient and state
+        checks, with the storage and the expected state looked up once per dtype.)"""
         work = []
         index = -1
         expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
         for gi, group in enumerate(self.param_groups):
-            self._validate_group(group, gi)
+            self._validate_options(group, gi)
+            storages: dict[torch.dtype, MasterStorage] = {}
+            device = None
             for pi, p in enumerate(group["params"]):
                 index += 1
+                storage = storages.get(p.dtype)
+                if storage is None:
+                    storage = storages[p.dtype] = self._validate_param(group, p, gi, pi)
+                if device is None:
+                    device = p.device
+                elif p.device != device:
+                    raise ValueError(self._mixed_devices(gi, device, p.device))
                 g = p.grad
                 if g is None:
                     continue
-                where = f"parameter group {gi}, parameter {pi}"
                 if g.is_sparse:
                     raise ValueError(
-                        f"{where}: sparse gradients are not supported; use dense gradients "
-                        "(e.g. nn.Embedding(..., sparse=False)) or torch.optim.SparseAdam."
+                        f"parameter group {gi}, parameter {pi}: sparse gradients are not "
+                        "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
+                        "torch.optim.SparseAdam."
                     )
                 if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
                     raise ValueError(
-                        f"{where}: gradient {tuple(g.shape)} {g.dtype} on {g.device} does not match"
-                        f" the parameter {tuple(p.shape)} {p.dtype} on {p.device}."
+                        f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
+                        f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
+                        f"{p.dtype} on {p.device}."
                     )
-                storage = self._storage(group, p)
                 state = self.state.get(p)
                 if state:
                     key = (gi, p.dtype, storage.name)
                     if key not in expected:
                         expected[key] = self._expected_state(group, p, storage)
-                    self._check_state(state, group, p, storage, where, expected[key])
+                    self._check_state(state, group, p, storage, (gi, pi), expected[key])
                 work.append((group, p, index, storage))
         return work
 
@@ -267,6 +291,8 @@ class LowPrecisionOptimizer(Optimizer):
         return {**storage.buffers(p), **dict.fromkeys(self._math_buffers(group), sd)}
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> None:
+        if isinstance(where, tuple):  # (group, parameter): formatted only for an error
+            where = f"parameter group {where[0]}, parameter {where[1]}"
         if state.get("master") != storage.name:
             raise ValueError(
                 f"{where}: its optimizer state was created with master={state.get('master')!r} "
@@ -528,45 +554,60 @@ class LowPrecisionOptimizer(Optimizer):
         even length): each word of the batch is hashed with its own parameter's key and its index
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
+
+        Per parameter this does only what must be redone each step (the host work here is most of
+        a small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a
+        batch is keyed by group, strategy, step and gradient dtype alone.
         """
+        if not self._elementwise or getattr(self, "_fused_broken", False):
+            return items
         rest, buckets, filled_of = [], {}, {}
+        names_of: dict[Any, tuple[str, ...] | None] = {}  # per (group, strategy, dtype)
         for item in items:
             group, p, _index, storage = item
+            ck = (id(group), storage.name, p.dtype)
+            names = names_of.get(ck, ())
+            if names == ():
+                random_ok = not storage.needs_random_bits or storage.pairs_ok(p.dtype)
+                names = names_of[ck] = (
+                    (*storage.buffers(p), *self._math_buffers(group))
+                    if random_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
+                    else None
+                )
             g = p.grad
-            random_ok = not storage.needs_random_bits or (
-                storage.pairs_ok(p.dtype) and p.numel() % 2 == 0
-            )
-            if (
-                not random_ok or not self._elementwise
-                or not 1 < p.numel() <= _SMALL or p.device.type != "cpu"
-                or not _fused_enabled(self, group, p)
-            ):
+            n = p.numel()
+            if names is None or n < 2 or (n % 2 and storage.needs_random_bits):
                 rest.append(item)
                 continue
             state = self.state[p]
             if not state:
                 state.update(self._init_state(group, p, storage))
-            bufs = [state[k] for k in (*storage.buffers(p), *self._math_buffers(group))]
-            if not all(t.is_contiguous() for t in (p, g, *bufs)):
+            if not (p.is_contiguous() and g.is_contiguous()) or not all(
+                state[k].is_contiguous() for k in names
+            ):
                 rest.append(item)
                 continue
             step = int(state["step"].item()) + 1
-            key = (id(group), storage.name, step, p.dtype, g.dtype, *(t.dtype for t in bufs))
-            bucket = buckets.setdefault(key, [[]])
+            key = (ck, step, g.dtype)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = [[]]
             filled = filled_of.get(key, 0)  # elements in the bucket's last batch
-            if filled + p.numel() > _SMALL_BATCH:
+            if filled + n > _SMALL_BATCH:
                 bucket.append([])
                 filled = 0
             bucket[-1].append(item)
-            filled_of[key] = filled + p.numel()
+            filled_of[key] = filled + n
+        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
         for key, batches in buckets.items():
-            step = key[2]
+            step = key[1]
             for batch in batches:
                 if len(batch) == 1 or getattr(self, "_fused_broken", False):
                     rest.extend(batch)
                     continue
                 group, _, _, storage = batch[0]
                 ps = [p for _, p, _, _ in batch]
+                states = [self.state[p] for p in ps]
                 gid = id(group)
                 flags = memo.get(("flags", gid))
                 if flags is None:
@@ -580,11 +621,11 @@ class LowPrecisionOptimizer(Optimizer):
                     coeffs, c32 = cached
                 names_s = list(storage.buffers(ps[0]))
                 names_m = list(self._math_buffers(group))
-                dst = {"p": [p.view(-1) for p in ps]}
+                dst = {"p": [flat(p) for p in ps]}
                 for k in (*names_s, *names_m):
-                    dst[k] = [self.state[p][k].view(-1) for p in ps]
+                    dst[k] = [flat(st[k]) for st in states]
                 cat = {k: torch.cat(v) for k, v in dst.items()}
-                grad = torch.cat([p.grad.view(-1) for p in ps])
+                grad = torch.cat([flat(p.grad) for p in ps])
                 sbufs, mbufs = {k: cat[k] for k in names_s}, {k: cat[k] for k in names_m}
                 lo: Any = 0
                 hi: Any = 0
@@ -593,9 +634,11 @@ class LowPrecisionOptimizer(Optimizer):
                     if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
                         rest.extend(batch)
                         continue
-                    lo, hi, extra["idx"] = _batch_keys(
-                        [(stream_key(group["seed"], step, i), p.numel() // 2)
-                         for _, p, i, _ in batch]
+                    keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch]
+                    lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
+                    hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
+                    extra["owner"], extra["idx"] = self._batch_layout(
+                        tuple(p.numel() // 2 for p in ps)
                     )
                 try:
                     self._fused_update(
@@ -607,10 +650,30 @@ class LowPrecisionOptimizer(Optimizer):
                     continue
                 sizes = [p.numel() for p in ps]
                 for k, views in dst.items():
-                    torch._foreach_copy_(views, list(cat[k].split(sizes)))
-                for p in ps:
-                    self._advance(self.state[p], step, None, p.device)
+                    torch._foreach_copy_(views, cat[k].split(sizes))
+                # Every step count of the batch is step - 1 (the batch's key): one call for all.
+                torch._foreach_add_([st["step"] for st in states], 1.0)
         return rest
+
+    def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
+        position in the batch) and its index within that parameter (int32 each), for
+        ``_param_update_pairs``'s per-word random keys. Kept per batch composition, which stays
+        the same from step to step."""
+        layouts = self.__dict__.setdefault("_batch_layouts", {})
+        layout = layouts.get(words)
+        if layout is None:
+            counts = torch.tensor(words, dtype=torch.int64)
+            total = sum(words)
+            owner = torch.repeat_interleave(
+                torch.arange(len(words), dtype=torch.int64), counts, output_size=total
+            )
+            starts = torch.cumsum(counts, 0) - counts
+            idx = torch.arange(total, dtype=torch.int64) - starts[owner]
+            if len(layouts) >= 64:  # (a model whose batches keep changing: keep it bounded)
+                layouts.clear()
+            layout = layouts[words] = (owner.to(torch.int32), idx.to(torch.int32))
+        return layout
 
     def _pairs_plan(
         self, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
@@ -869,6 +932,7 @@ def _param_update_pairs(
     inv_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
+    owner: torch.Tensor | None = None,
 ) -> None:
     """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
 
@@ -879,9 +943,10 @@ def _param_update_pairs(
     ``_param_update`` gives it; the words are unpacked and packed with exact bit operations.
     Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
 
-    ``idx`` (int32, one per word) replaces the words' own indices in the random bits' hash, and
-    ``key_lo``/``key_hi`` then hold one key half per word: a batch of small parameters, each word
-    keyed by its own parameter's key and its index within that parameter (``_batch_keys``).
+    ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
+    ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's
+    parameter and ``idx`` its index within that parameter, which replaces the word's own index
+    in the random bits' hash (``_batch_layout``).
     """
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
@@ -892,6 +957,8 @@ def _param_update_pairs(
         if idx is None:
             idx = torch.arange(p.numel(), device=p.device,
                                dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
+        elif owner is not None:
+            key_lo, key_hi = key_lo[owner], key_hi[owner]
         bits = hash_bits(idx, key_lo, key_hi)
     new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
     new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
@@ -904,24 +971,6 @@ def _param_update_pairs(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
-
-
-def _batch_keys(
-    parts: list[tuple[int, int]],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-word random keys of a batch of parameters on pairs; ``parts`` holds (key, words) each.
-
-    Returns the keys' low and high 32 bits (int64, one per word) and each word's index within
-    its own parameter (int32), for ``_param_update_pairs``: together they give every word the
-    hash that its parameter's own step gives it.
-    """
-    words = torch.tensor([w for _, w in parts], dtype=torch.int64)
-    total = sum(w for _, w in parts)
-    halves = torch.tensor([(k & 0xFFFFFFFF, k >> 32) for k, _ in parts], dtype=torch.int64)
-    per_word = halves.repeat_interleave(words, dim=0, output_size=total)
-    starts = torch.cumsum(words, 0) - words
-    idx = torch.arange(total, dtype=torch.int64) - starts.repeat_interleave(words, output_size=total)
-    return per_word[:, 0].contiguous(), per_word[:, 1].contiguous(), idx.to(torch.int32)
 
 
 _WORDS = {2: torch.int32, 4: torch.int64}
