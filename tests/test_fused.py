@@ -247,6 +247,38 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
     assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
 
 
+@pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic", "fp32"])
+def test_small_lamb_parameters_share_calls_with_their_own_norms(master):
+    """Small BF16 LAMB parameters of even length are stepped together: one pass of per-word
+    squares summed per parameter, one update pass. Each parameter keeps its own trust ratio: bit
+    for bit the eager step, which takes them one by one. Odd lengths, FP32 parameters and a
+    parameter a step behind the others are stepped on their own; a seed whose keys use all 64
+    bits."""
+    shapes = [(64, 30), (6,), (2, 3, 5), (33,), (8, 2), (4, 4)]
+    init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    init[4] = init[4] * 100  # a very different ||w|| (ratios differ by parameter)
+    if master != "split":  # (which takes bfloat16 parameters only)
+        init.append(torch.randn(10))  # FP32: plain storage, not on pairs
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init]
+        opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, fused=fused, seed=2**63 + 5)
+        gen = torch.Generator().manual_seed(4)
+        with _kernel_calls() as calls:
+            for step in range(4):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+                if step == 1:
+                    params[5].grad = None
+                opt.step()
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])
+    terms = [words for name, _, words in calls if name == "_param_terms_pairs"]
+    batched = [words for _, key, words in calls if key and ("sums", "per_word") in key]
+    every = (1920 + 6 + 30 + 16 + 16) // 2
+    assert terms == batched == [every, every - 8] + [every - 8] * 2, calls
+
+
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])
 def test_fused_lamb_equals_eager_on_large_tensors(master):
     """LAMB on tensors longer than the eager chunk: the eager step (norms summed chunk by chunk)

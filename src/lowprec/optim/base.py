@@ -476,21 +476,45 @@ class LowPrecisionOptimizer(Optimizer):
         self._advance(state, step, scaling, p.device)
 
     def _fused_update(
-        self, storage, flags, p, grad, sbufs, mbufs, coeffs, c32, lo, hi, extra
+        self, storage, flags, p, grad, sbufs, mbufs, coeffs, c32, lo, hi, extra, segments=None
     ) -> None:
-        """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors)."""
+        """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors).
+
+        ``segments`` (a batch of small parameters on pairs, for a rule with ``_norm_terms``):
+        ``(words, owner)``, the number of words of each parameter (int64) and each word's
+        parameter (int32), so that the sums are each parameter's own.
+        """
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         scaled = "skip" in extra
         pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
         views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs)) if pairs is None else ()
         n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+        per_word = segments is not None and self._norm_terms is not None
+        if per_word and (pairs is None or n != p.numel()):
+            raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
         if self._norm_terms is not None:
             c32 = dict(c32)  # the sums below are this parameter's own
             # The whole-tensor sums in a compiled pass of their own, so that the update pass
             # recomputes what it needs instead of keeping full-size temporaries.
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
                       inv_scale=extra.get("inv_scale"))
-            if pairs is None:
+            if per_word:
+                # Each word's squares (FP64; a batch is small, so this temporary is too), summed
+                # per parameter in index order, and handed back to every word of the parameter.
+                terms_kernel = _compiled_kernel(
+                    type(self), storage, flags, scaled=scaled, fn=_param_terms_pairs,
+                    extra_key=pairs,
+                )
+                squares = terms_kernel(
+                    _pair_words(p, n), _pair_words(grad, n),
+                    {k: _pair_words(v, n) for k, v in sbufs.items()},
+                    {k: _pair_words(v, n) for k, v in mbufs.items()},
+                    c32, dtypes=pairs, **kw,
+                )
+                words, owner = segments
+                sums = torch.segment_reduce(squares, "sum", lengths=words, axis=0)
+                c32["sums"] = sums.T.index_select(1, owner)
+            elif pairs is None:
                 sums_kernel = _compiled_kernel(
                     type(self), storage, flags, scaled=scaled, fn=_param_sums
                 )
@@ -526,7 +550,8 @@ class LowPrecisionOptimizer(Optimizer):
         # takes the eager step, with its own index for the random bits.
         pair_kernel = _compiled_kernel(
             type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
-            extra_key=pairs if "idx" not in extra else (*pairs, ("keys", "batched")),
+            extra_key=(*pairs, *((("keys", "batched"),) if "idx" in extra else ()),
+                       *((("sums", "per_word"),) if per_word else ())),
         )
         pair_kernel(
             _pair_words(p, n), _pair_words(grad, n),
@@ -559,8 +584,13 @@ class LowPrecisionOptimizer(Optimizer):
         a small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a
         batch is keyed by group, strategy, step and gradient dtype alone.
         """
-        if not self._elementwise or getattr(self, "_fused_broken", False):
+        if getattr(self, "_fused_broken", False) or not (
+            self._elementwise or self._norm_terms is not None
+        ):
             return items
+        # Per-word random keys and per-parameter norms need every word within one parameter:
+        # such batches are on pairs, of parameters of even length.
+        norms = not self._elementwise
         rest, buckets, filled_of = [], {}, {}
         names_of: dict[Any, tuple[str, ...] | None] = {}  # per (group, strategy, dtype)
         for item in items:
@@ -568,15 +598,15 @@ class LowPrecisionOptimizer(Optimizer):
             ck = (id(group), storage.name, p.dtype)
             names = names_of.get(ck, ())
             if names == ():
-                random_ok = not storage.needs_random_bits or storage.pairs_ok(p.dtype)
+                pairs_ok = not (norms or storage.needs_random_bits) or storage.pairs_ok(p.dtype)
                 names = names_of[ck] = (
                     (*storage.buffers(p), *self._math_buffers(group))
-                    if random_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
+                    if pairs_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
                     else None
                 )
             g = p.grad
             n = p.numel()
-            if names is None or n < 2 or (n % 2 and storage.needs_random_bits):
+            if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)):
                 rest.append(item)
                 continue
             state = self.state[p]
@@ -630,19 +660,23 @@ class LowPrecisionOptimizer(Optimizer):
                 lo: Any = 0
                 hi: Any = 0
                 extra: dict[str, torch.Tensor] = {}
-                if storage.needs_random_bits:
+                segments = None
+                if norms or storage.needs_random_bits:
                     if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
                         rest.extend(batch)
                         continue
-                    keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch]
-                    lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
-                    hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
-                    extra["owner"], extra["idx"] = self._batch_layout(
-                        tuple(p.numel() // 2 for p in ps)
-                    )
+                    words, owner, idx = self._batch_layout(tuple(p.numel() // 2 for p in ps))
+                    if norms:
+                        segments = (words, owner)
+                    if storage.needs_random_bits:
+                        keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch]
+                        lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
+                        hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
+                        extra["owner"], extra["idx"] = owner, idx
                 try:
                     self._fused_update(
                         storage, flags, cat["p"], grad, sbufs, mbufs, coeffs, c32, lo, hi, extra,
+                        segments,
                     )
                 except _COMPILE_ERRORS as e:  # nothing of the parameters was written
                     _disable_fused(self, e)
@@ -655,11 +689,13 @@ class LowPrecisionOptimizer(Optimizer):
                 torch._foreach_add_([st["step"] for st in states], 1.0)
         return rest
 
-    def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
-        position in the batch) and its index within that parameter (int32 each), for
-        ``_param_update_pairs``'s per-word random keys. Kept per batch composition, which stays
-        the same from step to step."""
+    def _batch_layout(
+        self, words: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a batch on pairs of parameters of ``words`` words each: ``words`` as a tensor
+        (int64), every word's parameter (its position in the batch) and its index within that
+        parameter (int32 each), for per-parameter norms and ``_param_update_pairs``'s per-word
+        random keys. Kept per batch composition, which stays the same from step to step."""
         layouts = self.__dict__.setdefault("_batch_layouts", {})
         layout = layouts.get(words)
         if layout is None:
@@ -672,7 +708,7 @@ class LowPrecisionOptimizer(Optimizer):
             idx = torch.arange(total, dtype=torch.int64) - starts[owner]
             if len(layouts) >= 64:  # (a model whose batches keep changing: keep it bounded)
                 layouts.clear()
-            layout = layouts[words] = (owner.to(torch.int32), idx.to(torch.int32))
+            layout = layouts[words] = (counts, owner.to(torch.int32), idx.to(torch.int32))
         return layout
 
     def _pairs_plan(
@@ -826,6 +862,29 @@ def _param_sums_pairs(
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
     even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
+
+
+def _param_terms_pairs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    storage: MasterStorage,
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
+    flags: dict[str, bool],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+    inv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each word's share of ``_param_sums_pairs``: the squares of its two elements' norm terms,
+    added in FP64 (one column per term). A batch of parameters sums them per parameter."""
+    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
+    even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
+    return torch.stack(
+        [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)],
+        dim=1,
+    )
 
 
 def _param_update(

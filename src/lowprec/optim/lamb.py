@@ -94,7 +94,9 @@ def lamb_math(
 
     Elementwise but for the two norms of the trust ratio, which stays a 0-d tensor (no host sync).
     ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
-    (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
+    (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor; or,
+    for a batch of tensors laid end to end, one column per element of ``w`` holding its own
+    tensor's two sums (shape ``(2, w.numel())``).
     """
     u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
     # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
