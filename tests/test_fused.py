@@ -279,6 +279,70 @@ def test_small_lamb_parameters_share_calls_with_their_own_norms(master):
     assert terms == batched == [every, every - 8] + [every - 8] * 2, calls
 
 
+def _sequential_sum_trap(words: int) -> torch.Tensor:
+    """An FP32 vector of ``2 * words`` elements, two near 1.5 and the rest 2**-27, whose FP32
+    norm is right only if the tiny squares are not lost: their total moves the FP64 sum of
+    squares across an FP32 rounding boundary of the norm, while each alone is below half an
+    FP64 ulp of the running total, so a strictly sequential sum drops every one of them."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = 1 + torch.rand(1 << 21, generator=gen), 1 + torch.rand(1 << 21, generator=gen)
+    r = (x.double() ** 2 + y.double() ** 2).sqrt()
+    ulp = torch.exp2(torch.floor(torch.log2(r)) - 23)
+    below_midpoint = (torch.floor(r / ulp) + 0.5) * ulp - r
+    tiny = 2.0**-27
+    total = 2 * (words - 1) * tiny * tiny
+    i = int(((below_midpoint > 0) & (below_midpoint < total / (4 * r))).nonzero()[0, 0])
+    w = torch.full((2 * words,), tiny)
+    w[0], w[1] = x[i], y[i]
+    sequential = torch.zeros((), dtype=torch.float64)
+    for v in (w[0:2].double() ** 2).tolist() + [tiny * tiny] * 2:
+        sequential += v  # the first tiny squares already vanish
+    assert sequential.sqrt().float() != w.double().square().sum().sqrt().float()
+    return w
+
+
+def test_small_lamb_batch_sums_pairwise():
+    """A batched parameter's norms are summed pairwise, as eager sums them: on a vector whose
+    norm a sequential sum gets one FP32 ulp wrong, fused equals eager bit for bit."""
+    w = _sequential_sum_trap(32001)
+    results = []
+    for fused in (False, True):
+        params = [w.to(torch.bfloat16).requires_grad_(), torch.ones(16, dtype=torch.bfloat16,
+                                                                     requires_grad=True)]
+        opt = Lamb(params, lr=1e-2, master="fp32", fused=fused)
+        gen = torch.Generator().manual_seed(1)
+        with _kernel_calls() as calls:
+            for step in range(2):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+                if step == 1:  # a master weight as training leaves it: any FP32 values
+                    opt.state[params[0]]["master_weight"].copy_(w)
+                opt.step()
+        results.append((params, opt))
+    assert [n for n, _, _ in calls].count("_param_terms_pairs") == 2  # (batched)
+    _assert_same(*results[0], *results[1])
+
+
+def test_small_batch_advances_integer_step_counts():
+    """A checkpoint may hold integer step counts: the batch advances them like the one-by-one
+    step (to the step number, keeping their dtype), after writing nothing it could not finish."""
+    init = [torch.randn(8).to(torch.bfloat16) for _ in range(6)]
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init[:3]]
+        opt = AdamW(params, lr=1e-2, master="kahan", fused=fused)
+        for p, g in zip(params, init[3:], strict=True):
+            p.grad = g.clone()
+        opt.step()
+        for p in params:
+            opt.state[p]["step"] = torch.tensor(int(opt.state[p]["step"]))  # int64
+        opt.step()
+        assert [opt.state[p]["step"].dtype for p in params] == [torch.int64] * 3
+        assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2]
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])
+
+
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])
 def test_fused_lamb_equals_eager_on_large_tensors(master):
     """LAMB on tensors longer than the eager chunk: the eager step (norms summed chunk by chunk)

@@ -481,7 +481,7 @@ class LowPrecisionOptimizer(Optimizer):
         """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors).
 
         ``segments`` (a batch of small parameters on pairs, for a rule with ``_norm_terms``):
-        ``(words, owner)``, the number of words of each parameter (int64) and each word's
+        ``(words, owner)``, the number of words of each parameter (a list) and each word's
         parameter (int32), so that the sums are each parameter's own.
         """
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
@@ -511,9 +511,12 @@ class LowPrecisionOptimizer(Optimizer):
                     {k: _pair_words(v, n) for k, v in mbufs.items()},
                     c32, dtypes=pairs, **kw,
                 )
+                # ATen's sum along the words of each parameter adds pairwise, as eager's
+                # sum_squares does (a strictly sequential sum, e.g. torch.segment_reduce, can
+                # lose small squares to a large running total that pairwise sums keep).
                 words, owner = segments
-                sums = torch.segment_reduce(squares, "sum", lengths=words, axis=0)
-                c32["sums"] = sums.T.index_select(1, owner)
+                sums = torch.stack([part.sum(1) for part in squares.split(words, dim=1)], dim=1)
+                c32["sums"] = sums.index_select(1, owner)
             elif pairs is None:
                 sums_kernel = _compiled_kernel(
                     type(self), storage, flags, scaled=scaled, fn=_param_sums
@@ -592,12 +595,12 @@ class LowPrecisionOptimizer(Optimizer):
         # such batches are on pairs, of parameters of even length.
         norms = not self._elementwise
         rest, buckets, filled_of = [], {}, {}
-        names_of: dict[Any, tuple[str, ...] | None] = {}  # per (group, strategy, dtype)
+        names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
         for item in items:
             group, p, _index, storage = item
             ck = (id(group), storage.name, p.dtype)
-            names = names_of.get(ck, ())
-            if names == ():
+            names = names_of.get(ck, _UNSET)
+            if names is _UNSET:
                 pairs_ok = not (norms or storage.needs_random_bits) or storage.pairs_ok(p.dtype)
                 names = names_of[ck] = (
                     (*storage.buffers(p), *self._math_buffers(group))
@@ -665,7 +668,8 @@ class LowPrecisionOptimizer(Optimizer):
                     if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
                         rest.extend(batch)
                         continue
-                    words, owner, idx = self._batch_layout(tuple(p.numel() // 2 for p in ps))
+                    words = [p.numel() // 2 for p in ps]
+                    owner, idx = self._batch_layout(tuple(words))
                     if norms:
                         segments = (words, owner)
                     if storage.needs_random_bits:
@@ -685,17 +689,19 @@ class LowPrecisionOptimizer(Optimizer):
                 sizes = [p.numel() for p in ps]
                 for k, views in dst.items():
                     torch._foreach_copy_(views, cat[k].split(sizes))
-                # Every step count of the batch is step - 1 (the batch's key): one call for all.
-                torch._foreach_add_([st["step"] for st in states], 1.0)
+                # Every step count of the batch becomes `step` (the batch's key), as _advance
+                # does, for FP32 or integer step tensors (a loaded checkpoint keeps its dtype):
+                # two calls for the batch instead of one per parameter.
+                counts = [st["step"] for st in states]
+                torch._foreach_zero_(counts)
+                torch._foreach_add_(counts, step)
         return rest
 
-    def _batch_layout(
-        self, words: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a batch on pairs of parameters of ``words`` words each: ``words`` as a tensor
-        (int64), every word's parameter (its position in the batch) and its index within that
-        parameter (int32 each), for per-parameter norms and ``_param_update_pairs``'s per-word
-        random keys. Kept per batch composition, which stays the same from step to step."""
+    def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
+        position in the batch) and its index within that parameter (int32 each), for
+        per-parameter norms and ``_param_update_pairs``'s per-word random keys. Kept per batch
+        composition, which stays the same from step to step."""
         layouts = self.__dict__.setdefault("_batch_layouts", {})
         layout = layouts.get(words)
         if layout is None:
@@ -708,7 +714,7 @@ class LowPrecisionOptimizer(Optimizer):
             idx = torch.arange(total, dtype=torch.int64) - starts[owner]
             if len(layouts) >= 64:  # (a model whose batches keep changing: keep it bounded)
                 layouts.clear()
-            layout = layouts[words] = (counts, owner.to(torch.int32), idx.to(torch.int32))
+            layout = layouts[words] = (owner.to(torch.int32), idx.to(torch.int32))
         return layout
 
     def _pairs_plan(
@@ -878,12 +884,11 @@ def _param_terms_pairs(
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each word's share of ``_param_sums_pairs``: the squares of its two elements' norm terms,
-    added in FP64 (one column per term). A batch of parameters sums them per parameter."""
+    added in FP64 (one row per term). A batch of parameters sums them per parameter."""
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
     even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
     return torch.stack(
-        [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)],
-        dim=1,
+        [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)]
     )
 
 
@@ -1128,6 +1133,7 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, Callable[..., None]] = {}
+_UNSET = object()
 _PAIR_DTYPES = (torch.bfloat16, torch.float32)
 _ZERO_KEY = torch.zeros((), dtype=torch.int64)
 
