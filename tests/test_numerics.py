@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 
 from lowprec import numerics
 from lowprec.numerics import (
+    _nearest_bf16_upper,
     _pack_16_pairs,
     _pack_bf16_upper_pairs,
     _pack_f32_pairs,
+    _pack_nearest_bf16_pairs,
     _sr_bf16_bits,
     _unpack_bf16_pairs,
     _unpack_f32_pairs,
@@ -189,6 +191,37 @@ def test_pairs_unpack_and_pack_exactly_for_every_pattern(patterns):
     assert torch.equal(odd.view(torch.int32), as_f32[1::2])
     assert torch.equal(_pack_16_pairs(x[0::2], x[1::2]), h.view(torch.int32))
     assert torch.equal(_pack_bf16_upper_pairs(x[0::2], x[1::2]), (x >> 16).to(torch.int16).view(torch.int32))
+
+
+def _nearest_bf16_cases() -> torch.Tensor:
+    """FP32 patterns: 2**20 random ones, every upper half with the lower halves around the
+    midpoint (ties to even both ways) and at its ends, and the special values."""
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randint(-(2**31), 2**31, (1 << 20,), dtype=torch.int64, generator=gen)
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
+    ties = (torch.arange(1 << 16)[:, None] * 65536 + lows).view(-1)
+    special = torch.tensor([0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0xFF7F8000, 0x7F800000,
+                            0xFF800000, 0x00008000, 0x00018000, 0x7FC00000, 0x7F800001])
+    bits = torch.cat([rand, ties, special])
+    return ((bits + 2**31) % 2**32 - 2**31).to(torch.int32).view(FP32)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_nearest_bf16_bits_equal_torch_rounding(compiled):
+    """The integer rounding of the pairs' stores equals ``to(bfloat16)`` on every non-NaN
+    pattern (subnormals, ties, overflow to inf), compiled or not; NaNs stay NaNs."""
+    x = _nearest_bf16_cases()
+    fn = torch.compile(_nearest_bf16_upper, dynamic=True) if compiled else _nearest_bf16_upper
+    got = fn(x)
+    ref = x.to(BF16).float().view(torch.int32)
+    nan = x != x
+    assert int(nan.sum()) > 1000 and int((~nan).sum()) > 1_000_000
+    assert torch.equal(got[~nan], ref[~nan])
+    assert bool(got[nan].view(FP32).isnan().all())
+    words = _pack_nearest_bf16_pairs(x[0::2], x[1::2]).view(BF16)
+    keep = ~(nan[0::2] | nan[1::2])
+    assert torch.equal(words[0::2][keep].view(torch.int16), x[0::2][keep].to(BF16).view(torch.int16))
+    assert torch.equal(words[1::2][keep].view(torch.int16), x[1::2][keep].to(BF16).view(torch.int16))
 
 
 @settings(deadline=None, max_examples=200)

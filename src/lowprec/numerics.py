@@ -388,12 +388,26 @@ def _pack_bf16_upper_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tenso
     return ((even >> 16) & 0xFFFF) | (odd & -65536)
 
 
+def _nearest_bf16_upper(x: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x`` rounded to the nearest bfloat16 (ties to even) as int32 FP32 patterns whose
+    lower half is zero: the bits of ``x.to(torch.bfloat16).float()``, NaNs made the quiet NaN
+    0x7FC0 (torch's scalar conversion; its vector one gives 0xFFFF: either way a NaN).
+
+    Integer ops only. Compiled CPU code otherwise converts to 16-bit lanes and back for every
+    ``to(bfloat16).float()``, a third of the instructions of a fused BF16 AdamW step.
+    """
+    b = x.view(torch.int32)
+    # Adding 0x7FFF plus the kept half's lowest bit carries into the kept half exactly when the
+    # dropped half is above the midpoint, or at it with an odd kept half: round to nearest even,
+    # on the magnitude (the sign bit is separate). The largest finite magnitude plus the bias
+    # gives inf's pattern, as rounding does; inf stays inf. No int32 overflow for non-NaNs.
+    up = (b + (0x7FFF + ((b >> 16) & 1))) & -65536
+    return torch.where(x != x, 0x7FC00000, up)
+
+
 def _pack_nearest_bf16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """int32 words holding ``even`` and ``odd`` (FP32) rounded to nearest bfloat16, as ``to()``."""
-    # Round as torch's conversion does, then take the bfloat16's bits from the FP32 it converts
-    # back to exactly (the upper half).
-    e, o = (x.to(torch.bfloat16).float().view(torch.int32) for x in (even, odd))
-    return _pack_bf16_upper_pairs(e, o)
+    return _pack_bf16_upper_pairs(_nearest_bf16_upper(even), _nearest_bf16_upper(odd))
 
 
 def _unpack_f32_pairs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

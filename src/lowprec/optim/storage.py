@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from lowprec.numerics import (
+    _nearest_bf16_upper,
     _pack_16_pairs,
     _pack_bf16_upper_pairs,
     _pack_f32_pairs,
@@ -239,8 +240,9 @@ class Kahan(MasterStorage):
 
     def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
         # store()'s operations on each half: round to nearest, then the remainder rounded.
-        ne, no = w_even.to(torch.bfloat16).float(), w_odd.to(torch.bfloat16).float()
-        return _pack_nearest_bf16_pairs(ne, no), {
+        be, bo = _nearest_bf16_upper(w_even), _nearest_bf16_upper(w_odd)
+        ne, no = be.view(torch.float32), bo.view(torch.float32)
+        return _pack_bf16_upper_pairs(be, bo), {
             "compensation": _pack_nearest_bf16_pairs(w_even - ne, w_odd - no)
         }
 
