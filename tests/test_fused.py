@@ -343,6 +343,22 @@ def test_small_batch_advances_integer_step_counts():
     _assert_same(*results[0], *results[1])
 
 
+@pytest.mark.parametrize(
+    ("cls", "master"), [(SGD, "split"), (AdamW, "kahan"), (Lamb, "stochastic")],
+    ids=["SGD-split", "AdamW-kahan", "Lamb-stochastic"],
+)
+def test_kernels_have_a_parallel_loop_whatever_size_compiles_them(cls, master):
+    """A variant first compiled for a tiny parameter still gets a parallel loop: the kernel
+    (also as Inductor's on-disk cache hands it to later processes) serves large tensors too."""
+    from torch._inductor.utils import run_and_get_code
+
+    fresh = type(f"Fresh{cls.__name__}", (cls,), {})  # a variant of its own: compiled here
+    p = torch.randn(8).to(torch.bfloat16).requires_grad_()
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    _, code = run_and_get_code(fresh([p], lr=1e-3, master=master, fused=True).step)
+    assert code and all("#pragma omp parallel" in c for c in code), code
+
+
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic"])
 def test_fused_lamb_equals_eager_on_large_tensors(master):
     """LAMB on tensors longer than the eager chunk: the eager step (norms summed chunk by chunk)
