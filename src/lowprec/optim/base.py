@@ -499,7 +499,7 @@ class LowPrecisionOptimizer(Optimizer):
                       inv_scale=extra.get("inv_scale"))
             if per_word:
                 # Each word's squares (FP64; a batch is small, so this temporary is too), summed
-                # per parameter in index order, and handed back to every word of the parameter.
+                # per parameter and handed back to every word of the parameter.
                 terms_kernel = _compiled_kernel(
                     type(self), storage, flags, scaled=scaled, fn=_param_terms_pairs,
                     extra_key=pairs,
