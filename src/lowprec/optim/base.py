@@ -501,14 +501,14 @@ class LowPrecisionOptimizer(Optimizer):
                 # Each word's squares (FP64; a batch is small, so this temporary is too), summed
                 # per parameter and handed back to every word of the parameter.
                 terms_kernel = _compiled_kernel(
-                    type(self), storage, flags, scaled=scaled, fn=_param_terms_pairs,
-                    extra_key=pairs,
+                    type(self), storage, flags, scaled=scaled, fn=_param_sums_pairs,
+                    extra_key=(*pairs, ("sums", "per_word")),
                 )
                 squares = terms_kernel(
                     _pair_words(p, n), _pair_words(grad, n),
                     {k: _pair_words(v, n) for k, v in sbufs.items()},
                     {k: _pair_words(v, n) for k, v in mbufs.items()},
-                    c32, dtypes=pairs, **kw,
+                    c32, dtypes=pairs, per_word=True, **kw,
                 )
                 # ATen's sum along the words of each parameter adds pairwise, as eager's
                 # sum_squares does (a strictly sequential sum, e.g. torch.segment_reduce, can
@@ -862,33 +862,18 @@ def _param_sums_pairs(
     flags: dict[str, bool],
     dtypes: tuple[tuple[str, torch.dtype], ...],
     inv_scale: torch.Tensor | None = None,
+    per_word: bool = False,
 ) -> torch.Tensor:
-    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
+    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``). With
+    ``per_word``, each word's share instead: the squares of its two elements' terms added in
+    FP64, one row per term, which a batch of parameters sums per parameter."""
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
     even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
+    if per_word:
+        return torch.stack(
+            [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)]
+        )
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
-
-
-def _param_terms_pairs(
-    p: torch.Tensor,
-    grad: torch.Tensor,
-    sbufs: dict[str, torch.Tensor],
-    mbufs: dict[str, torch.Tensor],
-    c: dict[str, Any],
-    *,
-    storage: MasterStorage,
-    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
-    flags: dict[str, bool],
-    dtypes: tuple[tuple[str, torch.dtype], ...],
-    inv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Each word's share of ``_param_sums_pairs``: the squares of its two elements' norm terms,
-    added in FP64 (one row per term). A batch of parameters sums them per parameter."""
-    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
-    even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
-    return torch.stack(
-        [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)]
-    )
 
 
 def _param_update(
