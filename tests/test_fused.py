@@ -85,6 +85,27 @@ def _assert_same(pa, oa, pb, ob):
                 assert v == sb[k], k
 
 
+def _eager_and_fused(make, init, *, steps, seed, drop=None):
+    """Steps ``make(params, fused)`` eager and fused from the same ``init`` and the same random
+    gradients (parameter ``drop[1]`` has none at step ``drop[0]``), asserts that the two agree bit
+    for bit and returns the fused run's compiled-kernel calls, parameters and optimizer."""
+    results = []
+    for fused in (False, True):
+        params = [x.clone().requires_grad_() for x in init]
+        opt = make(params, fused)
+        gen = torch.Generator().manual_seed(seed)
+        with _kernel_calls() as calls:
+            for step in range(steps):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+                if drop is not None and step == drop[0]:
+                    params[drop[1]].grad = None
+                opt.step()
+        results.append((params, opt))
+    _assert_same(*results[0], *results[1])
+    return calls, *results[1]
+
+
 CASES = [(*o, *d) for o, d in itertools.product(OPTIMIZERS, DETERMINISTIC)] + [
     (*o, torch.bfloat16, "stochastic") for o in OPTIMIZERS
 ]
@@ -226,20 +247,11 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
     stepped on its own): still the eager bits."""
     shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
-    results = []
-    for fused in (False, True):
-        params = [x.clone().requires_grad_() for x in init]
-        opt = AdamW(params, lr=1e-2, master="stochastic", fused=fused, seed=2**64 - 3)
-        gen = torch.Generator().manual_seed(3)
-        with _kernel_calls() as calls:
-            for step in range(4):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
-                if step == 1:
-                    params[1].grad = None
-                opt.step()
-        results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    calls, params, opt = _eager_and_fused(
+        lambda params, fused: AdamW(params, lr=1e-2, master="stochastic", fused=fused,
+                                    seed=2**64 - 3),
+        init, steps=4, seed=3, drop=(1, 1),
+    )
     batched = [words for _, key, words in calls if key and ("keys", "batched") in key]
     # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call, then without the
     # (6,) parameter, which is a step behind the others from then on.
@@ -259,20 +271,11 @@ def test_small_lamb_parameters_share_calls_with_their_own_norms(master):
     init[4] = init[4] * 100  # a very different ||w|| (ratios differ by parameter)
     if master != "split":  # (which takes bfloat16 parameters only)
         init.append(torch.randn(10))  # FP32: plain storage, not on pairs
-    results = []
-    for fused in (False, True):
-        params = [x.clone().requires_grad_() for x in init]
-        opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, fused=fused, seed=2**63 + 5)
-        gen = torch.Generator().manual_seed(4)
-        with _kernel_calls() as calls:
-            for step in range(4):
-                for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-                if step == 1:
-                    params[5].grad = None
-                opt.step()
-        results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    calls, _, _ = _eager_and_fused(
+        lambda params, fused: Lamb(params, lr=1e-2, weight_decay=0.1, master=master,
+                                   fused=fused, seed=2**63 + 5),
+        init, steps=4, seed=4, drop=(1, 5),
+    )
     per_word = {name: [words for n, key, words in calls if n == name and key
                        and ("sums", "per_word") in key]
                 for name in ("_param_sums_pairs", "_param_update_pairs")}
