@@ -169,18 +169,9 @@ class LowPrecisionOptimizer(Optimizer):
             self.param_groups.pop()
             raise
 
-    def _validate_group(self, group: dict[str, Any], index: int) -> None:
-        self._validate_options(group, index)
-        device = None
-        for i, p in enumerate(group["params"]):
-            self._validate_param(group, p, index, i)
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ValueError(self._mixed_devices(index, device, p.device))
-
-    def _validate_options(self, group: dict[str, Any], index: int) -> None:
-        """The group's options (not its parameters)."""
+    def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
+        """Validate a group's options and parameters; returns each parameter's storage strategy
+        (resolved once per dtype)."""
         where = f"parameter group {index}"
         if group["master"] not in MASTER_CHOICES:
             raise ValueError(
@@ -202,27 +193,32 @@ class LowPrecisionOptimizer(Optimizer):
             self._validate_hparams(group)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{where}: {e}") from None
-
-    def _validate_param(self, group, p, index, i) -> MasterStorage:
-        """One parameter of group ``index`` (its dtype against the group's ``master``); returns its
-        storage strategy."""
-        if not p.is_floating_point():
-            raise TypeError(
-                f"parameter group {index}, parameter {i}: lowprec optimizers update floating-point"
-                f" parameters, got {p.dtype}; leave integer and complex tensors out of the "
-                "optimizer."
-            )
-        try:
-            return self._storage(group, p)
-        except ValueError as e:
-            raise ValueError(f"parameter group {index}, parameter {i}: {e}") from None
-
-    @staticmethod
-    def _mixed_devices(index, a, b) -> str:
-        return (
-            f"parameter group {index} mixes devices ({a} and {b}); move the model to one device "
-            "before creating the optimizer, or put each device's parameters in their own group."
-        )
+        storages: dict[torch.dtype, MasterStorage] = {}
+        out = []
+        device = None
+        for i, p in enumerate(group["params"]):
+            storage = storages.get(p.dtype)
+            if storage is None:
+                if not p.is_floating_point():
+                    raise TypeError(
+                        f"{where}, parameter {i}: lowprec optimizers update floating-point "
+                        f"parameters, got {p.dtype}; leave integer and complex tensors out of "
+                        "the optimizer."
+                    )
+                try:
+                    storage = storages[p.dtype] = self._storage(group, p)
+                except ValueError as e:
+                    raise ValueError(f"{where}, parameter {i}: {e}") from None
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(
+                    f"{where} mixes devices ({device} and {p.device}); move the model to one "
+                    "device before creating the optimizer, or put each device's parameters in "
+                    "their own group."
+                )
+            out.append(storage)
+        return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -243,25 +239,14 @@ class LowPrecisionOptimizer(Optimizer):
         return p.dtype
 
     def _collect(self) -> list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage]]:
-        """Validate every group, parameter, gradient and state; return the work list. Writes
-        nothing. (Per parameter it does what ``_validate_group`` does plus the gradient and state
-        checks, with the storage and the expected state looked up once per dtype.)"""
+        """Validate every group, gradient and state; return the work list. Writes nothing."""
         work = []
         index = -1
         expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
         for gi, group in enumerate(self.param_groups):
-            self._validate_options(group, gi)
-            storages: dict[torch.dtype, MasterStorage] = {}
-            device = None
-            for pi, p in enumerate(group["params"]):
+            storages = self._validate_group(group, gi)
+            for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                 index += 1
-                storage = storages.get(p.dtype)
-                if storage is None:
-                    storage = storages[p.dtype] = self._validate_param(group, p, gi, pi)
-                if device is None:
-                    device = p.device
-                elif p.device != device:
-                    raise ValueError(self._mixed_devices(gi, device, p.device))
                 g = p.grad
                 if g is None:
                     continue
