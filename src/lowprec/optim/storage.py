@@ -24,10 +24,8 @@ import torch
 from lowprec.numerics import (
     _nearest_bf16_upper,
     _pack_16_pairs,
-    _pack_bf16_upper_pairs,
     _pack_f32_pairs,
     _pack_nearest_bf16_pairs,
-    _sr_bf16_bits,
     _unpack_bf16_pairs,
     _unpack_f32_pairs,
     join,
@@ -242,7 +240,8 @@ class Kahan(MasterStorage):
         # store()'s operations on each half: round to nearest, then the remainder rounded.
         be, bo = _nearest_bf16_upper(w_even), _nearest_bf16_upper(w_odd)
         ne, no = be.view(torch.float32), bo.view(torch.float32)
-        return _pack_bf16_upper_pairs(be, bo), {
+        # _pack_bf16_upper_pairs(be, bo), less its mask of bo's lower half, already zero.
+        return ((be >> 16) & 0xFFFF) | bo, {
             "compensation": _pack_nearest_bf16_pairs(w_even - ne, w_odd - no)
         }
 
@@ -275,12 +274,15 @@ class Stochastic(MasterStorage):
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
         # The pair's 32 bits: the low 16 are the even element's noise, the high 16 the odd's,
-        # as element_random_bits gives them to the elementwise store. Only NaN results may
-        # differ from store(): a NaN keeps its own upper half here instead of the NaN that a
-        # conversion to bfloat16 would choose.
-        even = _sr_bf16_bits(w_even.view(torch.int32), bits & 0xFFFF)
-        odd = _sr_bf16_bits(w_odd.view(torch.int32), (bits >> 16) & 0xFFFF)
-        return _pack_bf16_upper_pairs(even, odd), {}
+        # as element_random_bits gives them to the elementwise store. Each half is
+        # _sr_bf16_bits's carry of the noise into the kept half, except that a NaN becomes the
+        # quiet NaN 0x7FC0 (as in the nearest stores): its own upper half would be inf where
+        # its payload lies in the lower half. A NaN's sum may wrap; it is discarded.
+        e, o = w_even.view(torch.int32), w_odd.view(torch.int32)
+        low = ((e + (bits & 0xFFFF)) >> 16) & 0xFFFF
+        high = (o + ((bits >> 16) & 0xFFFF)) & -65536
+        return torch.where(w_even != w_even, 0x7FC0, low) | torch.where(
+            w_odd != w_odd, 0x7FC00000, high), {}
 
 
 STORAGES: dict[str, MasterStorage] = {
