@@ -18,6 +18,13 @@ other maintained LAMB is available without changing torch). Every row also repor
 process RSS during one step over the resident param + grad + state bytes, and compiled rows the
 time of their first (compiling) step.
 
+By default (``--paired``) each timed step of a row is followed by one step of its family's
+reference optimizer (kept alive beside it, with its own parameters) and one axpy, and the
+``%axpy`` and ``x fused`` columns are medians of those per-step ratios: the machine's speed can
+change by 2x within seconds on a shared host, and two rows timed a minute apart then compare
+that swing as much as the code. Comparisons between two rows of a family go through the same
+reference: the ratio of their paired ``x fused``.
+
 Rows are data (``Row``: name, family, source, parameter dtype, optimizer factory). Every lowprec
 configuration is timed once per implementation variant named in ``--lowprec-variants``; a variant
 is an entry of ``LOWPREC_VARIANTS`` (extra constructor keywords, e.g. ``"fused": {"fused": True}``)
@@ -457,6 +464,10 @@ class Window:
 
     times: list[float]  # wall seconds per step
     cpu_times: list[float]  # process CPU seconds per step (all threads)
+    # --paired: after each step, the family reference's step and an axpy, in seconds (the
+    # reference's list stays empty for the reference row itself and families without one).
+    ref_times: list[float] = field(default_factory=list)
+    axpy_times: list[float] = field(default_factory=list)
     # What bg is computed from: the timed steps' span, or, when that is too short, the span from
     # the end of the first warmup step.
     wall: float = 0.0
@@ -626,6 +637,29 @@ def axpy_bandwidth(n: int, reps: int) -> Window:
 
 
 @dataclass
+class Companions:
+    """What ``--paired`` times right after each step of a row: one step of the family's reference
+    optimizer (``REFERENCE``; fresh parameters of its own, alive beside the row's) and one axpy on
+    operands allocated once for the run."""
+
+    rows: dict[str, Row]  # every row of the run, by name
+    results: dict[str, Result]  # so far: a reference that failed is not tried again
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def reference_for(self, row: Row) -> Row | None:
+        for name in REFERENCE.get(row.family, ()):
+            if name in self.rows and self.results[name].status == "ok":
+                return self.rows[name]
+        return None
+
+    def axpy(self) -> float:
+        t0 = time.perf_counter()
+        self.a.add_(self.b, alpha=1e-3)
+        return time.perf_counter() - t0
+
+
+@dataclass
 class Result:
     row: Row
     status: str = "ok"  # "ok", "skipped" or "error"
@@ -637,6 +671,7 @@ class Result:
     bg_max: float = math.inf
     pass_seconds: list[float] = field(default_factory=list)  # wall time of each whole pass
     rss: tuple[int, int] | None = None  # (RSS before, peak RSS during) one untimed steady step
+    paired_ref: str | None = None  # --paired: the reference row timed beside this one (or itself)
 
     @property
     def used(self) -> list[Window]:
@@ -663,15 +698,28 @@ class Result:
     def background(self) -> float | None:
         return _mean_bg(self.used)
 
+    @property
+    def ref_ratios(self) -> list[float]:
+        """--paired: each step's time over the reference step timed right after it."""
+        return [t / r for w in self.used if w.ref_times
+                for t, r in zip(w.times, w.ref_times, strict=True)]
+
+    @property
+    def axpy_ratios(self) -> list[float]:
+        """--paired: each step's time over the axpy timed right after it."""
+        return [t / a for w in self.used if w.axpy_times
+                for t, a in zip(w.times, w.axpy_times, strict=True)]
+
 
 def run_row(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
-            peak_rss: PeakRSS | None = None) -> None:
+            peak_rss: PeakRSS | None = None, companions: Companions | None = None) -> None:
     """Warm up and time one pass of ``row`` with fresh parameters; adds a window to ``result``.
 
     The row's first pass also measures the peak RSS of one more (untimed) step with ``peak_rss``.
+    With ``companions`` (--paired) each timed step is followed by the reference's and an axpy.
     """
     t0 = time.perf_counter()
-    _run_pass(row, base, args, result, peak_rss)
+    _run_pass(row, base, args, result, peak_rss, companions)
     result.pass_seconds.append(time.perf_counter() - t0)
 
 
@@ -679,10 +727,33 @@ def _snapshot() -> tuple[float | None, float, float]:
     return _cpu_busy_s(), time.process_time(), time.perf_counter()
 
 
-def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
-              peak_rss: PeakRSS | None = None) -> None:
-    params = base.params(row.dtype)
+def _paired_reference(row: Row, base: BaseTensors, companions: Companions | None,
+                      result: Result) -> tuple[torch.optim.Optimizer | None, float]:
+    """The reference optimizer to time after each of ``row``'s steps (its state created by one
+    untimed step), or None; and the seconds that step plus an axpy took (the companions' cost)."""
+    if companions is None:
+        return None, 0.0
+    ref = companions.reference_for(row)
     opt = None
+    t0 = time.perf_counter()
+    if ref is not None and ref.name == row.name:
+        result.paired_ref = row.name  # its own reference: x fused is 1 by definition
+    elif ref is not None:
+        try:
+            with _quiet():
+                opt = ref.make(base.params(ref.dtype))
+                opt.step()
+            result.paired_ref = ref.name
+        except Exception:  # the reference's own pass reports its error
+            opt = None
+    companions.axpy()
+    return opt, time.perf_counter() - t0
+
+
+def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
+              peak_rss: PeakRSS | None = None, companions: Companions | None = None) -> None:
+    params = base.params(row.dtype)
+    opt = ref_opt = None
     try:
         budget = args.row_seconds / args.rounds  # for this pass's timed steps
         with _quiet(), warnings.catch_warnings(record=True) as caught:
@@ -711,7 +782,8 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
                 msg = f"warning: {str(w.message).splitlines()[0][:100]}"
                 if msg not in result.note:
                     result.note = _join(result.note, msg)
-        est = result.warmup_times[-1] if result.warmup_times else 0.0
+        ref_opt, companion_s = _paired_reference(row, base, companions, result)
+        est = (result.warmup_times[-1] if result.warmup_times else 0.0) + companion_s
         steps = math.ceil(args.steps / args.rounds)
         if est > 0 and est * steps > budget:
             min_steps = math.ceil(args.min_steps / args.rounds)
@@ -723,6 +795,12 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
                 t1, c1 = time.perf_counter(), time.process_time()
                 win.times.append(t1 - t0)
                 win.cpu_times.append(c1 - c0)
+                if companions is not None:
+                    if ref_opt is not None:
+                        t0 = time.perf_counter()
+                        ref_opt.step()
+                        win.ref_times.append(time.perf_counter() - t0)
+                    win.axpy_times.append(companions.axpy())
         if win.wall < MIN_BG_WINDOW_S:
             busy0, cpu0, wall0 = steady
             busy1, cpu1, wall1 = _snapshot()
@@ -744,7 +822,7 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
         result.status = "error"
         result.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     finally:
-        del opt, params
+        del opt, params, ref_opt
         gc.collect()
 
 
@@ -844,8 +922,10 @@ use only a row's passes with bg <= --bg-max when it has any ("contended in every
 B/p mv: bytes per parameter a step must move (2x param and state, 1x grad; LAMB, two passes: 3x
 param and state, 2x grad); B/p res:
 resident param + grad + state bytes per parameter; GB/s: B/p mv x params / median; %axpy: that
-over the axpy bandwidth; x fused: median / torch's fused optimizer of the family on fp32 (Adagrad:
-foreach where fused fails; LAMB: timm's Lamb, "-" without one); x none: median / the same lowprec
+over the axpy bandwidth (--paired: the median over the steps of each step's bandwidth over that of
+the axpy timed right after it); x fused: median / torch's fused optimizer of the family on fp32
+(Adagrad: foreach where fused fails; LAMB: timm's Lamb, "-" without one; --paired: the median over
+the steps of each step's time over the reference's step timed right after it); x none: median / the same lowprec
 optimizer with master='none' on bf16; compile s: the first step of a compiled row (torch.compile
 of its step, plus state creation), in seconds; B/p peak: process RSS high-water mark during one
 more, untimed step minus the RSS just before it, per parameter (temporaries the step allocates);
@@ -853,7 +933,18 @@ peak/res: (B/p res + B/p peak) / B/p res, the step's peak over the resident para
 bytes ("*": above the target of 1.05)."""
 
 
-def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list[str]]:
+def _paired_x_ref(r: Result) -> float | None:
+    """--paired ``x fused``: 1 for a reference row, else the median step / reference-step ratio."""
+    if r.paired_ref == r.row.name:
+        return 1.0
+    ratios = r.ref_ratios
+    return statistics.median(ratios) if ratios else None
+
+
+def build_table(results: list[Result], axpy_bw: float,
+                axpy_bytes: float) -> tuple[list[dict], list[str]]:
+    """The table; ``axpy_bw`` is the run's axpy bandwidth and ``axpy_bytes`` the bytes one axpy
+    moves (what --paired's per-step axpy times are divided into)."""
     by_name = {r.row.name: r for r in results if r.status == "ok" and r.times}
     records, lines = [], []
     cols = [("row", "<", 40), ("n", ">", 2), ("median ms", ">", 9), ("p25-p75 ms", ">", 15),
@@ -890,6 +981,10 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
         gbs = moved_bytes / med
         ref = next((by_name[n] for n in REFERENCE.get(r.row.family, ()) if n in by_name), None)
         x_ref = med / ref.median if ref else None
+        frac = gbs / axpy_bw
+        x_ref_paired = _paired_x_ref(r)
+        frac_paired = (statistics.median(moved_bytes / axpy_bytes / q for q in r.axpy_ratios)
+                       if r.axpy_ratios else None)
         x_none = None
         if r.row.source == "lowprec" and r.row.dtype != torch.float32:
             none = by_name.get(_name("lowprec", r.row.family, DTYPE_NAMES[r.row.dtype], "none",
@@ -912,14 +1007,19 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
             "cpu_median_ms": cpu_med * 1e3, "background_cores": r.background,
             "params_per_s": r.numel / med,
             "bytes_moved_per_param": moved, "bytes_resident_per_param": resident,
-            "bytes": r.bytes, "achieved_bytes_per_s": gbs, "fraction_of_axpy": gbs / axpy_bw,
+            "bytes": r.bytes, "achieved_bytes_per_s": gbs, "fraction_of_axpy": frac,
+            "fraction_of_axpy_paired": frac_paired,
             "vs_fused_reference": x_ref, "reference": ref.row.name if ref else None,
+            "vs_fused_reference_paired": x_ref_paired,
+            "paired_reference": r.paired_ref if x_ref_paired is not None else None,
             "vs_bf16_none": x_none, "compile_s": compile_s,
             "rss_before_step": r.rss[0] if r.rss else None,
             "rss_peak_during_step": r.rss[1] if r.rss else None,
             "peak_bytes_per_param": peak_extra, "peak_over_resident": peak_ratio,
             "warmup_ms": [t * 1e3 for t in r.warmup_times], "times_ms": [t * 1e3 for t in r.times],
             "passes": [{"times_ms": [t * 1e3 for t in w.times], "bg": w.bg,
+                        "reference_ms": [t * 1e3 for t in w.ref_times],
+                        "axpy_ms": [t * 1e3 for t in w.axpy_times],
                         "used": w in r.used} for w in r.windows],
             "contended": r.contended, "note": note,
         })
@@ -929,7 +1029,9 @@ def build_table(results: list[Result], axpy_bw: float) -> tuple[list[dict], list
             f"{q1 * 1e3:.1f}-{q3 * 1e3:.1f}", _fmt(min(r.times) * 1e3, ".1f"),
             _fmt(cpu_med * 1e3, ".0f"), _fmt(r.background, ".1f"),
             _fmt(r.numel / med / 1e6, ".0f"), _fmt(moved, ".1f"), _fmt(resident, ".1f"),
-            _fmt(gbs / 1e9, ".1f"), _fmt(100 * gbs / axpy_bw, ".0f"), _fmt(x_ref, ".2f"),
+            _fmt(gbs / 1e9, ".1f"),
+            _fmt(100 * (frac if frac_paired is None else frac_paired), ".0f"),
+            _fmt(x_ref if frac_paired is None else x_ref_paired, ".2f"),
             _fmt(x_none, ".2f"), _fmt(compile_s, ".1f"), _fmt(peak_extra, ".2f"),
             _fmt(peak_ratio, ".2f") + ("*" if peak_ratio and peak_ratio > PEAK_TARGET else ""),
             note,
@@ -950,10 +1052,23 @@ def comparisons(results: list[Result]) -> tuple[list[dict], list[str]]:
                 continue
             den = min(dens, key=lambda r: r.median)
             ratio = num.median / den.median
+            # --paired: through the reference both were timed beside, where it is the same one.
+            paired = None
+            x_num = _paired_x_ref(num)
+            ref_name = num.paired_ref
+            x_dens = [(x, d) for d in dens
+                      if (x := _paired_x_ref(d)) is not None and d.paired_ref == ref_name]
+            if x_num is not None and ref_name and len(x_dens) == len(dens):
+                x_den, pden = min(x_dens, key=lambda xd: xd[0])
+                paired = x_num / x_den
             records.append({"title": title, "row": num.row.name, "peer": den.row.name,
-                            "ratio": ratio})
+                            "ratio": ratio, "ratio_paired": paired,
+                            "peer_paired": pden.row.name if paired is not None else None,
+                            "paired_reference": ref_name if paired is not None else None})
             lines.append(f"  {title:<44} {num.row.name:<42} / {den.row.name:<32} "
-                         f"{ratio:6.2f}x")
+                         f"{ratio:6.2f}x" + (f"  paired {paired:5.2f}x"
+                                              + (f" ({pden.row.name})" if pden is not den else "")
+                                              if paired is not None else ""))
     return records, lines
 
 
@@ -996,6 +1111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"{', '.join(LOWPREC_VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--axpy-millions", type=float, default=64.0,
                    help="elements (2**20) of each axpy operand (default: 64)")
+    p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the family's reference optimizer and an axpy right after each step "
+                        "and take %%axpy, x fused and the comparisons from those per-step ratios "
+                        "(default: on)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: ~2M parameters, 3 steps, 1 warmup, 1 round, no retries, "
@@ -1067,6 +1186,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {r.name: Result(r, status="skipped" if r.skip else "ok", note=r.skip,
                               bg_max=args.bg_max) for r in rows}
+    companions = None
+    if args.paired:
+        companions = Companions({r.name: r for r in rows}, results, torch.randn(n_axpy),
+                                torch.randn(n_axpy))
 
     def one_pass(label: str, todo: list[Row], deadline: float = math.inf) -> None:
         for r in todo:
@@ -1074,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             if res.pass_seconds and t0 + res.pass_seconds[-1] > deadline:
                 continue  # would overrun the retry budget
-            run_row(r, base, args, res, peak_rss)
+            run_row(r, base, args, res, peak_rss, companions)
             if res.status == "ok":
                 w = res.windows[-1]
                 print(f"  {label}{r.name}: {statistics.median(w.times) * 1e3:.1f} ms median of "
@@ -1100,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     axpy_used = _clean(axpy, args.bg_max)
     axpy_ref = statistics.median([axpy_bw(w) for w in axpy_used])
     ordered = [results[r.name] for r in rows]
-    records, lines = build_table(ordered, axpy_ref)
+    records, lines = build_table(ordered, axpy_ref, 12 * n_axpy)
     comp_records, comp_lines = comparisons(ordered)
     runtime = time.perf_counter() - t_start
     print(f"axpy over the run: {', '.join(f'{axpy_bw(w) / 1e9:.1f}' for w in axpy)} GB/s "
@@ -1117,7 +1240,9 @@ def main(argv: list[str] | None = None) -> int:
     print(COLUMNS_HELP)
     if comp_lines:
         print()
-        print("comparisons (median / median; < 1 means lowprec is faster):")
+        print("comparisons (median / median; < 1 means lowprec is faster"
+              + ("; paired: x fused / x fused, each against the reference timed beside it)"
+                 if args.paired else ")") + ":")
         print("\n".join(comp_lines))
     if args.json:
         payload = {"header": {**info, "load_average_start": load_start,

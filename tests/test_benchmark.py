@@ -1,0 +1,49 @@
+"""The optimizer-step benchmark's paired ratios (benchmarks/optimizer_step.py)."""
+
+import importlib.util
+import pathlib
+import statistics
+import sys
+
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "optimizer_step.py"
+_spec = importlib.util.spec_from_file_location("optimizer_step", _PATH)
+ob = importlib.util.module_from_spec(_spec)
+sys.modules["optimizer_step"] = ob  # (dataclasses resolve their module)
+_spec.loader.exec_module(ob)
+
+
+def _result(name, source, times, ref_times, axpy_times, paired_ref):
+    lp = source == "lowprec"
+    row = ob.Row(name, "adamw", source, torch.bfloat16 if lp else torch.float32, None,
+                 master="kahan" if lp else "none")
+    r = ob.Result(row, paired_ref=paired_ref)
+    r.windows.append(ob.Window(list(times), [0.0] * len(times), ref_times=list(ref_times),
+                               axpy_times=list(axpy_times)))
+    return r
+
+
+def test_paired_ratios_follow_the_reference_step_by_step():
+    """A machine twice as fast in the second half: the paired ratio sees the constant 0.5x that
+    the plain medians, taken while the speed changed, do not."""
+    ref = _result("torch-adamw-fp32-fused", "torch", [2, 2, 1, 1], [], [4, 4, 2, 2],
+                  "torch-adamw-fp32-fused")
+    fast = _result("lowprec-adamw-bf16-kahan-fused", "lowprec", [1, 1, 0.5, 0.5],
+                   [2, 2, 1, 1], [4, 4, 2, 2], "torch-adamw-fp32-fused")
+    peer = _result("optimi-adamw-bf16-kahan-loop", "optimi", [6, 6, 3, 3], [2, 2, 1, 1],
+                   [4, 4, 2, 2], "torch-adamw-fp32-fused")
+    assert ob._paired_x_ref(ref) == 1.0
+    assert ob._paired_x_ref(fast) == 0.5
+    assert statistics.median(fast.axpy_ratios) == 0.25
+    recs, _ = ob.comparisons([ref, fast, peer])
+    (rec,) = [r for r in recs if r["row"] == fast.row.name]
+    assert rec["ratio_paired"] == 0.5 / 3.0
+
+
+def test_paired_comparison_needs_the_same_reference():
+    a = _result("lowprec-adamw-bf16-kahan-fused", "lowprec", [1, 1], [2, 2], [1, 1], "x")
+    b = _result("optimi-adamw-bf16-kahan-loop", "optimi", [3, 3], [2, 2], [1, 1], "y")
+    recs, _ = ob.comparisons([a, b])
+    assert recs and all(r["ratio_paired"] is None for r in recs)
+    assert recs[0]["ratio"] == 1 / 3
