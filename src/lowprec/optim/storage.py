@@ -26,6 +26,7 @@ from lowprec.numerics import (
     _pack_16_pairs,
     _pack_f32_pairs,
     _pack_nearest_bf16_pairs,
+    _pack_rounded_bf16_pairs,
     _unpack_bf16_pairs,
     _unpack_f32_pairs,
     join,
@@ -277,12 +278,8 @@ class Stochastic(MasterStorage):
         # as element_random_bits gives them to the elementwise store. Each half is
         # _sr_bf16_bits's carry of the noise into the kept half, except that a NaN becomes the
         # quiet NaN 0x7FC0 (as in the nearest stores): its own upper half would be inf where
-        # its payload lies in the lower half. A NaN's sum may wrap; it is discarded.
-        e, o = w_even.view(torch.int32), w_odd.view(torch.int32)
-        low = ((e + (bits & 0xFFFF)) >> 16) & 0xFFFF
-        high = (o + ((bits >> 16) & 0xFFFF)) & -65536
-        return torch.where(w_even != w_even, 0x7FC0, low) | torch.where(
-            w_odd != w_odd, 0x7FC00000, high), {}
+        # its payload lies in the lower half.
+        return _pack_rounded_bf16_pairs(w_even, w_odd, bits & 0xFFFF, (bits >> 16) & 0xFFFF), {}
 
 
 STORAGES: dict[str, MasterStorage] = {
