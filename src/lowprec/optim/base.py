@@ -20,6 +20,7 @@ dtype).
 from __future__ import annotations
 
 import copy
+import operator
 import sys
 import types
 import warnings
@@ -172,27 +173,8 @@ class LowPrecisionOptimizer(Optimizer):
     def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
         """Validate a group's options and parameters; returns each parameter's storage strategy
         (resolved once per dtype)."""
+        self._validate_options(group, index)
         where = f"parameter group {index}"
-        if group["master"] not in MASTER_CHOICES:
-            raise ValueError(
-                f"{where}: unknown master={group['master']!r}; choose one of "
-                f"{', '.join(MASTER_CHOICES)}."
-            )
-        sd = group["state_dtype"]
-        if sd is not None and sd not in _STATE_DTYPES:
-            raise ValueError(
-                f"{where}: state_dtype must be None or one of torch.float32, torch.bfloat16, "
-                f"torch.float16, torch.float64; got {sd!r}."
-            )
-        if group["fused"] not in (None, True, False):
-            raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
-        seed = group["seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
-        try:
-            self._validate_hparams(group)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{where}: {e}") from None
         storages: dict[torch.dtype, MasterStorage] = {}
         out = []
         device = None
@@ -219,6 +201,36 @@ class LowPrecisionOptimizer(Optimizer):
                 )
             out.append(storage)
         return out
+
+    def _validate_options(self, group: dict[str, Any], index: int) -> None:
+        """Validate a group's options (raises ``ValueError`` or ``TypeError`` naming the group)."""
+        where = f"parameter group {index}"
+        if group["master"] not in MASTER_CHOICES:
+            raise ValueError(
+                f"{where}: unknown master={group['master']!r}; choose one of "
+                f"{', '.join(MASTER_CHOICES)}."
+            )
+        sd = group["state_dtype"]
+        if sd is not None and sd not in _STATE_DTYPES:
+            raise ValueError(
+                f"{where}: state_dtype must be None or one of torch.float32, torch.bfloat16, "
+                f"torch.float16, torch.float64; got {sd!r}."
+            )
+        if group["fused"] not in (None, True, False):
+            raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
+        seed = group["seed"]
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
+        try:
+            self._validate_hparams(group)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
+
+    def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """A group's options that shape a step beyond its ``_flags`` and coefficients: a recorded
+        step (``_replay``) is redone only while they stay the same."""
+        return (group["master"], group["state_dtype"], group["fused"], group["seed"],
+                self._math_buffers(group))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -350,14 +362,22 @@ class LowPrecisionOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaled = grad_scale is not None or found_inf is not None
+        if not scaled:
+            plan = self.__dict__.get("_step_plan")
+            if plan is not None and self._replay(plan):
+                return loss
+        self._step_plan = None
         work = self._collect()
         scaling = None
-        if grad_scale is not None or found_inf is not None:
+        if scaled:
             scaling = _Scaling.prepare(work, grad_scale, found_inf)
         # Largest first, the small ones (batched below) last: parameters are independent (the
         # random key is the parameter's index, not its position here).
         work.sort(key=lambda item: -item[1].numel())
-        memo: dict[Any, Any] = {}
+        # Without a loss scaler the step is recorded, for the next steps to redo (_replay).
+        plan = None if scaled else _Plan(self)
+        memo: dict[Any, Any] = {"plan": plan}
         small = [item for item in work if item[1].numel() <= _SMALL]
         for group, p, index, storage in work[: len(work) - len(small)]:
             self._step_param(group, p, index, storage, scaling, memo)
@@ -365,37 +385,114 @@ class LowPrecisionOptimizer(Optimizer):
             small = self._step_small_fused(small, memo)
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
+        self._step_plan = plan
         return loss
+
+    def _replay(self, plan: _Plan) -> bool:
+        """Redo the recorded step ``plan`` with this step's numbers, if nothing it relied on changed.
+
+        A step re-derives, per parameter, what rarely changes between steps: its strategy, the
+        state's layout, flattened views, kernel variants, batches of small tensors. That host
+        work is a large share of a fused step (more so with the caches cold after backward), so
+        the previous step's outcome is kept and checked instead: the same groups, options and
+        flags, the same parameter, gradient and state tensors (gradients may be new tensors of the
+        same layout), step counts that only this optimizer wrote. Returns False, having written
+        nothing, when anything differs; the full step then runs (and records anew). Options are
+        validated as the full step validates them.
+        """
+        if getattr(self, "_fused_broken", False) or len(self.param_groups) != len(plan.groups):
+            return False
+        memo: dict[Any, Any] = {}
+        for gi, (group, (ref, params, options, flags)) in enumerate(
+            zip(self.param_groups, plan.groups, strict=True)
+        ):
+            now = group["params"]
+            if (group is not ref or len(now) != len(params)
+                    or not all(map(operator.is_, now, params))):
+                return False
+            self._validate_options(group, gi)  # (raises as the full step would)
+            if self._plan_options(group) != options or self._flags(group) != flags:
+                return False
+            memo[("flags", id(group))] = flags
+        if any(p.grad is not None for p in plan.idle):
+            return False
+        state = self.state
+        if not all(e.current(state) for e in plan.entries):
+            return False
+        for run in plan.runs:
+            if isinstance(run, _Batch):
+                step = run.step + 1
+                if not self._run_batch(run, step, memo):
+                    self._step_plan = None
+                    for group, p, index, storage in run.items:
+                        self._step_param(group, p, index, storage, None, memo)
+                for e in run.entries:
+                    e.stepped()
+                continue
+            e = run
+            if e.fused is None:  # (it took the per-parameter step)
+                self._step_param(e.group, e.p, e.index, e.storage, None, memo)
+            else:
+                step = e.step + 1
+                try:
+                    self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
+                        e.group, step, memo), *self._keys(e.group, e.storage, step, e.index), {})
+                except _COMPILE_ERRORS as err:  # compilation failed before anything was written
+                    _disable_fused(self, err)
+                    self._step_plan = None
+                    self._step_param(e.group, e.p, e.index, e.storage, None, memo)
+                else:
+                    e.count.fill_(step)
+            e.stepped()
+        return True
+
+    def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
+        key = ("flags", id(group))
+        flags = memo.get(key)
+        if flags is None:
+            flags = memo[key] = self._flags(group)
+        return flags
+
+    def _step_coefficients(self, group, step, memo, tensors: bool = True) -> tuple[dict, Any]:
+        """The group's coefficients at ``step`` on the host, and (``tensors``) as 0-d FP32 tensors
+        for the compiled kernels; computed once per group and step number in a ``step()``."""
+        key = ("coeffs", id(group), step)
+        cached = memo.get(key)
+        if cached is None or (tensors and cached[1] is None):
+            host = self._coefficients(group, step) if cached is None else cached[0]
+            c32 = (
+                {k: torch.as_tensor(v, dtype=torch.float32) for k, v in host.items()}
+                if tensors else None
+            )
+            cached = memo[key] = (host, c32)
+        return cached
+
+    @staticmethod
+    def _keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
+        """The halves of a parameter's random key at ``step`` (zeros where none is needed)."""
+        if not storage.needs_random_bits:
+            return 0, 0
+        key = stream_key(group["seed"], step, index)
+        return key & 0xFFFFFFFF, key >> 32
 
     def _step_param(
         self, group, p, index, storage: MasterStorage, scaling=None, memo=None
     ) -> None:
         """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
         group shares (flags, coefficients and their tensors for a given step number), so that a
-        model of many small tensors does not pay for them per tensor."""
+        model of many small tensors does not pay for them per tensor; its ``"plan"`` records the
+        step for ``_replay``."""
         memo = {} if memo is None else memo
         state = self.state[p]
         if not state:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = {k: state[k] for k in self._math_buffers(group)}
-        gid = id(group)
-        flags = memo.get(("flags", gid))
-        if flags is None:
-            flags = memo[("flags", gid)] = self._flags(group)
-        c32 = None
+        flags = self._group_flags(group, memo)
         if scaling is None:
             step = int(state["step"].item()) + 1
-            if storage.needs_random_bits:
-                key = stream_key(group["seed"], step, index)
-                lo, hi = key & 0xFFFFFFFF, key >> 32
-            else:
-                lo = hi = 0
-            cached = memo.get(("coeffs", gid, step))
-            if cached is None:
-                host = self._coefficients(group, step)
-                cached = memo[("coeffs", gid, step)] = (host, None)
-            coeffs, c32 = cached
+            lo, hi = self._keys(group, storage, step, index)
+            coeffs, _ = self._step_coefficients(group, step, memo, tensors=False)
             extra: dict[str, torch.Tensor] = {}
         else:
             # The step count lives on the parameter's device and advances only when the step is
@@ -412,24 +509,28 @@ class LowPrecisionOptimizer(Optimizer):
                 for k, v in self._coefficients(group, step).items()
             }
             extra = {"inv_scale": scaling.inv_scale_on(p.device), "skip": scaling.skip_on(p.device)}
+        plan = memo.get("plan")
         tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
-            if c32 is None:
+            if scaling is None:  # (shared by the group's parameters at this step number)
+                coeffs, c32 = self._step_coefficients(group, step, memo)
+            else:
                 c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
-                if scaling is None:  # shared by the group's parameters at this step number
-                    memo[("coeffs", gid, step)] = (coeffs, c32)
             try:
-                self._fused_update(
-                    storage, flags, p, p.grad, sbufs, mbufs, coeffs, c32, lo, hi, extra
+                fused = self._prepare_fused(
+                    storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None
                 )
+                self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
                 _disable_fused(self, e)
             else:
                 self._advance(state, step, scaling, p.device)
+                if plan is not None:
+                    plan.add(_Entry(group, p, index, storage, state, step, fused))
                 return
         chunkable = self._elementwise or self._norm_terms is not None
         if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
@@ -458,43 +559,78 @@ class LowPrecisionOptimizer(Optimizer):
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                           math=self._math, flags=flags, offset=offset, **extra)
         self._advance(state, step, scaling, p.device)
+        if plan is not None:
+            plan.add(_Entry(group, p, index, storage, state, step, None))
 
-    def _fused_update(
-        self, storage, flags, p, grad, sbufs, mbufs, coeffs, c32, lo, hi, extra, segments=None
-    ) -> None:
-        """The compiled step on contiguous ``p``, ``grad`` and buffers (raises compile errors).
+    def _prepare_fused(
+        self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
+        keyed: bool = False, per_word: bool = False,
+    ) -> _Fused:
+        """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
+        numbers: flattened views (or words of pairs) of the parameter and its buffers, and the
+        kernel variants. It depends on the tensors' layouts and dtypes alone, so a recorded step
+        keeps it (``_replay``).
+
+        ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
+        sums are per parameter of such a batch, for a rule with ``_norm_terms``.
+        """
+        f = _Fused()
+        f.storage, f.flags, f.p, f.sbufs, f.mbufs, f.scaled = storage, flags, p, sbufs, mbufs, scaled
+        f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+        f.per_word = per_word = per_word and self._norm_terms is not None
+        if per_word and (pairs is None or n != p.numel()):
+            raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
+        if pairs is None:
+            if keyed:
+                raise ValueError("per-word random keys need the fused step on pairs")
+            f.views = (p.view(-1), {k: v.view(-1) for k, v in sbufs.items()},
+                       {k: v.view(-1) for k, v in mbufs.items()})
+        else:
+            f.views = (_pair_words(p, n), {k: _pair_words(v, n) for k, v in sbufs.items()},
+                       {k: _pair_words(v, n) for k, v in mbufs.items()})
+        # The whole-tensor sums in a compiled pass of their own, so that the update pass
+        # recomputes what it needs instead of keeping full-size temporaries.
+        f.sums_kernel = None
+        if self._norm_terms is not None:
+            f.sums_kernel = (
+                _compiled_kernel(type(self), storage, flags, scaled=scaled, fn=_param_sums)
+                if pairs is None else _compiled_kernel(
+                    type(self), storage, flags, scaled=scaled, fn=_param_sums_pairs,
+                    extra_key=(*pairs, *((("sums", "per_word"),) if per_word else ())),
+                )
+            )
+        f.kernel = (
+            _compiled_kernel(type(self), storage, flags, scaled=scaled) if pairs is None
+            else _compiled_kernel(
+                type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
+                extra_key=(*pairs, *((("keys", "batched"),) if keyed else ()),
+                           *((("sums", "per_word"),) if per_word else ())),
+            )
+        )
+        return f
+
+    def _run_fused(self, f: _Fused, grad, coeffs, c32, lo, hi, extra, segments=None) -> None:
+        """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
+        writing anything).
 
         ``segments`` (a batch of small parameters on pairs, for a rule with ``_norm_terms``):
         ``(words, owner)``, the number of words of each parameter (a list) and each word's
         parameter (int32), so that the sums are each parameter's own.
         """
-        flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
-        scaled = "skip" in extra
-        pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
-        views = (p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs)) if pairs is None else ()
-        n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
-        per_word = segments is not None and self._norm_terms is not None
-        if per_word and (pairs is None or n != p.numel()):
-            raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
-        if self._norm_terms is not None:
+        storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
+        pv, sv, mv = f.views
+        gv = grad.view(-1) if pairs is None else _pair_words(grad, n)
+        tail = slice(n, None) if pairs is not None and n < p.numel() else None
+        flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+        if f.sums_kernel is not None:
             c32 = dict(c32)  # the sums below are this parameter's own
-            # The whole-tensor sums in a compiled pass of their own, so that the update pass
-            # recomputes what it needs instead of keeping full-size temporaries.
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
                       inv_scale=extra.get("inv_scale"))
-            if per_word:
+            if f.per_word:
                 # Each word's squares (FP64; a batch is small, so this temporary is too), summed
                 # per parameter and handed back to every word of the parameter.
-                terms_kernel = _compiled_kernel(
-                    type(self), storage, flags, scaled=scaled, fn=_param_sums_pairs,
-                    extra_key=(*pairs, ("sums", "per_word")),
-                )
-                squares = terms_kernel(
-                    _pair_words(p, n), _pair_words(grad, n),
-                    {k: _pair_words(v, n) for k, v in sbufs.items()},
-                    {k: _pair_words(v, n) for k, v in mbufs.items()},
-                    c32, dtypes=pairs, per_word=True, **kw,
-                )
+                squares = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, per_word=True, **kw)
                 # ATen's sum along the words of each parameter adds pairwise, as eager's
                 # sum_squares does (a strictly sequential sum, e.g. torch.segment_reduce, can
                 # lose small squares to a large running total that pairwise sums keep).
@@ -502,57 +638,27 @@ class LowPrecisionOptimizer(Optimizer):
                 sums = torch.stack([part.sum(1) for part in squares.split(words, dim=1)], dim=1)
                 c32["sums"] = sums.index_select(1, owner)
             elif pairs is None:
-                sums_kernel = _compiled_kernel(
-                    type(self), storage, flags, scaled=scaled, fn=_param_sums
-                )
-                c32["sums"] = sums_kernel(*views, c32, **kw)
+                c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, **kw)
             else:
-                sums_kernel = _compiled_kernel(
-                    type(self), storage, flags, scaled=scaled, fn=_param_sums_pairs,
-                    extra_key=pairs,
-                )
-                c32["sums"] = sums_kernel(
-                    _pair_words(p, n), _pair_words(grad, n),
-                    {k: _pair_words(v, n) for k, v in sbufs.items()},
-                    {k: _pair_words(v, n) for k, v in mbufs.items()},
-                    c32, dtypes=pairs, **kw,
-                )
-                if n < p.numel():
-                    tail = slice(n, None)
+                c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
+                if tail is not None:
                     c32["sums"] = c32["sums"] + _param_sums(
-                        p.view(-1)[tail], grad.view(-1)[tail], flat(sbufs, tail),
-                        flat(mbufs, tail), coeffs, **kw,
+                        p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
+                        flat(f.mbufs, tail), coeffs, **kw,
                     )
             coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
         if pairs is None:
-            if "idx" in extra:  # (batches with per-word keys are built for pairs only)
-                raise ValueError("per-word random keys need the fused step on pairs")
-            kernel = _compiled_kernel(type(self), storage, flags, scaled=scaled)
-            kernel(
-                *views, c32, *_key_tensors(lo, hi),
-                storage=storage, math=self._math, flags=flags, **extra,
-            )
+            f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
+                     storage=storage, math=self._math, flags=flags, **extra)
             return
         # 16-bit strategies go through pairs of elements (vectorized); an odd last element
         # takes the eager step, with its own index for the random bits.
-        pair_kernel = _compiled_kernel(
-            type(self), storage, flags, scaled=scaled, fn=_param_update_pairs,
-            extra_key=(*pairs, *((("keys", "batched"),) if "idx" in extra else ()),
-                       *((("sums", "per_word"),) if per_word else ())),
-        )
-        pair_kernel(
-            _pair_words(p, n), _pair_words(grad, n),
-            {k: _pair_words(v, n) for k, v in sbufs.items()},
-            {k: _pair_words(v, n) for k, v in mbufs.items()},
-            c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
-            flags=flags, dtypes=pairs, **extra,
-        )
-        if n < p.numel():
-            tail = slice(n, None)
+        f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
+                 flags=flags, dtypes=pairs, **extra)
+        if tail is not None:
             _param_update(
-                p.view(-1)[tail], grad.view(-1)[tail], flat(sbufs, tail), flat(mbufs, tail),
-                coeffs, lo, hi, storage=storage, math=self._math, flags=flags, offset=n,
-                **extra,
+                p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
+                coeffs, lo, hi, storage=storage, math=self._math, flags=flags, offset=n, **extra,
             )
 
     def _step_small_fused(self, items, memo) -> list:
@@ -566,6 +672,25 @@ class LowPrecisionOptimizer(Optimizer):
         even length): each word of the batch is hashed with its own parameter's key and its index
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
+        """
+        batches, rest = self._small_batches(items)
+        plan = memo.get("plan")
+        for batch in batches:
+            if getattr(self, "_fused_broken", False) or not self._run_batch(
+                batch, batch.step, memo
+            ):
+                rest.extend(batch.items)
+            elif plan is not None:
+                batch.entries = [
+                    _Entry(group, p, index, storage, self.state[p], batch.step, None)
+                    for group, p, index, storage in batch.items
+                ]
+                plan.add(batch)
+        return rest
+
+    def _small_batches(self, items) -> tuple[list[_Batch], list]:
+        """``_step_small_fused``'s batches of ``items`` (two or more parameters each, creating
+        their state), and the items left out.
 
         Per parameter this does only what must be redone each step (the host work here is most of
         a small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a
@@ -574,7 +699,7 @@ class LowPrecisionOptimizer(Optimizer):
         if getattr(self, "_fused_broken", False) or not (
             self._elementwise or self._norm_terms is not None
         ):
-            return items
+            return [], items
         # Per-word random keys and per-parameter norms need every word within one parameter:
         # such batches are on pairs, of parameters of even length.
         norms = not self._elementwise
@@ -615,71 +740,60 @@ class LowPrecisionOptimizer(Optimizer):
                 filled = 0
             bucket[-1].append(item)
             filled_of[key] = filled + n
-        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
-        for key, batches in buckets.items():
-            step = key[1]
-            for batch in batches:
-                if len(batch) == 1 or getattr(self, "_fused_broken", False):
+        batches = []
+        for key, bucket in buckets.items():
+            for batch in bucket:
+                if len(batch) == 1:
                     rest.extend(batch)
-                    continue
-                group, _, _, storage = batch[0]
-                ps = [p for _, p, _, _ in batch]
-                states = [self.state[p] for p in ps]
-                gid = id(group)
-                flags = memo.get(("flags", gid))
-                if flags is None:
-                    flags = memo[("flags", gid)] = self._flags(group)
-                cached = memo.get(("coeffs", gid, step))
-                if cached is None or cached[1] is None:
-                    coeffs = self._coefficients(group, step)
-                    c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
-                    memo[("coeffs", gid, step)] = (coeffs, c32)
                 else:
-                    coeffs, c32 = cached
-                names_s = list(storage.buffers(ps[0]))
-                names_m = list(self._math_buffers(group))
-                dst = {"p": [flat(p) for p in ps]}
-                for k in (*names_s, *names_m):
-                    dst[k] = [flat(st[k]) for st in states]
-                cat = {k: torch.cat(v) for k, v in dst.items()}
-                grad = torch.cat([flat(p.grad) for p in ps])
-                sbufs, mbufs = {k: cat[k] for k in names_s}, {k: cat[k] for k in names_m}
-                lo: Any = 0
-                hi: Any = 0
-                extra: dict[str, torch.Tensor] = {}
-                segments = None
-                if norms or storage.needs_random_bits:
-                    if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
-                        rest.extend(batch)
-                        continue
-                    words = [p.numel() // 2 for p in ps]
-                    owner, idx = self._batch_layout(tuple(words))
-                    if norms:
-                        segments = (words, owner)
-                    if storage.needs_random_bits:
-                        keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch]
-                        lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
-                        hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
-                        extra["owner"], extra["idx"] = owner, idx
-                try:
-                    self._fused_update(
-                        storage, flags, cat["p"], grad, sbufs, mbufs, coeffs, c32, lo, hi, extra,
-                        segments,
-                    )
-                except _COMPILE_ERRORS as e:  # nothing of the parameters was written
-                    _disable_fused(self, e)
-                    rest.extend(batch)
-                    continue
-                sizes = [p.numel() for p in ps]
-                for k, views in dst.items():
-                    torch._foreach_copy_(views, cat[k].split(sizes))
-                # Every step count of the batch becomes `step` (the batch's key), as _advance
-                # does, for FP32 or integer step tensors (a loaded checkpoint keeps its dtype):
-                # two calls for the batch instead of one per parameter.
-                counts = [st["step"] for st in states]
-                torch._foreach_zero_(counts)
-                torch._foreach_add_(counts, step)
-        return rest
+                    batches.append(_Batch(self, batch, key[1]))
+        return batches, rest
+
+    def _run_batch(self, batch: _Batch, step: int, memo) -> bool:
+        """One compiled step of ``batch`` at ``step``; False (nothing written) where it cannot run
+        fused, for its parameters to be stepped one by one."""
+        group, storage = batch.group, batch.storage
+        flags = self._group_flags(group, memo)
+        coeffs, c32 = self._step_coefficients(group, step, memo)
+        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
+        cat = {k: torch.cat(v) for k, v in batch.dst.items()}
+        grad = torch.cat([flat(p.grad) for p in batch.ps])
+        sbufs = {k: cat[k] for k in batch.names_s}
+        mbufs = {k: cat[k] for k in batch.names_m}
+        lo: Any = 0
+        hi: Any = 0
+        extra: dict[str, torch.Tensor] = {}
+        segments = None
+        keyed = storage.needs_random_bits
+        if not self._elementwise or keyed:
+            if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
+                return False
+            owner, idx = self._batch_layout(batch.words)
+            if not self._elementwise:
+                segments = (list(batch.words), owner)
+            if keyed:
+                keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch.items]
+                lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
+                hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
+                extra["owner"], extra["idx"] = owner, idx
+        try:
+            fused = self._prepare_fused(
+                storage, flags, cat["p"], grad, sbufs, mbufs, keyed=keyed,
+                per_word=segments is not None,
+            )
+            self._run_fused(fused, grad, coeffs, c32, lo, hi, extra, segments)
+        except _COMPILE_ERRORS as e:  # nothing of the parameters was written
+            _disable_fused(self, e)
+            return False
+        for k, views in batch.dst.items():
+            torch._foreach_copy_(views, cat[k].split(batch.sizes))
+        # Every step count of the batch becomes `step`, as _advance does, for FP32 or integer
+        # step tensors (a loaded checkpoint keeps its dtype): two calls for the batch instead of
+        # one per parameter.
+        torch._foreach_zero_(batch.counts)
+        torch._foreach_add_(batch.counts, step)
+        batch.step = step
+        return True
 
     def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
@@ -800,6 +914,7 @@ class LowPrecisionOptimizer(Optimizer):
             if moved:
                 self._check_state(moved, merged, p, self._storage(merged, p), f"parameter {sid!r}")
             new_state[p] = moved
+        self._step_plan = None
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
         for p, st in new_state.items():
             self.state[p] = st
@@ -1185,6 +1300,127 @@ def _disable_fused(opt, error: BaseException) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+# ------------------------------------------------------------------ recorded steps (_replay)
+
+
+def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
+    """What a step's path depends on in a gradient besides its shape."""
+    return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
+
+
+class _Fused:
+    """A compiled step prepared by ``LowPrecisionOptimizer._prepare_fused``."""
+
+    __slots__ = (
+        "flags",
+        "kernel",
+        "mbufs",
+        "n",
+        "p",
+        "pairs",
+        "per_word",
+        "sbufs",
+        "scaled",
+        "storage",
+        "sums_kernel",
+        "views",
+    )
+
+
+class _Entry:
+    """One parameter of a recorded step: what ``_replay`` checks before redoing it (the parameter,
+    the layout of its gradient, its state tensors, a step count only the optimizer wrote) and its
+    prepared compiled step (None: it took ``_step_param``, redone as such)."""
+
+    __slots__ = ("count", "dtype", "fused", "gkind", "grad", "group", "index", "names", "p", "ptr",
+                 "shape", "size", "state", "step", "storage", "stride", "tensors", "version")
+
+    def __init__(self, group, p, index, storage, state, step, fused) -> None:
+        self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
+        self.state, self.count, self.step = state, state["step"], step
+        self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
+        self.tensors = tuple(state[k] for k in self.names)
+        self.size = len(state)
+        self.version = self.count._version
+        self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
+        self.grad = p.grad
+        self.gkind = _grad_kind(p.grad)
+
+    def current(self, state: dict[Any, Any]) -> bool:
+        p = self.p
+        g = p.grad
+        if g is not self.grad:  # (a new gradient tensor each step is the common case)
+            if g is None or g.shape != self.shape or _grad_kind(g) != self.gkind:
+                return False
+            self.grad = g
+        st = state.get(p)
+        return (
+            st is self.state and self.count._version == self.version
+            and p.data_ptr() == self.ptr and p.dtype == self.dtype and p.shape == self.shape
+            and p.stride() == self.stride and len(st) == self.size
+            and all(map(operator.is_, map(st.get, self.names), self.tensors))
+        )
+
+    def stepped(self) -> None:
+        self.step += 1
+        self.version = self.count._version
+
+
+class _Batch:
+    """Small parameters stepped together by one compiled call (``_step_small_fused``): their
+    flattened views, per name (``"p"`` and the state buffers), to concatenate and copy back."""
+
+    __slots__ = (
+        "counts",
+        "dst",
+        "entries",
+        "group",
+        "items",
+        "names_m",
+        "names_s",
+        "ps",
+        "sizes",
+        "step",
+        "storage",
+        "words",
+    )
+
+    def __init__(self, opt: LowPrecisionOptimizer, items: list, step: int) -> None:
+        self.items, self.step, self.entries = items, step, []
+        self.group, _, _, self.storage = items[0]
+        self.ps = [p for _, p, _, _ in items]
+        states = [opt.state[p] for p in self.ps]
+        self.names_s = tuple(self.storage.buffers(self.ps[0]))
+        self.names_m = tuple(opt._math_buffers(self.group))
+        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
+        self.dst = {"p": [flat(p) for p in self.ps]}
+        for k in (*self.names_s, *self.names_m):
+            self.dst[k] = [flat(st[k]) for st in states]
+        self.sizes = [p.numel() for p in self.ps]
+        self.words = tuple(n // 2 for n in self.sizes)
+        self.counts = [st["step"] for st in states]
+
+
+class _Plan:
+    """A step recorded for ``_replay``: per group its options and flags, the parameters that had
+    no gradient, and the work (``_Entry`` or ``_Batch``) in the order it ran."""
+
+    __slots__ = ("entries", "groups", "idle", "runs")
+
+    def __init__(self, opt: LowPrecisionOptimizer) -> None:
+        groups = opt.param_groups
+        self.groups = [
+            (g, tuple(g["params"]), opt._plan_options(g), opt._flags(g)) for g in groups
+        ]
+        self.idle = tuple(p for g in groups for p in g["params"] if p.grad is None)
+        self.runs: list[Any] = []
+        self.entries: list[_Entry] = []
+
+    def add(self, run: _Entry | _Batch) -> None:
+        self.runs.append(run)
+        self.entries.extend(run.entries if isinstance(run, _Batch) else (run,))
 
 
 def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) -> dict[str, Any]:

@@ -1,0 +1,198 @@
+"""The recorded step: ``step()`` redoes the previous step's work while nothing it relied on changed.
+
+Every test runs the same steps twice from the same start, with recording (the default) and with
+every step taken in full, applies the same change between two steps to both runs, and asserts that
+parameters and state agree bit for bit afterwards, and that the recorded step was used where
+nothing changed (so a test cannot pass by never replaying).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lowprec.optim.base as base
+from lowprec.optim import SGD, AdamW, Lamb
+
+pytestmark = pytest.mark.slow
+
+# One parameter above base._SMALL (stepped alone), small ones batched, an odd-length one (its
+# last element takes the eager step) and a one-element one (eager).
+SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,)]
+CHANGE_AT = 3
+STEPS = 6
+
+
+def _bits(t):
+    t = t.detach().reshape(-1)
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _assert_same(pa, oa, pb, ob):
+    for a, b in zip(pa, pb, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        sa, sb = oa.state[a], ob.state[b]
+        assert sa.keys() == sb.keys()
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == sb[k].dtype, k
+                assert torch.equal(_bits(v), _bits(sb[k])), k
+            else:
+                assert v == sb[k], k
+
+
+def _run(make, change, *, replay, steps=STEPS):
+    """Steps with fresh random gradients (the same for both runs); ``change(params, opt, saved)`` runs
+    before step CHANGE_AT, ``saved`` being a state_dict taken after the first step. Returns the
+    parameters, the optimizer and the number of steps redone from a record."""
+    gen = torch.Generator().manual_seed(0)
+    params = [
+        (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES
+    ]
+    opt = make(params)
+    replayed = 0
+    real = opt._replay
+
+    def spy(plan):
+        nonlocal replayed
+        done = real(plan)
+        replayed += done
+        return done
+
+    opt._replay = spy if replay else (lambda plan: False)
+    saved = None
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        if step == CHANGE_AT:
+            change(params, opt, saved)
+        opt.step()
+        if step == 0:
+            saved = copy.deepcopy(opt.state_dict())
+    return params, opt, replayed
+
+
+def _same_with_and_without_replay(make, change, replays=STEPS - 1):
+    """Both runs agree; at least ``replays`` steps of the recording run were redone (step 0
+    records; a change may force full steps after it)."""
+    pa, oa, _ = _run(make, change, replay=False)
+    pb, ob, n = _run(make, change, replay=True)
+    _assert_same(pa, oa, pb, ob)
+    assert n >= replays, n
+    return pb, ob
+
+
+def _adamw_kahan(params):
+    return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3)
+
+
+def _set_grads(values):
+    def change(params, opt, saved):
+        for p, g in zip(params, values(params), strict=True):
+            if g.dtype != p.dtype:
+                p.grad_dtype = None  # allow an FP32 gradient on a BF16 parameter
+            p.grad = g
+    return change
+
+
+CHANGES = {
+    "nothing": lambda params, opt, saved: None,
+    # In-place changes to state the step reads: the recorded views see them.
+    "momentum_in_place": lambda params, opt, saved: opt.state[params[0]]["exp_avg"].mul_(-3),
+    "lr_and_betas": lambda params, opt, saved: opt.param_groups[0].update(
+        lr=5e-3, betas=(0.5, 0.9)),
+    # Changes that the recorded step must notice (and take a full step for).
+    "step_count_written": lambda params, opt, saved: opt.state[params[1]]["step"].fill_(50),
+    "state_tensor_replaced": lambda params, opt, saved: opt.state[params[0]].update(
+        exp_avg_sq=torch.ones_like(opt.state[params[0]]["exp_avg_sq"])),
+    "state_loaded": lambda params, opt, saved: opt.load_state_dict(saved),
+    "param_data_replaced": lambda params, opt, saved: [
+        setattr(p, "data", p.data.clone() + 1) for p in params[:2]],
+    "a_grad_missing": lambda params, opt, saved: [
+        setattr(p, "grad", None) for p in params[1::2]],
+    "grads_in_fp32": _set_grads(lambda params: [p.grad.float() for p in params]),
+    "grad_non_contiguous": _set_grads(lambda params: [
+        p.grad.t().contiguous().t() if p.dim() == 2 else p.grad for p in params]),
+    "weight_decay_off": lambda params, opt, saved: opt.param_groups[0].update(weight_decay=0.0),
+    "master_changed_on_a_new_group": lambda params, opt, saved: opt.add_param_group(
+        {"params": [torch.zeros(6, dtype=torch.bfloat16, requires_grad=True)],
+         "master": "split"}),
+}
+
+
+# Changes the recorded step carries on through (every step after the first is redone).
+KEPT = ("nothing", "momentum_in_place", "lr_and_betas")
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_replay_equals_the_full_step_across_a_change(name):
+    # Steps 1, 2 and the last are redone whatever the change (a change undone by the next
+    # step's fresh gradients forces two full steps).
+    _same_with_and_without_replay(
+        _adamw_kahan, CHANGES[name], replays=STEPS - 1 if name in KEPT else 3
+    )
+
+
+def test_a_parameter_without_gradient_keeps_its_step_count_under_replay():
+    def change(params, opt, saved):
+        params[2].grad = None
+
+    params, opt = _same_with_and_without_replay(_adamw_kahan, change, replays=3)
+    counts = [opt.state[p]["step"].item() for p in params]
+    assert counts == [STEPS, STEPS, STEPS - 1, STEPS, STEPS], counts
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="split", fused=True),
+        lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="stochastic", fused=True, seed=5),
+        lambda ps: Lamb(ps, lr=1e-2, weight_decay=0.01, master="split", fused=True),
+        lambda ps: AdamW(ps, lr=1e-2, master="split", fused=False),
+    ],
+    ids=["sgd-split", "sgd-stochastic", "lamb-split", "adamw-split-eager"],
+)
+def test_replay_equals_the_full_step(make):
+    _same_with_and_without_replay(make, CHANGES["nothing"])
+
+
+def test_invalid_option_set_between_steps_raises_and_writes_nothing():
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=3)
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"parameter group 0.*lr"):
+        opt.step()
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, params, strict=True))
+    after = opt.state_dict()
+    for k, st in state["state"].items():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, after["state"][k][name]), name
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()  # and it goes on
+
+
+def test_compile_failure_during_replay_falls_back_to_eager(monkeypatch):
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    ref = AdamW(ref_params, lr=1e-2, weight_decay=0.1, master="kahan", fused=False, seed=3)
+    ref.load_state_dict(opt.state_dict())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    for entry in opt._step_plan.entries:
+        if entry.fused is not None:
+            monkeypatch.setattr(entry.fused, "kernel", broken)
+    monkeypatch.setattr(base, "_compiled_kernel", lambda *a, **k: broken)
+    for p, q in zip(params, ref_params, strict=True):
+        p.grad = torch.full_like(p, 0.5)
+        q.grad = torch.full_like(q, 0.5)
+    with pytest.warns(RuntimeWarning, match="fused .* unavailable"):
+        opt.step()
+    ref.step()
+    _assert_same(params, opt, ref_params, ref)
+    assert opt._step_plan is None
