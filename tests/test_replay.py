@@ -107,6 +107,8 @@ CHANGES = {
     "step_count_written": lambda params, opt, saved: opt.state[params[1]]["step"].fill_(50),
     "state_tensor_replaced": lambda params, opt, saved: opt.state[params[0]].update(
         exp_avg_sq=torch.ones_like(opt.state[params[0]]["exp_avg_sq"])),
+    "batched_state_tensor_replaced": lambda params, opt, saved: opt.state[params[2]].update(
+        exp_avg=torch.full_like(opt.state[params[2]]["exp_avg"], 0.5)),
     "state_loaded": lambda params, opt, saved: opt.load_state_dict(saved),
     "param_data_replaced": lambda params, opt, saved: [
         setattr(p, "data", p.data.clone() + 1) for p in params[:2]],
@@ -196,3 +198,35 @@ def test_compile_failure_during_replay_falls_back_to_eager(monkeypatch):
     ref.step()
     _assert_same(params, opt, ref_params, ref)
     assert opt._step_plan is None
+
+
+def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    small = [p for p in params if 2 <= p.numel() <= base._SMALL]  # (one batch, for Kahan)
+    assert len(small) == 3
+    for name in ("exp_avg", "exp_avg_sq", "compensation"):
+        views = [opt.state[p][name] for p in small]
+        buf = views[0]._base
+        assert buf is not None and all(v._base is buf for v in views), name
+        # The views tile the buffer, one after the other.
+        at = sorted(((v.data_ptr() - buf.data_ptr()) // buf.element_size(), v.numel())
+                    for v in views)
+        ends = [0] + [start + n for start, n in at]
+        assert [start for start, _ in at] == ends[:-1] and buf.numel() == ends[-1], at
+    ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in small]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt._step_plan = None  # a full step lays the batch out again: the buffer is kept
+    opt.step()
+    assert [opt.state[p]["exp_avg"].data_ptr() for p in small] == ptrs
+    # A checkpoint of it loads into a fresh optimizer as separate tensors, and steps the same.
+    fresh = [p.detach().clone().requires_grad_() for p in params]
+    other = _adamw_kahan(fresh)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert other.state[fresh[1]]["exp_avg"]._base is None
+    for p, q in zip(params, fresh, strict=True):
+        p.grad = torch.full_like(p, -0.25)
+        q.grad = torch.full_like(q, -0.25)
+    opt.step()
+    other.step()
+    _assert_same(params, opt, fresh, other)

@@ -419,6 +419,7 @@ class LowPrecisionOptimizer(Optimizer):
         state = self.state
         if not all(e.current(state) for e in plan.entries):
             return False
+        fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         for run in plan.runs:
             if isinstance(run, _Batch):
                 step = run.step + 1
@@ -430,9 +431,7 @@ class LowPrecisionOptimizer(Optimizer):
                     e.stepped()
                 continue
             e = run
-            if e.fused is None:  # (it took the per-parameter step)
-                self._step_param(e.group, e.p, e.index, e.storage, None, memo)
-            else:
+            if e.fused is not None:
                 step = e.step + 1
                 try:
                     self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
@@ -440,10 +439,17 @@ class LowPrecisionOptimizer(Optimizer):
                 except _COMPILE_ERRORS as err:  # compilation failed before anything was written
                     _disable_fused(self, err)
                     self._step_plan = None
-                    self._step_param(e.group, e.p, e.index, e.storage, None, memo)
                 else:
-                    e.count.fill_(step)
+                    fused.append(e)
+                    continue
+            self._step_param(e.group, e.p, e.index, e.storage, None, memo)
             e.stepped()
+        if fused:
+            # One call for every count instead of a fill per parameter: each holds exactly e.step
+            # (checked), so adding 1 stores what fill_(e.step + 1) would.
+            torch._foreach_add_([e.count for e in fused], 1)
+            for e in fused:
+                e.stepped()
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -460,12 +466,24 @@ class LowPrecisionOptimizer(Optimizer):
         cached = memo.get(key)
         if cached is None or (tensors and cached[1] is None):
             host = self._coefficients(group, step) if cached is None else cached[0]
-            c32 = (
-                {k: torch.as_tensor(v, dtype=torch.float32) for k, v in host.items()}
-                if tensors else None
-            )
+            c32 = self._coefficient_tensors(group, host) if tensors else None
             cached = memo[key] = (host, c32)
         return cached
+
+    def _coefficient_tensors(self, group, host: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
+        the previous step for every value that did not change (lr, betas, weight decay... most
+        of them), so that a step creates few (each costs microseconds of host time)."""
+        cache = self.__dict__.setdefault("_coefficient_cache", {})
+        prev = cache.get(id(group))
+        old_host, old = (prev[1], prev[2]) if prev is not None and prev[0] is group else ({}, {})
+        c32 = {
+            k: old[k] if k in old_host and _same_number(v, old_host[k])
+            else torch.as_tensor(v, dtype=torch.float32)
+            for k, v in host.items()
+        }
+        cache[id(group)] = (group, host, c32)
+        return c32
 
     @staticmethod
     def _keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
@@ -666,9 +684,9 @@ class LowPrecisionOptimizer(Optimizer):
 
         The per-call cost of a compiled kernel (~30-60 us, Dynamo's guards and wrappers) is most of
         a small tensor's step, and models have many (biases, norms). For deterministic
-        elementwise strategies the batch's tensors are concatenated, stepped in one call with
-        the group's coefficients, and copied back: the same operations on every element, so the
-        same bits. Stochastic rounding batches too, on pairs of elements (bfloat16 parameters of
+        elementwise strategies the batch's parameters and gradients are concatenated, stepped in
+        one call with the group's coefficients (the state buffers in place: ``_flat_state``), and
+        the parameters copied back: the same operations on every element, so the same bits. Stochastic rounding batches too, on pairs of elements (bfloat16 parameters of
         even length): each word of the batch is hashed with its own parameter's key and its index
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
@@ -756,17 +774,17 @@ class LowPrecisionOptimizer(Optimizer):
         flags = self._group_flags(group, memo)
         coeffs, c32 = self._step_coefficients(group, step, memo)
         flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
-        cat = {k: torch.cat(v) for k, v in batch.dst.items()}
+        params = torch.cat(batch.dst)
         grad = torch.cat([flat(p.grad) for p in batch.ps])
-        sbufs = {k: cat[k] for k in batch.names_s}
-        mbufs = {k: cat[k] for k in batch.names_m}
+        sbufs = {k: batch.bufs[k] for k in batch.names_s}
+        mbufs = {k: batch.bufs[k] for k in batch.names_m}
         lo: Any = 0
         hi: Any = 0
         extra: dict[str, torch.Tensor] = {}
         segments = None
         keyed = storage.needs_random_bits
         if not self._elementwise or keyed:
-            if self._pairs_plan(storage, cat["p"], grad, sbufs, mbufs) is None:
+            if self._pairs_plan(storage, params, grad, sbufs, mbufs) is None:
                 return False
             owner, idx = self._batch_layout(batch.words)
             if not self._elementwise:
@@ -778,20 +796,18 @@ class LowPrecisionOptimizer(Optimizer):
                 extra["owner"], extra["idx"] = owner, idx
         try:
             fused = self._prepare_fused(
-                storage, flags, cat["p"], grad, sbufs, mbufs, keyed=keyed,
+                storage, flags, params, grad, sbufs, mbufs, keyed=keyed,
                 per_word=segments is not None,
             )
             self._run_fused(fused, grad, coeffs, c32, lo, hi, extra, segments)
         except _COMPILE_ERRORS as e:  # nothing of the parameters was written
             _disable_fused(self, e)
             return False
-        for k, views in batch.dst.items():
-            torch._foreach_copy_(views, cat[k].split(batch.sizes))
-        # Every step count of the batch becomes `step`, as _advance does, for FP32 or integer
-        # step tensors (a loaded checkpoint keeps its dtype): two calls for the batch instead of
-        # one per parameter.
-        torch._foreach_zero_(batch.counts)
-        torch._foreach_add_(batch.counts, step)
+        torch._foreach_copy_(batch.dst, params.split(batch.sizes))
+        # Every step count of the batch becomes `step`, as _advance does, in one call: each holds
+        # step - 1 as read (the batch's key), so adding 1 stores what fill_(step) would, for
+        # floating-point or integer counts (a loaded checkpoint keeps its dtype).
+        torch._foreach_add_(batch.counts, 1)
         batch.step = step
         return True
 
@@ -1305,6 +1321,13 @@ def _disable_fused(opt, error: BaseException) -> None:
 # ------------------------------------------------------------------ recorded steps (_replay)
 
 
+def _same_number(a: Any, b: Any) -> bool:
+    """Whether host numbers ``a`` and ``b`` are the same value, bit for bit (-0.0 is not 0.0)."""
+    if type(a) is not type(b) or not isinstance(a, (int, float)):
+        return False
+    return a.hex() == b.hex() if isinstance(a, float) else a == b
+
+
 def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
     """What a step's path depends on in a gradient besides its shape."""
     return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
@@ -1334,12 +1357,17 @@ class _Entry:
     the layout of its gradient, its state tensors, a step count only the optimizer wrote) and its
     prepared compiled step (None: it took ``_step_param``, redone as such)."""
 
-    __slots__ = ("count", "dtype", "fused", "gkind", "grad", "group", "index", "names", "p", "ptr",
+    __slots__ = ("count", "dtype", "exact", "fused", "gkind", "grad", "group", "index", "names", "p", "ptr",
                  "shape", "size", "state", "step", "storage", "stride", "tensors", "version")
 
     def __init__(self, group, p, index, storage, state, step, fused) -> None:
         self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
-        self.state, self.count, self.step = state, state["step"], step
+        self.state, self.count = state, state["step"]
+        # Counts are stored exactly up to 2**(mantissa bits + 1) (floating-point counts); past
+        # that the count is read back, as the full step reads it.
+        dtype = self.count.dtype
+        self.exact = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 2**62
+        self.step = step if step < self.exact else int(self.count.item())
         self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
         self.tensors = tuple(state[k] for k in self.names)
         self.size = len(state)
@@ -1364,28 +1392,20 @@ class _Entry:
         )
 
     def stepped(self) -> None:
+        """Note one more step (its count was written)."""
         self.step += 1
+        if self.step >= self.exact:
+            self.step = int(self.count.item())
         self.version = self.count._version
 
 
 class _Batch:
     """Small parameters stepped together by one compiled call (``_step_small_fused``): their
-    flattened views, per name (``"p"`` and the state buffers), to concatenate and copy back."""
+    flattened views, to concatenate and copy back, and per state buffer name one buffer holding
+    every parameter's buffer in turn, which the call updates in place (``_flat_state``)."""
 
-    __slots__ = (
-        "counts",
-        "dst",
-        "entries",
-        "group",
-        "items",
-        "names_m",
-        "names_s",
-        "ps",
-        "sizes",
-        "step",
-        "storage",
-        "words",
-    )
+    __slots__ = ("bufs", "counts", "dst", "entries", "group", "items", "names_m", "names_s", "ps",
+                 "sizes", "step", "storage", "words")
 
     def __init__(self, opt: LowPrecisionOptimizer, items: list, step: int) -> None:
         self.items, self.step, self.entries = items, step, []
@@ -1394,13 +1414,33 @@ class _Batch:
         states = [opt.state[p] for p in self.ps]
         self.names_s = tuple(self.storage.buffers(self.ps[0]))
         self.names_m = tuple(opt._math_buffers(self.group))
-        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
-        self.dst = {"p": [flat(p) for p in self.ps]}
-        for k in (*self.names_s, *self.names_m):
-            self.dst[k] = [flat(st[k]) for st in states]
+        self.dst = [p if p.dim() == 1 else p.view(-1) for p in self.ps]
         self.sizes = [p.numel() for p in self.ps]
+        self.bufs = {k: _flat_state(states, k, self.sizes) for k in (*self.names_s, *self.names_m)}
         self.words = tuple(n // 2 for n in self.sizes)
         self.counts = [st["step"] for st in states]
+
+
+def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int]) -> torch.Tensor:
+    """One flat buffer holding ``state[name]`` of each of ``states`` in turn (contiguous tensors of
+    ``sizes`` elements, one dtype), each state then holding its view of it, so that a batch steps
+    the buffer in place instead of concatenating the buffers and copying them back every step.
+    A buffer that is already laid out so is kept; otherwise the values are copied into a new one.
+    """
+    ts = [st[name] for st in states]
+    base = ts[0]._base
+    if base is not None and base.dim() == 1 and base.numel() == sum(sizes):
+        ptr, width, at = base.data_ptr(), base.element_size(), 0
+        for t, n in zip(ts, sizes, strict=True):
+            if t._base is not base or t.data_ptr() != ptr + at * width or t.dtype != base.dtype:
+                break
+            at += n
+        else:
+            return base
+    buf = torch.cat([t.reshape(-1) for t in ts])
+    for st, t, view in zip(states, ts, buf.split(sizes), strict=True):
+        st[name] = view.view(t.shape)
+    return buf
 
 
 class _Plan:
