@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lowprec.optim.base as base
-from lowprec.optim import SGD, AdamW, Lamb
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +74,11 @@ def _run(make, change, *, replay, steps=STEPS):
     return params, opt, replayed
 
 
-def _same_with_and_without_replay(make, change, replays=STEPS - 1):
+def _same_with_and_without_replay(make, change, replays=STEPS - 1, steps=STEPS):
     """Both runs agree; at least ``replays`` steps of the recording run were redone (step 0
     records; a change may force full steps after it)."""
-    pa, oa, _ = _run(make, change, replay=False)
-    pb, ob, n = _run(make, change, replay=True)
+    pa, oa, _ = _run(make, change, replay=False, steps=steps)
+    pb, ob, n = _run(make, change, replay=True, steps=steps)
     _assert_same(pa, oa, pb, ob)
     assert n >= replays, n
     return pb, ob
@@ -105,6 +105,9 @@ CHANGES = {
         lr=5e-3, betas=(0.5, 0.9)),
     # Changes that the recorded step must notice (and take a full step for).
     "step_count_written": lambda params, opt, saved: opt.state[params[1]]["step"].fill_(50),
+    # FP32 counts stop at 2**24 (the full step reads back what it stored; so must the record).
+    "step_counts_past_2_24": lambda params, opt, saved: [
+        opt.state[p]["step"].fill_(2**24 - 2) for p in params],
     "state_tensor_replaced": lambda params, opt, saved: opt.state[params[0]].update(
         exp_avg_sq=torch.ones_like(opt.state[params[0]]["exp_avg_sq"])),
     "batched_state_tensor_replaced": lambda params, opt, saved: opt.state[params[2]].update(
@@ -230,3 +233,20 @@ def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
     opt.step()
     other.step()
     _assert_same(params, opt, fresh, other)
+
+
+def test_replay_reads_step_counts_past_2_24_as_the_full_step_does():
+    # Adagrad's lr decays with the step number, so a count that ran on past what an FP32 count
+    # holds (the full step reads back 2**24) would change the update. From the change on, an lr
+    # this large (3e7: the decayed lrs of steps 2**24 + 1 and 2**24 + 2 differ in FP32) makes
+    # that show in FP32 masters.
+    def make(ps):
+        return Adagrad(ps, lr=0.1, lr_decay=1.0, master="fp32", fused=True)
+
+    def change(params, opt, saved):
+        CHANGES["step_counts_past_2_24"](params, opt, saved)
+        opt.param_groups[0]["lr"] = 3e7
+
+    # Counts 2**24 - 1 at the change, then 2**24, then 2**24 + 1 (stored as 2**24), again...
+    params, opt = _same_with_and_without_replay(make, change, replays=5, steps=CHANGE_AT + 4)
+    assert {opt.state[p]["step"].item() for p in params} == {2.0**24}

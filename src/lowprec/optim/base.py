@@ -422,7 +422,7 @@ class LowPrecisionOptimizer(Optimizer):
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         for run in plan.runs:
             if isinstance(run, _Batch):
-                step = run.step + 1
+                step = run.entries[0].step + 1  # (one step count for the batch: its key)
                 if not self._run_batch(run, step, memo):
                     self._step_plan = None
                     for group, p, index, storage in run.items:
@@ -808,7 +808,6 @@ class LowPrecisionOptimizer(Optimizer):
         # step - 1 as read (the batch's key), so adding 1 stores what fill_(step) would, for
         # floating-point or integer counts (a loaded checkpoint keeps its dtype).
         torch._foreach_add_(batch.counts, 1)
-        batch.step = step
         return True
 
     def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
