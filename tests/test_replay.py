@@ -250,3 +250,15 @@ def test_replay_reads_step_counts_past_2_24_as_the_full_step_does():
     # Counts 2**24 - 1 at the change, then 2**24, then 2**24 + 1 (stored as 2**24), again...
     params, opt = _same_with_and_without_replay(make, change, replays=5, steps=CHANGE_AT + 4)
     assert {opt.state[p]["step"].item() for p in params} == {2.0**24}
+
+
+def test_a_recorded_step_keeps_no_gradient_alive():
+    # zero_grad(set_to_none=True) frees the gradients before the next backward; a record that
+    # held them would add a gradient's memory to every step's peak.
+    import weakref
+
+    params, opt, n = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=3)
+    assert n == 2
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    assert all(g() is None for g in grads)

@@ -1354,9 +1354,10 @@ class _Fused:
 class _Entry:
     """One parameter of a recorded step: what ``_replay`` checks before redoing it (the parameter,
     the layout of its gradient, its state tensors, a step count only the optimizer wrote) and its
-    prepared compiled step (None: it took ``_step_param``, redone as such)."""
+    prepared compiled step (None: it took ``_step_param``, redone as such). It holds no gradient,
+    so that a gradient the training loop drops is freed."""
 
-    __slots__ = ("count", "dtype", "exact", "fused", "gkind", "grad", "group", "index", "names", "p", "ptr",
+    __slots__ = ("count", "dtype", "exact", "fused", "gkind", "group", "index", "names", "p", "ptr",
                  "shape", "size", "state", "step", "storage", "stride", "tensors", "version")
 
     def __init__(self, group, p, index, storage, state, step, fused) -> None:
@@ -1372,16 +1373,13 @@ class _Entry:
         self.size = len(state)
         self.version = self.count._version
         self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
-        self.grad = p.grad
         self.gkind = _grad_kind(p.grad)
 
     def current(self, state: dict[Any, Any]) -> bool:
         p = self.p
-        g = p.grad
-        if g is not self.grad:  # (a new gradient tensor each step is the common case)
-            if g is None or g.shape != self.shape or _grad_kind(g) != self.gkind:
-                return False
-            self.grad = g
+        g = p.grad  # (checked every step: a record that held it would keep it alive)
+        if g is None or g.shape != self.shape or _grad_kind(g) != self.gkind:
+            return False
         st = state.get(p)
         return (
             st is self.state and self.count._version == self.version
