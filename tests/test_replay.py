@@ -43,10 +43,13 @@ def _assert_same(pa, oa, pb, ob):
                 assert v == sb[k], k
 
 
-def _run(make, change, *, replay, steps=STEPS):
+def _run(make, change, *, replay, steps=STEPS, scaled=None):
     """Steps with fresh random gradients (the same for both runs); ``change(params, opt, saved)`` runs
-    before step CHANGE_AT, ``saved`` being a state_dict taken after the first step. Returns the
-    parameters, the optimizer and the number of steps redone from a record."""
+    before step CHANGE_AT, ``saved`` being a state_dict taken after the first step. ``scaled(step)``:
+    whether that step goes through the loss-scaler contract (gradients scaled by 256, passed as
+    grad_scale with a found_inf flag; at step CHANGE_AT + 1 one gradient holds an inf, so that
+    step is skipped). Returns the parameters, the optimizer and the number of steps redone from a
+    record."""
     gen = torch.Generator().manual_seed(0)
     params = [
         (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES
@@ -55,30 +58,38 @@ def _run(make, change, *, replay, steps=STEPS):
     replayed = 0
     real = opt._replay
 
-    def spy(plan):
+    def spy(*args):
         nonlocal replayed
-        done = real(plan)
+        done = real(*args)
         replayed += done
         return done
 
-    opt._replay = spy if replay else (lambda plan: False)
+    opt._replay = spy if replay else (lambda *args: False)
     saved = None
     for step in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
         if step == CHANGE_AT:
             change(params, opt, saved)
-        opt.step()
+        if scaled is not None and scaled(step):
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(256)
+            if step == CHANGE_AT + 1:
+                params[0].grad[0, 0] = float("inf")
+            opt.step(grad_scale=torch.tensor(256.0), found_inf=torch.zeros(()))
+        else:
+            opt.step()
         if step == 0:
             saved = copy.deepcopy(opt.state_dict())
     return params, opt, replayed
 
 
-def _same_with_and_without_replay(make, change, replays=STEPS - 1, steps=STEPS):
+def _same_with_and_without_replay(make, change, replays=STEPS - 1, steps=STEPS, scaled=None):
     """Both runs agree; at least ``replays`` steps of the recording run were redone (step 0
     records; a change may force full steps after it)."""
-    pa, oa, _ = _run(make, change, replay=False, steps=steps)
-    pb, ob, n = _run(make, change, replay=True, steps=steps)
+    pa, oa, _ = _run(make, change, replay=False, steps=steps, scaled=scaled)
+    pb, ob, n = _run(make, change, replay=True, steps=steps, scaled=scaled)
     _assert_same(pa, oa, pb, ob)
     assert n >= replays, n
     return pb, ob
@@ -262,3 +273,29 @@ def test_a_recorded_step_keeps_no_gradient_alive():
     grads = [weakref.ref(p.grad) for p in params]
     opt.zero_grad(set_to_none=True)
     assert all(g() is None for g in grads)
+
+
+@pytest.mark.parametrize("name", ["nothing", "param_data_replaced", "a_grad_missing"])
+@pytest.mark.parametrize(
+    "make",
+    [_adamw_kahan,
+     lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="stochastic", fused=True, seed=5)],
+    ids=["adamw-kahan", "sgd-stochastic"],
+)
+def test_replay_under_a_loss_scaler_equals_the_full_step(make, name):
+    # Every step scaled, one of them skipped for an inf: the step counts (on the device) and
+    # everything else agree with full steps.
+    params, opt = _same_with_and_without_replay(
+        make, CHANGES[name], replays=STEPS - 1 if name in KEPT else 3, scaled=lambda step: True
+    )
+    assert opt.state[params[0]]["step"].item() == STEPS - 1  # (one step skipped)
+
+
+def test_switching_between_scaled_and_plain_steps_takes_full_steps():
+    # A record is redone only by a step of its own kind (the kernels and step counts differ).
+    params, opt, n = _run(_adamw_kahan, CHANGES["nothing"], replay=True,
+                          scaled=lambda step: step % 3 == 2)
+    pa, oa, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=False,
+                     scaled=lambda step: step % 3 == 2)
+    _assert_same(pa, oa, params, opt)
+    assert n == 2, n  # steps 0 1 | 2 (scaled) | 3 4 | 5 (scaled): replayed 1 and 4

@@ -363,10 +363,9 @@ class LowPrecisionOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         scaled = grad_scale is not None or found_inf is not None
-        if not scaled:
-            plan = self.__dict__.get("_step_plan")
-            if plan is not None and self._replay(plan):
-                return loss
+        plan = self.__dict__.get("_step_plan")
+        if plan is not None and plan.scaled == scaled and self._replay(plan, grad_scale, found_inf):
+            return loss
         self._step_plan = None
         work = self._collect()
         scaling = None
@@ -375,8 +374,8 @@ class LowPrecisionOptimizer(Optimizer):
         # Largest first, the small ones (batched below) last: parameters are independent (the
         # random key is the parameter's index, not its position here).
         work.sort(key=lambda item: -item[1].numel())
-        # Without a loss scaler the step is recorded, for the next steps to redo (_replay).
-        plan = None if scaled else _Plan(self)
+        # The step is recorded, for the next steps to redo (_replay).
+        plan = _Plan(self, scaled)
         memo: dict[Any, Any] = {"plan": plan}
         small = [item for item in work if item[1].numel() <= _SMALL]
         for group, p, index, storage in work[: len(work) - len(small)]:
@@ -388,7 +387,7 @@ class LowPrecisionOptimizer(Optimizer):
         self._step_plan = plan
         return loss
 
-    def _replay(self, plan: _Plan) -> bool:
+    def _replay(self, plan: _Plan, grad_scale: Any = None, found_inf: Any = None) -> bool:
         """Redo the recorded step ``plan`` with this step's numbers, if nothing it relied on changed.
 
         A step re-derives, per parameter, what rarely changes between steps: its strategy, the
@@ -398,7 +397,9 @@ class LowPrecisionOptimizer(Optimizer):
         flags, the same parameter, gradient and state tensors (gradients may be new tensors of the
         same layout), step counts that only this optimizer wrote. Returns False, having written
         nothing, when anything differs; the full step then runs (and records anew). Options are
-        validated as the full step validates them.
+        validated as the full step validates them. A step under a loss scaler (``plan.scaled``)
+        checks the gradients for inf/NaN first, as the full step does, and computes each
+        parameter's numbers on its device from its step count.
         """
         if getattr(self, "_fused_broken", False) or len(self.param_groups) != len(plan.groups):
             return False
@@ -419,6 +420,11 @@ class LowPrecisionOptimizer(Optimizer):
         state = self.state
         if not all(e.current(state) for e in plan.entries):
             return False
+        scaling = None
+        if plan.scaled:
+            scaling = _Scaling.prepare(
+                [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf
+            )
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         for run in plan.runs:
             if isinstance(run, _Batch):
@@ -432,17 +438,28 @@ class LowPrecisionOptimizer(Optimizer):
                 continue
             e = run
             if e.fused is not None:
-                step = e.step + 1
                 try:
-                    self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
-                        e.group, step, memo), *self._keys(e.group, e.storage, step, e.index), {})
+                    if scaling is None:
+                        step = e.step + 1
+                        self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
+                            e.group, step, memo), *self._keys(e.group, e.storage, step, e.index),
+                            {})
+                    else:
+                        step, lo, hi, coeffs, extra = self._scaled_numbers(
+                            e.group, e.p, e.index, e.storage, e.state, scaling, memo
+                        )
+                        self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
                 except _COMPILE_ERRORS as err:  # compilation failed before anything was written
                     _disable_fused(self, err)
                     self._step_plan = None
                 else:
-                    fused.append(e)
+                    if scaling is None:
+                        fused.append(e)
+                        continue
+                    self._advance(e.state, step, scaling, e.p.device)
+                    e.stepped()
                     continue
-            self._step_param(e.group, e.p, e.index, e.storage, None, memo)
+            self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
             e.stepped()
         if fused:
             # One call for every count instead of a fill per parameter: each holds exactly e.step
@@ -485,6 +502,32 @@ class LowPrecisionOptimizer(Optimizer):
         cache[id(group)] = (group, host, c32)
         return c32
 
+    def _scaled_numbers(self, group, p, index, storage, state, scaling: _Scaling, memo) -> tuple:
+        """A parameter's step under a loss scaler: its step number (FP64), random key halves,
+        FP32 coefficients and the scaler's tensors, all on its device. The step count lives there
+        and advances only when the step is taken, so everything that depends on it is computed
+        there too. The coefficients that do not depend on it (lr, weight decay...) are the same
+        tensors for the group's parameters within a ``step()``."""
+        if state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
+        step = state["step"].double() + 1
+        lo, hi = (
+            stream_key_halves(group["seed"], step.long(), index)
+            if storage.needs_random_bits else (0, 0)
+        )
+        shared = memo.setdefault(("constants", id(group), p.device), {})
+        coeffs = {}
+        for k, v in self._coefficients(group, step).items():
+            if isinstance(v, torch.Tensor):
+                coeffs[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
+            else:
+                t = shared.get(k)
+                if t is None:
+                    t = shared[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
+                coeffs[k] = t
+        extra = {"inv_scale": scaling.inv_scale_on(p.device), "skip": scaling.skip_on(p.device)}
+        return step, lo, hi, coeffs, extra
+
     @staticmethod
     def _keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
         """The halves of a parameter's random key at ``step`` (zeros where none is needed)."""
@@ -513,20 +556,9 @@ class LowPrecisionOptimizer(Optimizer):
             coeffs, _ = self._step_coefficients(group, step, memo, tensors=False)
             extra: dict[str, torch.Tensor] = {}
         else:
-            # The step count lives on the parameter's device and advances only when the step is
-            # taken, so everything that depends on it is computed there too.
-            if state["step"].device != p.device:
-                state["step"] = state["step"].to(p.device)
-            step = state["step"].double() + 1
-            lo, hi = (
-                stream_key_halves(group["seed"], step.long(), index)
-                if storage.needs_random_bits else (0, 0)
+            step, lo, hi, coeffs, extra = self._scaled_numbers(
+                group, p, index, storage, state, scaling, memo
             )
-            coeffs = {
-                k: torch.as_tensor(v, dtype=torch.float32, device=p.device)
-                for k, v in self._coefficients(group, step).items()
-            }
-            extra = {"inv_scale": scaling.inv_scale_on(p.device), "skip": scaling.skip_on(p.device)}
         plan = memo.get("plan")
         tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
         # Flattening must give views for the in-place writes to land: both the fused kernel and
@@ -548,7 +580,8 @@ class LowPrecisionOptimizer(Optimizer):
             else:
                 self._advance(state, step, scaling, p.device)
                 if plan is not None:
-                    plan.add(_Entry(group, p, index, storage, state, step, fused))
+                    plan.add(_Entry(group, p, index, storage, state,
+                                    step if scaling is None else None, fused))
                 return
         chunkable = self._elementwise or self._norm_terms is not None
         if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
@@ -578,7 +611,8 @@ class LowPrecisionOptimizer(Optimizer):
                           math=self._math, flags=flags, offset=offset, **extra)
         self._advance(state, step, scaling, p.device)
         if plan is not None:
-            plan.add(_Entry(group, p, index, storage, state, step, None))
+            plan.add(_Entry(group, p, index, storage, state,
+                            step if scaling is None else None, None))
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
@@ -1367,7 +1401,8 @@ class _Entry:
         # that the count is read back, as the full step reads it.
         dtype = self.count.dtype
         self.exact = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 2**62
-        self.step = step if step < self.exact else int(self.count.item())
+        # (None under a loss scaler: the count is on the device, read there by every step.)
+        self.step = step if step is None or step < self.exact else int(self.count.item())
         self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
         self.tensors = tuple(state[k] for k in self.names)
         self.size = len(state)
@@ -1390,9 +1425,10 @@ class _Entry:
 
     def stepped(self) -> None:
         """Note one more step (its count was written)."""
-        self.step += 1
-        if self.step >= self.exact:
-            self.step = int(self.count.item())
+        if self.step is not None:
+            self.step += 1
+            if self.step >= self.exact:
+                self.step = int(self.count.item())
         self.version = self.count._version
 
 
@@ -1444,9 +1480,10 @@ class _Plan:
     """A step recorded for ``_replay``: per group its options and flags, the parameters that had
     no gradient, and the work (``_Entry`` or ``_Batch``) in the order it ran."""
 
-    __slots__ = ("entries", "groups", "idle", "runs")
+    __slots__ = ("entries", "groups", "idle", "runs", "scaled")
 
-    def __init__(self, opt: LowPrecisionOptimizer) -> None:
+    def __init__(self, opt: LowPrecisionOptimizer, scaled: bool) -> None:
+        self.scaled = scaled  # (recorded under a loss scaler: redone only under one)
         groups = opt.param_groups
         self.groups = [
             (g, tuple(g["params"]), opt._plan_options(g), opt._flags(g)) for g in groups
