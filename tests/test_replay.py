@@ -119,6 +119,9 @@ CHANGES = {
     # FP32 counts stop at 2**24 (the full step reads back what it stored; so must the record).
     "step_counts_past_2_24": lambda params, opt, saved: [
         opt.state[p]["step"].fill_(2**24 - 2) for p in params],
+    # Writes that leave the version counter as it was: the counts are read every step.
+    "step_counts_written_through_data": lambda params, opt, saved: [
+        opt.state[p]["step"].data.fill_(40 + i) for i, p in enumerate(params[:2])],
     "state_tensor_replaced": lambda params, opt, saved: opt.state[params[0]].update(
         exp_avg_sq=torch.ones_like(opt.state[params[0]]["exp_avg_sq"])),
     "batched_state_tensor_replaced": lambda params, opt, saved: opt.state[params[2]].update(
@@ -299,3 +302,74 @@ def test_switching_between_scaled_and_plain_steps_takes_full_steps():
                      scaled=lambda step: step % 3 == 2)
     _assert_same(pa, oa, params, opt)
     assert n == 2, n  # steps 0 1 | 2 (scaled) | 3 4 | 5 (scaled): replayed 1 and 4
+
+
+def test_state_tensors_a_caller_holds_stay_the_optimizers():
+    # A batch lays out flat only the state it creates; state that existed (here loaded from a
+    # checkpoint) keeps its tensors, which a caller may hold or have put in shared memory.
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    fresh = [p.detach().clone().requires_grad_() for p in params]
+    other = _adamw_kahan(fresh)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    held = {k: other.state[fresh[1]][k] for k in ("exp_avg", "exp_avg_sq", "compensation")}
+    for _ in range(3):
+        for p in fresh:
+            p.grad = torch.full_like(p, 0.125)
+        other.step()
+    for k, t in held.items():
+        assert other.state[fresh[1]][k] is t, k
+    assert other.state[fresh[1]]["step"].item() == 5
+
+
+def test_a_step_that_raises_midway_leaves_counts_matching_what_was_stepped(monkeypatch):
+    params, opt, n = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=3)
+    assert n == 2
+    before = [p.detach().clone() for p in params]
+    counts = [opt.state[p]["step"].item() for p in params]
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    # Fail in the batch of small parameters, after the large one was stepped by its kernel.
+    monkeypatch.setattr(opt, "_run_batch", out_of_memory)
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    with pytest.raises(MemoryError):
+        opt.step()
+    for p, old, count in zip(params, before, counts, strict=True):
+        changed = not torch.equal(_bits(p), _bits(old))
+        assert opt.state[p]["step"].item() == count + changed, (tuple(p.shape), changed)
+    assert not torch.equal(_bits(params[0]), _bits(before[0]))
+
+
+def test_a_parameter_without_gradient_is_still_validated():
+    params, opt, n = _run(
+        lambda ps: AdamW(ps, lr=1e-2, master="split", fused=True), CHANGES["nothing"],
+        replay=True, steps=3,
+    )
+    assert n == 2
+    for _ in range(2):  # recorded, then redone, with parameter 2 idle
+        for p in params:
+            p.grad = None if p is params[2] else torch.ones_like(p)
+        opt.step()
+    params[2].data = params[2].data.float()  # split needs BF16: the full step refuses it
+    for p in params:
+        p.grad = None if p is params[2] else torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"parameter group 0, parameter 2"):
+        opt.step()
+
+
+def test_state_memory_stays_the_states_size_when_batches_change():
+    # Parameters that drop out of a batch now and then (no gradient) must not leave old flat
+    # buffers alive behind their views: the storages holding state add up to the state's size.
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+    opt = _adamw_kahan(params)
+    for step in range(8):
+        for i, p in enumerate(params):
+            p.grad = None if (i + step) % 3 == 0 else torch.randn(p.shape, generator=gen).to(
+                torch.bfloat16)
+        opt.step()
+    tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in tensors)

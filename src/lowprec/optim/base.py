@@ -415,58 +415,57 @@ class LowPrecisionOptimizer(Optimizer):
             if self._plan_options(group) != options or self._flags(group) != flags:
                 return False
             memo[("flags", id(group))] = flags
-        if any(p.grad is not None for p in plan.idle):
-            return False
+        if any(p.grad is not None or p.dtype != dtype or p.device != device
+               for p, dtype, device in plan.idle):
+            return False  # (the full step validates every parameter, with a gradient or not)
         state = self.state
         if not all(e.current(state) for e in plan.entries):
             return False
         scaling = None
-        if plan.scaled:
+        if plan.scaled:  # (the step counts are read on the device, by _scaled_numbers)
             scaling = _Scaling.prepare(
                 [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf
             )
+        elif not plan.read_counts():
+            return False
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
-        for run in plan.runs:
-            if isinstance(run, _Batch):
-                step = run.entries[0].step + 1  # (one step count for the batch: its key)
-                if not self._run_batch(run, step, memo):
-                    self._step_plan = None
-                    for group, p, index, storage in run.items:
-                        self._step_param(group, p, index, storage, None, memo)
-                for e in run.entries:
-                    e.stepped()
-                continue
-            e = run
-            if e.fused is not None:
-                try:
-                    if scaling is None:
-                        step = e.step + 1
-                        self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
-                            e.group, step, memo), *self._keys(e.group, e.storage, step, e.index),
-                            {})
-                    else:
-                        step, lo, hi, coeffs, extra = self._scaled_numbers(
-                            e.group, e.p, e.index, e.storage, e.state, scaling, memo
-                        )
-                        self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
-                except _COMPILE_ERRORS as err:  # compilation failed before anything was written
-                    _disable_fused(self, err)
-                    self._step_plan = None
-                else:
-                    if scaling is None:
-                        fused.append(e)
-                        continue
-                    self._advance(e.state, step, scaling, e.p.device)
-                    e.stepped()
+        try:
+            for run in plan.runs:
+                if isinstance(run, _Batch):
+                    if not self._run_batch(run, run.entries[0].step + 1, memo):
+                        self._step_plan = None
+                        for group, p, index, storage in run.items:
+                            self._step_param(group, p, index, storage, None, memo)
                     continue
-            self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
-            e.stepped()
-        if fused:
-            # One call for every count instead of a fill per parameter: each holds exactly e.step
-            # (checked), so adding 1 stores what fill_(e.step + 1) would.
-            torch._foreach_add_([e.count for e in fused], 1)
-            for e in fused:
-                e.stepped()
+                e = run
+                if e.fused is not None:
+                    try:
+                        if scaling is None:
+                            step = e.step + 1
+                            self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
+                                e.group, step, memo), *self._keys(e.group, e.storage, step,
+                                                                  e.index), {})
+                        else:
+                            step, lo, hi, coeffs, extra = self._scaled_numbers(
+                                e.group, e.p, e.index, e.storage, e.state, scaling, memo
+                            )
+                            self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
+                    except _COMPILE_ERRORS as err:  # compilation failed before anything was written
+                        _disable_fused(self, err)
+                        self._step_plan = None
+                    else:
+                        if scaling is None:
+                            fused.append(e)
+                        else:
+                            self._advance(e.state, step, scaling, e.p.device)
+                        continue
+                self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
+        finally:
+            if fused:
+                # One call for every count instead of a fill per parameter (also when a later
+                # parameter raised: these were stepped). Each holds the whole number read above,
+                # so adding 1 stores what the full step's fill_(count + 1) would.
+                torch._foreach_add_([e.count for e in fused], 1)
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -580,8 +579,7 @@ class LowPrecisionOptimizer(Optimizer):
             else:
                 self._advance(state, step, scaling, p.device)
                 if plan is not None:
-                    plan.add(_Entry(group, p, index, storage, state,
-                                    step if scaling is None else None, fused))
+                    plan.add(_Entry(group, p, index, storage, state, fused))
                 return
         chunkable = self._elementwise or self._norm_terms is not None
         if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
@@ -611,8 +609,7 @@ class LowPrecisionOptimizer(Optimizer):
                           math=self._math, flags=flags, offset=offset, **extra)
         self._advance(state, step, scaling, p.device)
         if plan is not None:
-            plan.add(_Entry(group, p, index, storage, state,
-                            step if scaling is None else None, None))
+            plan.add(_Entry(group, p, index, storage, state, None))
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
@@ -734,7 +731,7 @@ class LowPrecisionOptimizer(Optimizer):
                 rest.extend(batch.items)
             elif plan is not None:
                 batch.entries = [
-                    _Entry(group, p, index, storage, self.state[p], batch.step, None)
+                    _Entry(group, p, index, storage, self.state[p], None)
                     for group, p, index, storage in batch.items
                 ]
                 plan.add(batch)
@@ -757,6 +754,7 @@ class LowPrecisionOptimizer(Optimizer):
         norms = not self._elementwise
         rest, buckets, filled_of = [], {}, {}
         names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
+        fresh: set[int] = set()  # ids of the parameters whose state is created here
         for item in items:
             group, p, _index, storage = item
             ck = (id(group), storage.name, p.dtype)
@@ -776,6 +774,7 @@ class LowPrecisionOptimizer(Optimizer):
             state = self.state[p]
             if not state:
                 state.update(self._init_state(group, p, storage))
+                fresh.add(id(p))
             if not (p.is_contiguous() and g.is_contiguous()) or not all(
                 state[k].is_contiguous() for k in names
             ):
@@ -798,7 +797,7 @@ class LowPrecisionOptimizer(Optimizer):
                 if len(batch) == 1:
                     rest.extend(batch)
                 else:
-                    batches.append(_Batch(self, batch, key[1]))
+                    batches.append(_Batch(self, batch, key[1], fresh))
         return batches, rest
 
     def _run_batch(self, batch: _Batch, step: int, memo) -> bool:
@@ -810,8 +809,10 @@ class LowPrecisionOptimizer(Optimizer):
         flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
         params = torch.cat(batch.dst)
         grad = torch.cat([flat(p.grad) for p in batch.ps])
-        sbufs = {k: batch.bufs[k] for k in batch.names_s}
-        mbufs = {k: batch.bufs[k] for k in batch.names_m}
+        # A state buffer laid out flat is stepped in place, the others concatenated.
+        bufs = {k: torch.cat(batch.views[k]) if b is None else b for k, b in batch.bufs.items()}
+        sbufs = {k: bufs[k] for k in batch.names_s}
+        mbufs = {k: bufs[k] for k in batch.names_m}
         lo: Any = 0
         hi: Any = 0
         extra: dict[str, torch.Tensor] = {}
@@ -838,6 +839,9 @@ class LowPrecisionOptimizer(Optimizer):
             _disable_fused(self, e)
             return False
         torch._foreach_copy_(batch.dst, params.split(batch.sizes))
+        for k, b in batch.bufs.items():
+            if b is None:
+                torch._foreach_copy_(batch.views[k], bufs[k].split(batch.sizes))
         # Every step count of the batch becomes `step`, as _advance does, in one call: each holds
         # step - 1 as read (the batch's key), so adding 1 stores what fill_(step) would, for
         # floating-point or integer counts (a loaded checkpoint keeps its dtype).
@@ -1387,26 +1391,19 @@ class _Fused:
 
 class _Entry:
     """One parameter of a recorded step: what ``_replay`` checks before redoing it (the parameter,
-    the layout of its gradient, its state tensors, a step count only the optimizer wrote) and its
-    prepared compiled step (None: it took ``_step_param``, redone as such). It holds no gradient,
-    so that a gradient the training loop drops is freed."""
+    the layout of its gradient, its state tensors) and its prepared compiled step (None: it took
+    ``_step_param``, redone as such). It holds no gradient, so that a gradient the training loop
+    drops is freed. ``step`` is its step count as ``_Plan.read_counts`` last read it."""
 
-    __slots__ = ("count", "dtype", "exact", "fused", "gkind", "group", "index", "names", "p", "ptr",
-                 "shape", "size", "state", "step", "storage", "stride", "tensors", "version")
+    __slots__ = ("count", "dtype", "fused", "gkind", "group", "index", "names", "p", "ptr",
+                 "shape", "size", "state", "step", "storage", "stride", "tensors")
 
-    def __init__(self, group, p, index, storage, state, step, fused) -> None:
+    def __init__(self, group, p, index, storage, state, fused) -> None:
         self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
-        self.state, self.count = state, state["step"]
-        # Counts are stored exactly up to 2**(mantissa bits + 1) (floating-point counts); past
-        # that the count is read back, as the full step reads it.
-        dtype = self.count.dtype
-        self.exact = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 2**62
-        # (None under a loss scaler: the count is on the device, read there by every step.)
-        self.step = step if step is None or step < self.exact else int(self.count.item())
+        self.state, self.count, self.step = state, state["step"], 0
         self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
         self.tensors = tuple(state[k] for k in self.names)
         self.size = len(state)
-        self.version = self.count._version
         self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
         self.gkind = _grad_kind(p.grad)
 
@@ -1417,49 +1414,45 @@ class _Entry:
             return False
         st = state.get(p)
         return (
-            st is self.state and self.count._version == self.version
-            and p.data_ptr() == self.ptr and p.dtype == self.dtype and p.shape == self.shape
-            and p.stride() == self.stride and len(st) == self.size
+            st is self.state and p.data_ptr() == self.ptr and p.dtype == self.dtype
+            and p.shape == self.shape and p.stride() == self.stride and len(st) == self.size
             and all(map(operator.is_, map(st.get, self.names), self.tensors))
         )
-
-    def stepped(self) -> None:
-        """Note one more step (its count was written)."""
-        if self.step is not None:
-            self.step += 1
-            if self.step >= self.exact:
-                self.step = int(self.count.item())
-        self.version = self.count._version
 
 
 class _Batch:
     """Small parameters stepped together by one compiled call (``_step_small_fused``): their
-    flattened views, to concatenate and copy back, and per state buffer name one buffer holding
-    every parameter's buffer in turn, which the call updates in place (``_flat_state``)."""
+    flattened views, to concatenate and copy back, and per state buffer name the one flat tensor
+    holding every parameter's buffer in turn where there is one (``_flat_state``), which the call
+    updates in place, else None (those buffers are concatenated and copied back too)."""
 
     __slots__ = ("bufs", "counts", "dst", "entries", "group", "items", "names_m", "names_s", "ps",
-                 "sizes", "step", "storage", "words")
+                 "sizes", "step", "storage", "views", "words")
 
-    def __init__(self, opt: LowPrecisionOptimizer, items: list, step: int) -> None:
+    def __init__(self, opt: LowPrecisionOptimizer, items: list, step: int, fresh) -> None:
         self.items, self.step, self.entries = items, step, []
         self.group, _, _, self.storage = items[0]
         self.ps = [p for _, p, _, _ in items]
         states = [opt.state[p] for p in self.ps]
         self.names_s = tuple(self.storage.buffers(self.ps[0]))
         self.names_m = tuple(opt._math_buffers(self.group))
-        self.dst = [p if p.dim() == 1 else p.view(-1) for p in self.ps]
+        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
+        self.dst = [flat(p) for p in self.ps]
         self.sizes = [p.numel() for p in self.ps]
-        self.bufs = {k: _flat_state(states, k, self.sizes) for k in (*self.names_s, *self.names_m)}
+        new = all(id(p) in fresh for p in self.ps)
+        self.bufs = {k: _flat_state(states, k, self.sizes, new)
+                     for k in (*self.names_s, *self.names_m)}
+        self.views = {k: [flat(st[k]) for st in states] for k in self.bufs}
         self.words = tuple(n // 2 for n in self.sizes)
         self.counts = [st["step"] for st in states]
 
 
-def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int]) -> torch.Tensor:
-    """One flat buffer holding ``state[name]`` of each of ``states`` in turn (contiguous tensors of
-    ``sizes`` elements, one dtype), each state then holding its view of it, so that a batch steps
-    the buffer in place instead of concatenating the buffers and copying them back every step.
-    A buffer that is already laid out so is kept; otherwise the values are copied into a new one.
-    """
+def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int], new: bool):
+    """The flat tensor whose consecutive views are ``state[name]`` of each of ``states`` (contiguous
+    tensors of ``sizes`` elements, one dtype), or None. ``new``: the states were just created
+    (nothing outside the optimizer holds their tensors yet), so they are moved into a new flat
+    tensor; existing state tensors are never replaced (a caller may hold them, or have put them in
+    shared memory), only recognised when already laid out so (e.g. by an earlier step)."""
     ts = [st[name] for st in states]
     base = ts[0]._base
     if base is not None and base.dim() == 1 and base.numel() == sum(sizes):
@@ -1470,6 +1463,8 @@ def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int]) -> to
             at += n
         else:
             return base
+    if not new:
+        return None
     buf = torch.cat([t.reshape(-1) for t in ts])
     for st, t, view in zip(states, ts, buf.split(sizes), strict=True):
         st[name] = view.view(t.shape)
@@ -1478,9 +1473,10 @@ def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int]) -> to
 
 class _Plan:
     """A step recorded for ``_replay``: per group its options and flags, the parameters that had
-    no gradient, and the work (``_Entry`` or ``_Batch``) in the order it ran."""
+    no gradient (with their dtype and device), and the work (``_Entry`` or ``_Batch``) in the order
+    it ran."""
 
-    __slots__ = ("entries", "groups", "idle", "runs", "scaled")
+    __slots__ = ("batches", "counts", "entries", "groups", "idle", "runs", "scaled")
 
     def __init__(self, opt: LowPrecisionOptimizer, scaled: bool) -> None:
         self.scaled = scaled  # (recorded under a loss scaler: redone only under one)
@@ -1488,13 +1484,40 @@ class _Plan:
         self.groups = [
             (g, tuple(g["params"]), opt._plan_options(g), opt._flags(g)) for g in groups
         ]
-        self.idle = tuple(p for g in groups for p in g["params"] if p.grad is None)
+        self.idle = tuple(
+            (p, p.dtype, p.device) for g in groups for p in g["params"] if p.grad is None
+        )
         self.runs: list[Any] = []
         self.entries: list[_Entry] = []
+        self.batches: list[_Batch] = []
+        self.counts: list[tuple[list[_Entry], list[torch.Tensor]]] | None = None
 
     def add(self, run: _Entry | _Batch) -> None:
         self.runs.append(run)
-        self.entries.extend(run.entries if isinstance(run, _Batch) else (run,))
+        if isinstance(run, _Batch):
+            self.batches.append(run)
+            self.entries.extend(run.entries)
+        else:
+            self.entries.append(run)
+
+    def read_counts(self) -> bool:
+        """Read every entry's step count into ``entry.step``, as the full step reads them (one
+        transfer per dtype and device; a count can change without its version counter showing
+        it, e.g. by a collective or through ``.data``). False where the record cannot be redone
+        at these counts: one that is not a whole number, or a batch whose counts differ."""
+        if self.counts is None:
+            sets: dict[Any, tuple[list[_Entry], list[torch.Tensor]]] = {}
+            for e in self.entries:
+                entries, counts = sets.setdefault((e.count.dtype, e.count.device), ([], []))
+                entries.append(e)
+                counts.append(e.count)
+            self.counts = list(sets.values())
+        for entries, counts in self.counts:
+            for e, value in zip(entries, torch.stack(counts).tolist(), strict=True):
+                if not float(value).is_integer():
+                    return False
+                e.step = int(value)
+        return all(all(e.step == b.entries[0].step for e in b.entries) for b in self.batches)
 
 
 def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) -> dict[str, Any]:
