@@ -9,6 +9,8 @@ nothing changed (so a test cannot pass by never replaying).
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -269,8 +271,6 @@ def test_replay_reads_step_counts_past_2_24_as_the_full_step_does():
 def test_a_recorded_step_keeps_no_gradient_alive():
     # zero_grad(set_to_none=True) frees the gradients before the next backward; a record that
     # held them would add a gradient's memory to every step's peak.
-    import weakref
-
     params, opt, n = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=3)
     assert n == 2
     grads = [weakref.ref(p.grad) for p in params]
@@ -373,3 +373,17 @@ def test_state_memory_stays_the_states_size_when_batches_change():
     tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_record_does_not_keep_replaced_parameter_storage_alive():
+    # model.to(...) or p.data = ... gives a parameter new storage; the old one must be freed
+    # then, not at the next step (on a GPU that is the model's size).
+    params, opt, n = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=3)
+    assert n == 2
+    old = weakref.ref(params[0].data.untyped_storage())
+    storage_ptr = params[0].data_ptr()
+    params[0].data = params[0].data.clone()
+    assert params[0].data_ptr() != storage_ptr
+    gc.collect()
+    assert old() is None
+    assert opt._step_plan is not None  # (the record is still there)

@@ -616,9 +616,9 @@ class LowPrecisionOptimizer(Optimizer):
         keyed: bool = False, per_word: bool = False,
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
-        numbers: flattened views (or words of pairs) of the parameter and its buffers, and the
-        kernel variants. It depends on the tensors' layouts and dtypes alone, so a recorded step
-        keeps it (``_replay``).
+        numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
+        It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
+        (``_replay``).
 
         ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
         sums are per parameter of such a batch, for a rule with ``_norm_terms``.
@@ -633,11 +633,13 @@ class LowPrecisionOptimizer(Optimizer):
         if pairs is None:
             if keyed:
                 raise ValueError("per-word random keys need the fused step on pairs")
-            f.views = (p.view(-1), {k: v.view(-1) for k, v in sbufs.items()},
+            f.views = ({k: v.view(-1) for k, v in sbufs.items()},
                        {k: v.view(-1) for k, v in mbufs.items()})
         else:
-            f.views = (_pair_words(p, n), {k: _pair_words(v, n) for k, v in sbufs.items()},
+            f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
                        {k: _pair_words(v, n) for k, v in mbufs.items()})
+        # (The parameter's own view is made by each call, like the gradient's: a view kept here
+        # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
         # The whole-tensor sums in a compiled pass of their own, so that the update pass
         # recomputes what it needs instead of keeping full-size temporaries.
         f.sums_kernel = None
@@ -668,8 +670,9 @@ class LowPrecisionOptimizer(Optimizer):
         parameter (int32), so that the sums are each parameter's own.
         """
         storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
-        pv, sv, mv = f.views
-        gv = grad.view(-1) if pairs is None else _pair_words(grad, n)
+        sv, mv = f.views
+        pv, gv = (p.view(-1), grad.view(-1)) if pairs is None else (
+            _pair_words(p, n), _pair_words(grad, n))
         tail = slice(n, None) if pairs is not None and n < p.numel() else None
         flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if f.sums_kernel is not None:
