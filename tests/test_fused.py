@@ -16,6 +16,7 @@ import torch
 
 import lowprec.optim.base as base
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from tests._same import assert_same, bits
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +34,6 @@ DETERMINISTIC = [
 # fused step) and a parameter whose gradient stays None.
 SHAPES = [(96, 40), (33,), (2, 3, 5), (1,), (0,)]
 NO_GRAD = 2
-
-
-def _bits(t):
-    t = t.detach().reshape(-1)
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _run(cls, kw, dtype, master, fused, steps, init, seed=1, opt_state=None):
@@ -73,18 +69,6 @@ def _kernel_calls():
         base._compiled_kernel = real
 
 
-def _assert_same(pa, oa, pb, ob):
-    for a, b in zip(pa, pb, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-        sa, sb = oa.state[a], ob.state[b]
-        assert sa.keys() == sb.keys()
-        for k, v in sa.items():
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(_bits(v), _bits(sb[k])), k
-            else:
-                assert v == sb[k], k
-
-
 def _eager_and_fused(make, init, *, steps, seed, drop=None):
     """Steps ``make(params, fused)`` eager and fused from the same ``init`` and the same random
     gradients (parameter ``drop[1]`` has none at step ``drop[0]``), asserts that the two agree bit
@@ -102,7 +86,7 @@ def _eager_and_fused(make, init, *, steps, seed, drop=None):
                     params[drop[1]].grad = None
                 opt.step()
         results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    assert_same(*results[0], *results[1])
     return calls, *results[1]
 
 
@@ -119,13 +103,13 @@ def test_fused_equals_eager_bit_for_bit_across_a_checkpoint(cls, kw, dtype, mast
     init = [torch.randn(s).to(dtype) for s in SHAPES]
     pa, oa = _run(cls, kw, dtype, master, False, 8, init)
     pb, ob = _run(cls, kw, dtype, master, True, 8, init)
-    _assert_same(pa, oa, pb, ob)
+    assert_same(pa, oa, pb, ob)
     # Save from the fused run, resume both ways: still identical, and identical to never stopping.
     sd = copy.deepcopy(ob.state_dict())
     mid = [p.detach().clone() for p in pb]
     pc, oc = _run(cls, kw, dtype, master, False, 5, mid, seed=2, opt_state=sd)
     pd, od = _run(cls, kw, dtype, master, True, 5, mid, seed=2, opt_state=sd)
-    _assert_same(pc, oc, pd, od)
+    assert_same(pc, oc, pd, od)
     assert od.state[pd[0]]["step"].item() == 13
 
 
@@ -154,7 +138,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
     pa, oa = _run(AdamW, {}, torch.bfloat16, "kahan", False, 3, init)
     with pytest.warns(RuntimeWarning, match="fused .* unavailable .* no C\\+\\+ compiler"):
         pb, ob = _run(AdamW, {}, torch.bfloat16, "kahan", True, 3, init)
-    _assert_same(pa, oa, pb, ob)
+    assert_same(pa, oa, pb, ob)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per optimizer, not every step
         pb[0].grad = torch.zeros_like(pb[0])
@@ -232,7 +216,7 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     torch.manual_seed(0)
     with _kernel_calls() as calls:
         pb, ob = run(True)
-    _assert_same(pa, oa, pb, ob)
+    assert_same(pa, oa, pb, ob)
     used = [name for name, _, _ in calls]
     assert "_param_update_pairs" in used and "_param_update" in used, used
     if cls is Lamb:  # the norms' pass on pairs too
@@ -326,7 +310,7 @@ def test_small_lamb_batch_sums_pairwise():
                 opt.step()
         results.append((params, opt))
     assert sum(("sums", "per_word") in key for _, key, _ in calls if key) == 4  # (batched)
-    _assert_same(*results[0], *results[1])
+    assert_same(*results[0], *results[1])
 
 
 def test_small_batch_advances_integer_step_counts():
@@ -346,7 +330,7 @@ def test_small_batch_advances_integer_step_counts():
         assert [opt.state[p]["step"].dtype for p in params] == [torch.int64] * 3
         assert [int(opt.state[p]["step"]) for p in params] == [2, 2, 2]
         results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    assert_same(*results[0], *results[1])
 
 
 @pytest.mark.parametrize(
@@ -387,7 +371,7 @@ def test_fused_lamb_equals_eager_on_large_tensors(master):
             else:
                 opt.step()
         results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    assert_same(*results[0], *results[1])
 
 
 @pytest.mark.parametrize("master", ["none", "split"])
@@ -405,7 +389,7 @@ def test_lamb_kernels_serve_every_length(master):
         for p, fused in ((w, True), (ref, False)):
             p.grad = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
             Lamb([p], lr=1e-2, master=master, fused=fused).step()
-        assert torch.equal(_bits(w), _bits(ref)), (offset, n)
+        assert torch.equal(bits(w), bits(ref)), (offset, n)
     # The norms' pass and the update pass, one more at most where Inductor specialises on the
     # length being a multiple of its vector width.
     assert graphs() - start <= 3, graphs() - start
@@ -425,6 +409,6 @@ def test_small_parameters_past_one_batch_take_several_calls():
         with _kernel_calls() as calls:
             opt.step()
         results.append((params, opt))
-    _assert_same(*results[0], *results[1])
+    assert_same(*results[0], *results[1])
     sizes = [words * 2 for _, _, words in calls]
     assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters, words of 2 elements

@@ -17,6 +17,7 @@ import torch
 
 import lowprec.optim.base as base
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from tests._same import assert_same, bits
 
 pytestmark = pytest.mark.slow
 
@@ -25,24 +26,6 @@ pytestmark = pytest.mark.slow
 SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,)]
 CHANGE_AT = 3
 STEPS = 6
-
-
-def _bits(t):
-    t = t.detach().reshape(-1)
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def _assert_same(pa, oa, pb, ob):
-    for a, b in zip(pa, pb, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-        sa, sb = oa.state[a], ob.state[b]
-        assert sa.keys() == sb.keys()
-        for k, v in sa.items():
-            if isinstance(v, torch.Tensor):
-                assert v.dtype == sb[k].dtype, k
-                assert torch.equal(_bits(v), _bits(sb[k])), k
-            else:
-                assert v == sb[k], k
 
 
 def _run(make, change, *, replay, steps=STEPS, scaled=None):
@@ -92,7 +75,7 @@ def _same_with_and_without_replay(make, change, replays=STEPS - 1, steps=STEPS, 
     records; a change may force full steps after it)."""
     pa, oa, _ = _run(make, change, replay=False, steps=steps, scaled=scaled)
     pb, ob, n = _run(make, change, replay=True, steps=steps, scaled=scaled)
-    _assert_same(pa, oa, pb, ob)
+    assert_same(pa, oa, pb, ob)
     assert n >= replays, n
     return pb, ob
 
@@ -186,7 +169,7 @@ def test_invalid_option_set_between_steps_raises_and_writes_nothing():
     opt.param_groups[0]["lr"] = -1.0
     with pytest.raises(ValueError, match=r"parameter group 0.*lr"):
         opt.step()
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, params, strict=True))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, params, strict=True))
     after = opt.state_dict()
     for k, st in state["state"].items():
         for name, v in st.items():
@@ -215,7 +198,7 @@ def test_compile_failure_during_replay_falls_back_to_eager(monkeypatch):
     with pytest.warns(RuntimeWarning, match="fused .* unavailable"):
         opt.step()
     ref.step()
-    _assert_same(params, opt, ref_params, ref)
+    assert_same(params, opt, ref_params, ref)
     assert opt._step_plan is None
 
 
@@ -248,7 +231,7 @@ def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
         q.grad = torch.full_like(q, -0.25)
     opt.step()
     other.step()
-    _assert_same(params, opt, fresh, other)
+    assert_same(params, opt, fresh, other)
 
 
 def test_replay_reads_step_counts_past_2_24_as_the_full_step_does():
@@ -300,7 +283,7 @@ def test_switching_between_scaled_and_plain_steps_takes_full_steps():
                           scaled=lambda step: step % 3 == 2)
     pa, oa, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=False,
                      scaled=lambda step: step % 3 == 2)
-    _assert_same(pa, oa, params, opt)
+    assert_same(pa, oa, params, opt)
     assert n == 2, n  # steps 0 1 | 2 (scaled) | 3 4 | 5 (scaled): replayed 1 and 4
 
 
@@ -337,9 +320,9 @@ def test_a_step_that_raises_midway_leaves_counts_matching_what_was_stepped(monke
     with pytest.raises(MemoryError):
         opt.step()
     for p, old, count in zip(params, before, counts, strict=True):
-        changed = not torch.equal(_bits(p), _bits(old))
+        changed = not torch.equal(bits(p), bits(old))
         assert opt.state[p]["step"].item() == count + changed, (tuple(p.shape), changed)
-    assert not torch.equal(_bits(params[0]), _bits(before[0]))
+    assert not torch.equal(bits(params[0]), bits(before[0]))
 
 
 def test_a_parameter_without_gradient_is_still_validated():
