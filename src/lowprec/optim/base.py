@@ -395,11 +395,11 @@ class LowPrecisionOptimizer(Optimizer):
         work is a large share of a fused step (more so with the caches cold after backward), so
         the previous step's outcome is kept and checked instead: the same groups, options and
         flags, the same parameter, gradient and state tensors (gradients may be new tensors of the
-        same layout), step counts that only this optimizer wrote. Returns False, having written
-        nothing, when anything differs; the full step then runs (and records anew). Options are
-        validated as the full step validates them. A step under a loss scaler (``plan.scaled``)
-        checks the gradients for inf/NaN first, as the full step does, and computes each
-        parameter's numbers on its device from its step count.
+        same layout); the step counts are read as the full step reads them. Returns False, having
+        written nothing, when anything differs; the full step then runs (and records anew).
+        Options are validated as the full step validates them. A step under a loss scaler
+        (``plan.scaled``) checks the gradients for inf/NaN first, as the full step does, and
+        computes each parameter's numbers on its device from its step count.
         """
         if getattr(self, "_fused_broken", False) or len(self.param_groups) != len(plan.groups):
             return False
@@ -624,7 +624,7 @@ class LowPrecisionOptimizer(Optimizer):
         sums are per parameter of such a batch, for a rule with ``_norm_terms``.
         """
         f = _Fused()
-        f.storage, f.flags, f.p, f.sbufs, f.mbufs, f.scaled = storage, flags, p, sbufs, mbufs, scaled
+        f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
         f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
         f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
         f.per_word = per_word = per_word and self._norm_terms is not None
@@ -719,9 +719,10 @@ class LowPrecisionOptimizer(Optimizer):
         The per-call cost of a compiled kernel (~30-60 us, Dynamo's guards and wrappers) is most of
         a small tensor's step, and models have many (biases, norms). For deterministic
         elementwise strategies the batch's parameters and gradients are concatenated, stepped in
-        one call with the group's coefficients (the state buffers in place: ``_flat_state``), and
-        the parameters copied back: the same operations on every element, so the same bits. Stochastic rounding batches too, on pairs of elements (bfloat16 parameters of
-        even length): each word of the batch is hashed with its own parameter's key and its index
+        one call with the group's coefficients (the state buffers in place where ``_flat_state``
+        laid them out), and copied back: the same operations on every element, so the same bits.
+        Stochastic rounding batches too, on pairs of elements (bfloat16 parameters of even
+        length): each word of the batch is hashed with its own parameter's key and its index
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
         """
@@ -809,9 +810,8 @@ class LowPrecisionOptimizer(Optimizer):
         group, storage = batch.group, batch.storage
         flags = self._group_flags(group, memo)
         coeffs, c32 = self._step_coefficients(group, step, memo)
-        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
         params = torch.cat(batch.dst)
-        grad = torch.cat([flat(p.grad) for p in batch.ps])
+        grad = torch.cat([_flat(p.grad) for p in batch.ps])
         # A state buffer laid out flat is stepped in place, the others concatenated.
         bufs = {k: torch.cat(batch.views[k]) if b is None else b for k, b in batch.bufs.items()}
         sbufs = {k: bufs[k] for k in batch.names_s}
@@ -1368,6 +1368,11 @@ def _same_number(a: Any, b: Any) -> bool:
     return a.hex() == b.hex() if isinstance(a, float) else a == b
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``t`` as a 1-d view (``t`` itself when it is one)."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
     """What a step's path depends on in a gradient besides its shape."""
     return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
@@ -1385,7 +1390,6 @@ class _Fused:
         "pairs",
         "per_word",
         "sbufs",
-        "scaled",
         "storage",
         "sums_kernel",
         "views",
@@ -1439,13 +1443,12 @@ class _Batch:
         states = [opt.state[p] for p in self.ps]
         self.names_s = tuple(self.storage.buffers(self.ps[0]))
         self.names_m = tuple(opt._math_buffers(self.group))
-        flat = lambda t: t if t.dim() == 1 else t.view(-1)  # noqa: E731
-        self.dst = [flat(p) for p in self.ps]
+        self.dst = [_flat(p) for p in self.ps]
         self.sizes = [p.numel() for p in self.ps]
         new = all(id(p) in fresh for p in self.ps)
         self.bufs = {k: _flat_state(states, k, self.sizes, new)
                      for k in (*self.names_s, *self.names_m)}
-        self.views = {k: [flat(st[k]) for st in states] for k in self.bufs}
+        self.views = {k: [_flat(st[k]) for st in states] for k in self.bufs}
         self.words = tuple(n // 2 for n in self.sizes)
         self.counts = [st["step"] for st in states]
 
