@@ -202,10 +202,8 @@ def test_compile_failure_during_replay_falls_back_to_eager(monkeypatch):
     assert opt._step_plan is None
 
 
-def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
-    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
-    small = [p for p in params if 2 <= p.numel() <= base._SMALL]  # (one batch, for Kahan)
-    assert len(small) == 3
+def _assert_tiled(opt, small):
+    """Each state buffer of the parameters ``small`` is a view of one flat tensor, in turn."""
     for name in ("exp_avg", "exp_avg_sq", "compensation"):
         views = [opt.state[p][name] for p in small]
         buf = views[0]._base
@@ -215,23 +213,65 @@ def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
                     for v in views)
         ends = [0] + [start + n for start, n in at]
         assert [start for start, _ in at] == ends[:-1] and buf.numel() == ends[-1], at
+
+
+def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    small = [p for p in params if 2 <= p.numel() <= base._SMALL]  # (one batch, for Kahan)
+    assert len(small) == 3
+    _assert_tiled(opt, small)
     ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in small]
     for p in params:
         p.grad = torch.ones_like(p)
     opt._step_plan = None  # a full step lays the batch out again: the buffer is kept
     opt.step()
     assert [opt.state[p]["exp_avg"].data_ptr() for p in small] == ptrs
-    # A checkpoint of it loads into a fresh optimizer as separate tensors, and steps the same.
+
+
+def test_a_loaded_checkpoint_is_laid_out_as_the_step_batches_it():
+    # A resumed run steps its small parameters' state in place, as a fresh run does, rather
+    # than concatenating it and copying it back every step; and steps the same.
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = [p.detach().clone().requires_grad_() for p in params]
+    other = _adamw_kahan(fresh)
+    other.load_state_dict(saved)
+    small = [q for q in fresh if 2 <= q.numel() <= base._SMALL]
+    _assert_tiled(other, small)
+    ptrs = {name: [other.state[q][name].data_ptr() for q in small]
+            for name in ("exp_avg", "compensation")}
+    for _ in range(2):  # a full step, then a replayed one
+        for p, q in zip(params, fresh, strict=True):
+            p.grad = torch.full_like(p, -0.25)
+            q.grad = torch.full_like(q, -0.25)
+        opt.step()
+        other.step()
+        assert_same(params, opt, fresh, other)
+        for name, before in ptrs.items():
+            assert [other.state[q][name].data_ptr() for q in small] == before, name
+    # The checkpoint's own tensors were copied, not taken: it is as it was saved.
+    for k, st in saved["state"].items():
+        assert not any(v is other.state[fresh[k]][n]
+                       for n, v in st.items() if isinstance(v, torch.Tensor))
+    assert saved["state"][1]["step"].item() == 2
+
+
+def test_a_loaded_checkpoint_that_the_step_batches_differently_still_steps_the_same():
+    # Laid out for every small parameter having a gradient; one without, the batch differs
+    # from the layout and is concatenated instead, with the same results.
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
     fresh = [p.detach().clone().requires_grad_() for p in params]
     other = _adamw_kahan(fresh)
     other.load_state_dict(copy.deepcopy(opt.state_dict()))
-    assert other.state[fresh[1]]["exp_avg"]._base is None
-    for p, q in zip(params, fresh, strict=True):
-        p.grad = torch.full_like(p, -0.25)
-        q.grad = torch.full_like(q, -0.25)
-    opt.step()
-    other.step()
-    assert_same(params, opt, fresh, other)
+    small = [i for i, p in enumerate(params) if 2 <= p.numel() <= base._SMALL]
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(params, fresh, strict=True)):
+            idle = i == small[step % len(small)]
+            p.grad = None if idle else torch.full_like(p, 0.5 - step)
+            q.grad = None if idle else torch.full_like(q, 0.5 - step)
+        opt.step()
+        other.step()
+        assert_same(params, opt, fresh, other)
 
 
 def test_replay_reads_step_counts_past_2_24_as_the_full_step_does():

@@ -743,11 +743,22 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _small_batches(self, items) -> tuple[list[_Batch], list]:
         """``_step_small_fused``'s batches of ``items`` (two or more parameters each, creating
-        their state), and the items left out.
+        their state), and the items left out."""
+        fresh: set[int] = set()  # ids of the parameters whose state is created here
+        buckets, rest = self._small_buckets(items, fresh)
+        batches = [_Batch(self, batch, step, fresh) for step, batch in buckets]
+        return batches, rest
+
+    def _small_buckets(self, items, fresh: set[int] | None) -> tuple[list[tuple[int, list]], list]:
+        """How ``items`` (small parameters, in step order) fall into batches: ``(step, items)`` per
+        batch of two or more, and the items left out.
 
         Per parameter this does only what must be redone each step (the host work here is most of
         a small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a
-        batch is keyed by group, strategy, step and gradient dtype alone.
+        batch is keyed by group, strategy, step and gradient dtype alone. With ``fresh`` a set,
+        missing state is created (its parameters' ids added to ``fresh``); with None (a
+        checkpoint being laid out, ``_lay_out_loaded``) parameters without state are left out and
+        each gradient is taken to be like its parameter, as ``backward`` makes it.
         """
         if getattr(self, "_fused_broken", False) or not (
             self._elementwise or self._norm_terms is not None
@@ -758,7 +769,6 @@ class LowPrecisionOptimizer(Optimizer):
         norms = not self._elementwise
         rest, buckets, filled_of = [], {}, {}
         names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
-        fresh: set[int] = set()  # ids of the parameters whose state is created here
         for item in items:
             group, p, _index, storage = item
             ck = (id(group), storage.name, p.dtype)
@@ -770,13 +780,16 @@ class LowPrecisionOptimizer(Optimizer):
                     if pairs_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
                     else None
                 )
-            g = p.grad
+            g = p.grad if fresh is not None else p
             n = p.numel()
             if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)):
                 rest.append(item)
                 continue
             state = self.state[p]
             if not state:
+                if fresh is None:
+                    rest.append(item)
+                    continue
                 state.update(self._init_state(group, p, storage))
                 fresh.add(id(p))
             if not (p.is_contiguous() and g.is_contiguous()) or not all(
@@ -801,7 +814,7 @@ class LowPrecisionOptimizer(Optimizer):
                 if len(batch) == 1:
                     rest.extend(batch)
                 else:
-                    batches.append(_Batch(self, batch, key[1], fresh))
+                    batches.append((key[1], batch))
         return batches, rest
 
     def _run_batch(self, batch: _Batch, step: int, memo) -> bool:
@@ -974,6 +987,31 @@ class LowPrecisionOptimizer(Optimizer):
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
         for p, st in new_state.items():
             self.state[p] = st
+        self._lay_out_loaded()
+
+    def _lay_out_loaded(self) -> None:
+        """Lay out the small parameters' loaded state as a fused step batches them (one flat
+        tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
+        so that a resumed run steps it in place as a fresh one does, rather than concatenating it
+        and copying it back every step. The tensors were just copied from the checkpoint, so
+        nothing outside the optimizer holds them yet. Where the next step batches differently
+        (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
+        """
+        work, index = [], -1
+        for gi, group in enumerate(self.param_groups):
+            for p, storage in zip(group["params"], self._validate_group(group, gi), strict=True):
+                index += 1
+                if self.state.get(p) and p.numel() <= _SMALL:
+                    work.append((group, p, index, storage))
+        work.sort(key=lambda item: -item[1].numel())  # the step's order (step())
+        buckets, _ = self._small_buckets(work, None)
+        for _step, items in buckets:
+            group, _, _, storage = items[0]
+            states = [self.state[p] for _, p, _, _ in items]
+            sizes = [p.numel() for _, p, _, _ in items]
+            for name in (*storage.buffers(items[0][1]), *self._math_buffers(group)):
+                if len({(st[name].dtype, st[name].device) for st in states}) == 1:
+                    _flat_state(states, name, sizes, True)
 
 
 def _inputs(
