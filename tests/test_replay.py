@@ -308,9 +308,12 @@ def test_a_recorded_step_keeps_no_gradient_alive():
      lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="stochastic", fused=True, seed=5)],
     ids=["adamw-kahan", "sgd-stochastic"],
 )
-def test_replay_under_a_loss_scaler_equals_the_full_step(make, name):
-    # Every step scaled, one of them skipped for an inf: the step counts (on the device) and
-    # everything else agree with full steps.
+@pytest.mark.parametrize("counts", ["host", "device"])
+def test_replay_under_a_loss_scaler_equals_the_full_step(make, name, counts, monkeypatch):
+    # Every step scaled, one of them skipped for an inf: the step counts and everything else
+    # agree with full steps. "device": the counts are read on their device, as on a GPU.
+    if counts == "device":
+        monkeypatch.setattr(base, "_host_counts", lambda device: False)
     params, opt = _same_with_and_without_replay(
         make, CHANGES[name], replays=STEPS - 1 if name in KEPT else 3, scaled=lambda step: True
     )

@@ -7,10 +7,12 @@ parameter and state tensor bit-identical, and none of it may read a value on the
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, base
 from tests._host import no_host_reads
 
 OPTIMIZERS = {
@@ -85,9 +87,13 @@ def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True):
     return params, opt, found_log
 
 
+@pytest.mark.parametrize("counts", ["host", "device"])
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master):
+def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, counts, monkeypatch):
+    # "device": step counts and the numbers made from them stay on the device, as on a GPU.
+    if counts == "device":
+        monkeypatch.setattr(base, "_host_counts", lambda device: False)
     ref_params, ref_opt, _ = _run(name, master, fused=False, scaled=False)
     params, opt, found = _run(name, master, fused=False, scaled=True, bad_steps=(2, 5))
     assert found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
@@ -102,6 +108,38 @@ def test_fused_scaled_step_equals_eager(name, master):
     params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,))
     assert f1 == f2
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, monkeypatch):
+    # The GPU's way (numbers made on the device from the count there), compiled, on the CPU.
+    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,))
+    monkeypatch.setattr(base, "_host_counts", lambda device: False)
+    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,))
+    assert f1 == f2
+    _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
+
+
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch):
+    # On CPU, small parameters share a compiled call under a loss scaler too (parameters of even
+    # length, so that stochastic rounding and LAMB's per-parameter norms batch as well); with
+    # batching off, each takes its own. Skipped steps included, the bits agree.
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(32, 18), (6,), (4, 4), (0,), (1,)])
+    params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5))
+    # (LAMB's per-parameter norms batch on pairs only, which FP32 parameters, master="none"
+    # here, do not have.)
+    assert bool(opt._step_plan.batches) == ((name, master) != ("lamb", "none"))
+    with monkeypatch.context() as m:
+        m.setattr(base, "_SMALL", 0)
+        alone_params, alone_opt, alone_found = _run(
+            name, master, fused=True, scaled=True, bad_steps=(2, 5)
+        )
+        assert not alone_opt._step_plan.batches
+    assert found == alone_found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
+    _assert_same(_snapshot(params, opt), _snapshot(alone_params, alone_opt))
 
 
 def test_attributes_set_by_grad_scaler_work_like_keywords():
@@ -196,7 +234,12 @@ def test_torch_grad_scaler_with_fp16_weights_and_fp32_master():
     "fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "fused"]
 )
 @pytest.mark.parametrize("master", ["kahan", "stochastic", "split"])
-def test_scaled_step_never_reads_a_value_on_the_host(master, fused):
+def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch):
+    # What a GPU step does: step counts read and used on the device, every parameter stepped by
+    # its own call. (On the CPU, where a host read is no synchronisation, counts are read on the
+    # host and small parameters batched: the tests around this one check they step the same.)
+    monkeypatch.setattr(base, "_host_counts", lambda device: False)
+    monkeypatch.setattr(base, "_SMALL", 0)
     params = _params(torch.bfloat16)
     opt = AdamW(params, master=master, fused=fused)
     for step in range(3):

@@ -380,8 +380,7 @@ class LowPrecisionOptimizer(Optimizer):
         small = [item for item in work if item[1].numel() <= _SMALL]
         for group, p, index, storage in work[: len(work) - len(small)]:
             self._step_param(group, p, index, storage, scaling, memo)
-        if scaling is None:  # (under a loss scaler the step counts live on the device)
-            small = self._step_small_fused(small, memo)
+        small = self._step_small_fused(small, memo, scaling)
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         self._step_plan = plan
@@ -421,30 +420,34 @@ class LowPrecisionOptimizer(Optimizer):
         state = self.state
         if not all(e.current(state) for e in plan.entries):
             return False
+        if not plan.read_counts():  # (before the scaler's check, which writes found_inf)
+            return False
         scaling = None
         if plan.scaled:  # (the step counts are read on the device, by _scaled_numbers)
             scaling = _Scaling.prepare(
                 [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf
             )
-        elif not plan.read_counts():
-            return False
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
+        taken = None if scaling is None else scaling.taken_on(torch.device("cpu"))
         try:
             for run in plan.runs:
                 if isinstance(run, _Batch):
-                    if not self._run_batch(run, run.entries[0].step + 1, memo):
+                    if not self._run_batch(run, run.entries[0].step + 1, memo, scaling):
                         self._step_plan = None
                         for group, p, index, storage in run.items:
-                            self._step_param(group, p, index, storage, None, memo)
+                            self._step_param(group, p, index, storage, scaling, memo)
                     continue
                 e = run
                 if e.fused is not None:
+                    host = scaling is None or _host_counts(e.p.device)
                     try:
-                        if scaling is None:
+                        if host:
                             step = e.step + 1
-                            self._run_fused(e.fused, e.p.grad, *self._step_coefficients(
-                                e.group, step, memo), *self._keys(e.group, e.storage, step,
-                                                                  e.index), {})
+                            self._run_fused(
+                                e.fused, e.p.grad, *self._step_coefficients(e.group, step, memo),
+                                *self._keys(e.group, e.storage, step, e.index),
+                                {} if scaling is None else scaling.kernel_args(e.p.device),
+                            )
                         else:
                             step, lo, hi, coeffs, extra = self._scaled_numbers(
                                 e.group, e.p, e.index, e.storage, e.state, scaling, memo
@@ -454,7 +457,7 @@ class LowPrecisionOptimizer(Optimizer):
                         _disable_fused(self, err)
                         self._step_plan = None
                     else:
-                        if scaling is None:
+                        if host:
                             fused.append(e)
                         else:
                             self._advance(e.state, step, scaling, e.p.device)
@@ -464,8 +467,9 @@ class LowPrecisionOptimizer(Optimizer):
             if fused:
                 # One call for every count instead of a fill per parameter (also when a later
                 # parameter raised: these were stepped). Each holds the whole number read above,
-                # so adding 1 stores what the full step's fill_(count + 1) would.
-                torch._foreach_add_([e.count for e in fused], 1)
+                # so adding 1 stores what the full step's fill_(count + 1) would; under a loss
+                # scaler, 1 unless the step was skipped (counts read on the host are on the CPU).
+                torch._foreach_add_([e.count for e in fused], 1 if taken is None else taken)
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -524,8 +528,7 @@ class LowPrecisionOptimizer(Optimizer):
                 if t is None:
                     t = shared[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
                 coeffs[k] = t
-        extra = {"inv_scale": scaling.inv_scale_on(p.device), "skip": scaling.skip_on(p.device)}
-        return step, lo, hi, coeffs, extra
+        return step, lo, hi, coeffs, scaling.kernel_args(p.device)
 
     @staticmethod
     def _keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
@@ -549,11 +552,11 @@ class LowPrecisionOptimizer(Optimizer):
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = {k: state[k] for k in self._math_buffers(group)}
         flags = self._group_flags(group, memo)
-        if scaling is None:
+        if scaling is None or _host_counts(p.device):
             step = int(state["step"].item()) + 1
             lo, hi = self._keys(group, storage, step, index)
             coeffs, _ = self._step_coefficients(group, step, memo, tensors=False)
-            extra: dict[str, torch.Tensor] = {}
+            extra = {} if scaling is None else scaling.kernel_args(p.device)
         else:
             step, lo, hi, coeffs, extra = self._scaled_numbers(
                 group, p, index, storage, state, scaling, memo
@@ -565,7 +568,7 @@ class LowPrecisionOptimizer(Optimizer):
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
-            if scaling is None:  # (shared by the group's parameters at this step number)
+            if isinstance(step, int):  # (shared by the group's parameters at this step number)
                 coeffs, c32 = self._step_coefficients(group, step, memo)
             else:
                 c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
@@ -713,7 +716,7 @@ class LowPrecisionOptimizer(Optimizer):
                 coeffs, lo, hi, storage=storage, math=self._math, flags=flags, offset=n, **extra,
             )
 
-    def _step_small_fused(self, items, memo) -> list:
+    def _step_small_fused(self, items, memo, scaling: _Scaling | None = None) -> list:
         """Fused steps of small parameters batched per group: one compiled call per batch.
 
         The per-call cost of a compiled kernel (~30-60 us, Dynamo's guards and wrappers) is most of
@@ -725,12 +728,16 @@ class LowPrecisionOptimizer(Optimizer):
         length): each word of the batch is hashed with its own parameter's key and its index
         within that parameter, so it gets the random bits of the parameter's own step. Returns
         the items it did not take (stepped one by one as before).
+
+        Under a loss scaler (``scaling``) the batch's call unscales and skips as a parameter's
+        own does; batches are on CPU, where reading the step counts on the host costs no
+        synchronisation, so the coefficients are the group's host numbers as in a plain step.
         """
         batches, rest = self._small_batches(items)
         plan = memo.get("plan")
         for batch in batches:
             if getattr(self, "_fused_broken", False) or not self._run_batch(
-                batch, batch.step, memo
+                batch, batch.step, memo, scaling
             ):
                 rest.extend(batch.items)
             elif plan is not None:
@@ -817,9 +824,9 @@ class LowPrecisionOptimizer(Optimizer):
                     batches.append((key[1], batch))
         return batches, rest
 
-    def _run_batch(self, batch: _Batch, step: int, memo) -> bool:
-        """One compiled step of ``batch`` at ``step``; False (nothing written) where it cannot run
-        fused, for its parameters to be stepped one by one."""
+    def _run_batch(self, batch: _Batch, step: int, memo, scaling: _Scaling | None = None) -> bool:
+        """One compiled step of ``batch`` at ``step`` (under ``scaling``, if given); False (nothing
+        written) where it cannot run fused, for its parameters to be stepped one by one."""
         group, storage = batch.group, batch.storage
         flags = self._group_flags(group, memo)
         coeffs, c32 = self._step_coefficients(group, step, memo)
@@ -832,6 +839,8 @@ class LowPrecisionOptimizer(Optimizer):
         lo: Any = 0
         hi: Any = 0
         extra: dict[str, torch.Tensor] = {}
+        if scaling is not None:
+            extra = scaling.kernel_args(params.device)
         segments = None
         keyed = storage.needs_random_bits
         if not self._elementwise or keyed:
@@ -847,8 +856,8 @@ class LowPrecisionOptimizer(Optimizer):
                 extra["owner"], extra["idx"] = owner, idx
         try:
             fused = self._prepare_fused(
-                storage, flags, params, grad, sbufs, mbufs, keyed=keyed,
-                per_word=segments is not None,
+                storage, flags, params, grad, sbufs, mbufs, scaled=scaling is not None,
+                keyed=keyed, per_word=segments is not None,
             )
             self._run_fused(fused, grad, coeffs, c32, lo, hi, extra, segments)
         except _COMPILE_ERRORS as e:  # nothing of the parameters was written
@@ -860,8 +869,12 @@ class LowPrecisionOptimizer(Optimizer):
                 torch._foreach_copy_(batch.views[k], bufs[k].split(batch.sizes))
         # Every step count of the batch becomes `step`, as _advance does, in one call: each holds
         # step - 1 as read (the batch's key), so adding 1 stores what fill_(step) would, for
-        # floating-point or integer counts (a loaded checkpoint keeps its dtype).
-        torch._foreach_add_(batch.counts, 1)
+        # floating-point or integer counts (a loaded checkpoint keeps its dtype). Under a loss
+        # scaler, 1 unless the step was skipped, decided on the device.
+        if scaling is None:
+            torch._foreach_add_(batch.counts, 1)
+        else:
+            torch._foreach_add_(batch.counts, scaling.taken_on(params.device))
         return True
 
     def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1292,10 +1305,22 @@ class _Scaling:
             self._skip[device] = next(iter(self._skip.values())).to(device, non_blocking=True)
         return self._skip[device]
 
+    def kernel_args(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The keyword arguments a step's kernel takes on ``device``: the unscaling and the skip."""
+        return {"inv_scale": self.inv_scale_on(device), "skip": self.skip_on(device)}
+
     def taken_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
+
+
+def _host_counts(device: torch.device) -> bool:
+    """Whether a step under a loss scaler reads the step counts of parameters on ``device`` on the
+    host and takes the group's host numbers, as a plain step does: on the CPU, where that costs
+    no synchronisation and saves each parameter a dozen small tensor operations. Elsewhere the
+    numbers are computed on the device (``_scaled_numbers``)."""
+    return device.type == "cpu"
 
 
 # ------------------------------------------------------------------ the compiled (fused) path
@@ -1548,10 +1573,17 @@ class _Plan:
         """Read every entry's step count into ``entry.step``, as the full step reads them (one
         transfer per dtype and device; a count can change without its version counter showing
         it, e.g. by a collective or through ``.data``). False where the record cannot be redone
-        at these counts: one that is not a whole number, or a batch whose counts differ."""
+        at these counts: one that is not a whole number, or a batch whose counts differ.
+
+        A step under a loss scaler reads only the counts of its batches and of parameters on the
+        CPU (``_host_counts``): the others are read on their devices (``_scaled_numbers``), with no
+        host synchronisation."""
         if self.counts is None:
             sets: dict[Any, tuple[list[_Entry], list[torch.Tensor]]] = {}
-            for e in self.entries:
+            batched = {id(e) for b in self.batches for e in b.entries}
+            read = [e for e in self.entries if not self.scaled or id(e) in batched
+                    or _host_counts(e.p.device)]
+            for e in read:
                 entries, counts = sets.setdefault((e.count.dtype, e.count.device), ([], []))
                 entries.append(e)
                 counts.append(e.count)
