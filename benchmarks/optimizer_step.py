@@ -1039,7 +1039,41 @@ def build_table(results: list[Result], axpy_bw: float,
     return records, lines
 
 
-def comparisons(results: list[Result]) -> tuple[list[dict], list[str]]:
+def ab_ratios(num: Row, den: Row, base: BaseTensors, args: argparse.Namespace,
+              companions: Companions | None) -> list[float]:
+    """A comparison's two rows timed against each other: both optimizers alive, on parameters of
+    their own, stepped in turn (which goes first alternates), each step followed by an axpy when
+    --paired gives one; the ratios of the two steps of each turn. The ratio then depends on
+    neither a reference nor the machine's speed between the rows' own passes."""
+    a = b = None
+    try:
+        with _quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a, b = num.make(base.params(num.dtype)), den.make(base.params(den.dtype))
+            for _ in range(max(args.warmup, 2)):
+                a.step()
+                b.step()
+            ratios = []
+            for turn in range(args.ab_steps):
+                times = {}
+                for name, opt in ((("a", a), ("b", b)) if turn % 2 == 0
+                                  else (("b", b), ("a", a))):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    times[name] = time.perf_counter() - t0
+                    if companions is not None:
+                        companions.axpy()
+                ratios.append(times["a"] / times["b"])
+        return ratios
+    except Exception:  # (the rows' own passes report their errors)
+        return []
+    finally:
+        del a, b
+        gc.collect()
+
+
+def comparisons(results: list[Result], ab: dict[tuple[str, str], list[float]] | None = None
+                ) -> tuple[list[dict], list[str]]:
     ok = [r for r in results if r.status == "ok" and r.times]
     records, lines = [], []
     for title, num_pred, den_pred in COMPARISONS:
@@ -1061,14 +1095,18 @@ def comparisons(results: list[Result]) -> tuple[list[dict], list[str]]:
             if x_num is not None and ref_name and len(x_dens) == len(dens):
                 x_den, pden = min(x_dens, key=lambda xd: xd[0])
                 paired = x_num / x_den
+            ab_list = (ab or {}).get((num.row.name, den.row.name)) or []
+            ratio_ab = statistics.median(ab_list) if ab_list else None
             records.append({"title": title, "row": num.row.name, "peer": den.row.name,
-                            "ratio": ratio, "ratio_paired": paired,
+                            "ratio": ratio, "ratio_paired": paired, "ratio_ab": ratio_ab,
+                            "ab_steps": len(ab_list),
                             "peer_paired": pden.row.name if paired is not None else None,
                             "paired_reference": ref_name if paired is not None else None})
             lines.append(f"  {title:<44} {num.row.name:<42} / {den.row.name:<32} "
                          f"{ratio:6.2f}x" + (f"  paired {paired:5.2f}x"
                                               + (f" ({pden.row.name})" if pden is not den else "")
-                                              if paired is not None else ""))
+                                              if paired is not None else "")
+                         + (f"  A/B {ratio_ab:5.2f}x" if ratio_ab is not None else ""))
     return records, lines
 
 
@@ -1115,6 +1153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time the family's reference optimizer and an axpy right after each step "
                         "and take %%axpy, x fused and the comparisons from those per-step ratios "
                         "(default: on)")
+    p.add_argument("--ab-steps", type=int, default=15,
+                   help="after the rounds, time each comparison's two rows against each other, "
+                        "stepped in turn this many times, for the A/B ratio (default: 15; 0: "
+                        "off)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: ~2M parameters, 3 steps, 1 warmup, 1 round, no retries, "
@@ -1123,13 +1165,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.params_millions, args.steps, args.warmup, args.axpy_millions = 2.0, 3, 1, 16.0
-        args.rounds, args.retries = 1, 0
+        args.rounds, args.retries, args.ab_steps = 1, 0, 3
     for v in args.lowprec_variants.split(","):
         if v and v not in LOWPREC_VARIANTS:
             p.error(f"unknown lowprec variant {v!r}; known: {', '.join(LOWPREC_VARIANTS)}")
     if (args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.min_steps < 1
-            or args.retries < 0):
-        p.error("--steps, --rounds and --min-steps must be >= 1, --warmup and --retries >= 0")
+            or args.retries < 0 or args.ab_steps < 0):
+        p.error("--steps, --rounds and --min-steps must be >= 1, --warmup, --retries and "
+                "--ab-steps >= 0")
     return args
 
 
@@ -1220,11 +1263,22 @@ def main(argv: list[str] | None = None) -> int:
             break
         one_pass(f"retry {rt + 1}/{args.retries} (contended) ", todo, deadline)
 
+    ordered = [results[r.name] for r in rows]
+    ab: dict[tuple[str, str], list[float]] = {}
+    if args.ab_steps:
+        # Each comparison's row against its (fastest) peer, head to head.
+        for rec in comparisons(ordered)[0]:
+            num, den = results[rec["row"]].row, results[rec["peer"]].row
+            ab[(num.name, den.name)] = ab_ratios(num, den, base, args, companions)
+            if ab[(num.name, den.name)]:
+                print(f"  A/B {num.name} / {den.name}: "
+                      f"{statistics.median(ab[(num.name, den.name)]):.2f}x", file=sys.stderr,
+                      flush=True)
+
     axpy_used = _clean(axpy, args.bg_max)
     axpy_ref = statistics.median([axpy_bw(w) for w in axpy_used])
-    ordered = [results[r.name] for r in rows]
     records, lines = build_table(ordered, axpy_ref, 12 * n_axpy)
-    comp_records, comp_lines = comparisons(ordered)
+    comp_records, comp_lines = comparisons(ordered, ab)
     runtime = time.perf_counter() - t_start
     print(f"axpy over the run: {', '.join(f'{axpy_bw(w) / 1e9:.1f}' for w in axpy)} GB/s "
           f"(bg {', '.join(_fmt(w.bg, '.1f') for w in axpy)}); reference for %axpy: "
@@ -1241,8 +1295,10 @@ def main(argv: list[str] | None = None) -> int:
     if comp_lines:
         print()
         print("comparisons (median / median; < 1 means lowprec is faster"
-              + ("; paired: x fused / x fused, each against the reference timed beside it)"
-                 if args.paired else ")") + ":")
+              + ("; paired: x fused / x fused, each against the reference timed beside it"
+                 if args.paired else "")
+              + ("; A/B: the median ratio of the two stepped in turn, both alive"
+                 if args.ab_steps else "") + "):")
         print("\n".join(comp_lines))
     if args.json:
         payload = {"header": {**info, "load_average_start": load_start,

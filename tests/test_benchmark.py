@@ -47,3 +47,35 @@ def test_paired_comparison_needs_the_same_reference():
     recs, _ = ob.comparisons([a, b])
     assert recs and all(r["ratio_paired"] is None for r in recs)
     assert recs[0]["ratio"] == 1 / 3
+
+
+def test_ab_ratios_time_the_two_rows_in_turn(monkeypatch):
+    """Two fake optimizers on a fake clock, one taking 3 units a step and the other 1: every turn
+    gives 3, whichever goes first, and the order alternates."""
+    clock = [0.0]
+    order = []
+
+    class Fake:
+        def __init__(self, name, cost):
+            self.name, self.cost = name, cost
+
+        def step(self):
+            clock[0] += self.cost
+            order.append(self.name)
+
+    monkeypatch.setattr(ob.time, "perf_counter", lambda: clock[0])
+    num = ob.Row("lowprec-x", "adamw", "lowprec", torch.bfloat16, lambda ps: Fake("a", 3.0))
+    den = ob.Row("optimi-x", "adamw", "optimi", torch.bfloat16, lambda ps: Fake("b", 1.0))
+    base = ob.BaseTensors.make([("w", (4, 4))])
+    args = ob.parse_args(["--ab-steps", "4", "--warmup", "1"])
+    assert ob.ab_ratios(num, den, base, args, None) == [3.0] * 4
+    assert order[-8:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    # A row that fails gives no ratios (its own passes report the error).
+    broken = ob.Row("lowprec-y", "adamw", "lowprec", torch.bfloat16, lambda ps: 1 / 0)
+    assert ob.ab_ratios(broken, den, base, args, None) == []
+    # And comparisons() carries the A/B median beside the others.
+    a = _result("lowprec-adamw-bf16-kahan-fused", "lowprec", [1, 1], [2, 2], [1, 1], "x")
+    b = _result("optimi-adamw-bf16-kahan-loop", "optimi", [3, 3], [2, 2], [1, 1], "x")
+    recs, lines = ob.comparisons([a, b], {(a.row.name, b.row.name): [0.25, 0.5, 0.75]})
+    assert recs[0]["ratio_ab"] == 0.5 and recs[0]["ab_steps"] == 3
+    assert "A/B  0.50x" in lines[0]
