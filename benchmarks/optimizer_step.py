@@ -493,8 +493,9 @@ def _window(times: list[float] | None = None) -> Iterator[Window]:
 
 
 def _clean(windows: list[Window], bg_max: float) -> list[Window]:
-    """The windows measured without contention, or all of them if there are none."""
-    clean = [w for w in windows if w.bg is not None and w.bg <= bg_max]
+    """The windows not known to be contended (a window too short for /proc/stat's ticks has an
+    unknown bg, which is no sign of contention), or all of them if every one is."""
+    clean = [w for w in windows if w.bg is None or w.bg <= bg_max]
     return clean or windows
 
 
@@ -918,7 +919,8 @@ def _fmt(x: float | None, spec: str) -> str:
 COLUMNS_HELP = """\
 n: timed steps; median, p25-p75, min: wall ms per step(); cpu ms: median process CPU time per
 step (all threads); bg: cores other processes kept busy meanwhile (/proc/stat); the statistics
-use only a row's passes with bg <= --bg-max when it has any ("contended in every pass" if not);
+set aside a row's passes with bg > --bg-max (unknown bg: kept) unless every one has it
+("contended in every pass");
 B/p mv: bytes per parameter a step must move (2x param and state, 1x grad; LAMB, two passes: 3x
 param and state, 2x grad); B/p res:
 resident param + grad + state bytes per parameter; GB/s: B/p mv x params / median; %axpy: that

@@ -79,3 +79,19 @@ def test_ab_ratios_time_the_two_rows_in_turn(monkeypatch):
     recs, lines = ob.comparisons([a, b], {(a.row.name, b.row.name): [0.25, 0.5, 0.75]})
     assert recs[0]["ratio_ab"] == 0.5 and recs[0]["ab_steps"] == 3
     assert "A/B  0.50x" in lines[0]
+
+
+def test_passes_of_unknown_background_are_kept():
+    """A pass too short for /proc/stat has an unknown bg: it counts, as an uncontended one does;
+    only a pass known to be contended is set aside (when another is not)."""
+    def window(times, busy):
+        return ob.Window(list(times), [0.0] * len(times), wall=1.0, cpu=0.0, busy=busy)
+
+    short = [window([1.0, 1.0], None), window([1.0, 1.0], None)]
+    quiet = window([3.0, 3.0], 0.1)
+    busy = window([9.0, 9.0], 1.5)
+    assert ob._clean([*short, quiet, busy], 0.3) == [*short, quiet]
+    assert ob._clean([busy], 0.3) == [busy]
+    r = ob.Result(ob.Row("x", "adamw", "torch", torch.float32, None), bg_max=0.3)
+    r.windows.extend([*short, quiet])
+    assert r.median == 1.0 and len(r.times) == 6
