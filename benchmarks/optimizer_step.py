@@ -1136,8 +1136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "spreads the load swings of a shared machine over every row (default: 3)")
     p.add_argument("--bg-max", type=float, default=0.3,
                    help="a pass during which other processes kept more than this many cores busy "
-                        "is contended: a row's statistics use its uncontended passes when it has "
-                        "any (default: 0.3; inf keeps every pass)")
+                        "is contended: a row's statistics set its contended passes aside when it "
+                        "has others (default: 0.3; inf keeps every pass)")
     p.add_argument("--retries", type=int, default=2,
                    help="extra passes, after the rounds, over the rows that were contended in "
                         "every pass so far, cheapest first (default: 2)")

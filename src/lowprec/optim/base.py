@@ -423,12 +423,11 @@ class LowPrecisionOptimizer(Optimizer):
         if not plan.read_counts():  # (before the scaler's check, which writes found_inf)
             return False
         scaling = None
-        if plan.scaled:  # (the step counts are read on the device, by _scaled_numbers)
+        if plan.scaled:  # (off the CPU the counts are read on the device: _scaled_numbers)
             scaling = _Scaling.prepare(
                 [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf
             )
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
-        taken = None if scaling is None else scaling.taken_on(torch.device("cpu"))
         try:
             for run in plan.runs:
                 if isinstance(run, _Batch):
@@ -468,8 +467,12 @@ class LowPrecisionOptimizer(Optimizer):
                 # One call for every count instead of a fill per parameter (also when a later
                 # parameter raised: these were stepped). Each holds the whole number read above,
                 # so adding 1 stores what the full step's fill_(count + 1) would; under a loss
-                # scaler, 1 unless the step was skipped (counts read on the host are on the CPU).
-                torch._foreach_add_([e.count for e in fused], 1 if taken is None else taken)
+                # scaler, 1 unless the step was skipped (these counts were read on the host, so
+                # they are on the CPU: its flag, taken only then, costs no synchronisation).
+                torch._foreach_add_(
+                    [e.count for e in fused],
+                    1 if scaling is None else scaling.taken_on(fused[0].count.device),
+                )
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
