@@ -371,14 +371,11 @@ class LowPrecisionOptimizer(Optimizer):
         scaling = None
         if scaled:
             scaling = _Scaling.prepare(work, grad_scale, found_inf)
-        # Largest first, the small ones (batched below) last: parameters are independent (the
-        # random key is the parameter's index, not its position here).
-        work.sort(key=lambda item: -item[1].numel())
         # The step is recorded, for the next steps to redo (_replay).
         plan = _Plan(self, scaled)
         memo: dict[Any, Any] = {"plan": plan}
-        small = [item for item in work if item[1].numel() <= _SMALL]
-        for group, p, index, storage in work[: len(work) - len(small)]:
+        large, small = _by_size(work)
+        for group, p, index, storage in large:
             self._step_param(group, p, index, storage, scaling, memo)
         small = self._step_small_fused(small, memo, scaling)
         for group, p, index, storage in small:
@@ -463,16 +460,8 @@ class LowPrecisionOptimizer(Optimizer):
                         continue
                 self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
         finally:
-            if fused:
-                # One call for every count instead of a fill per parameter (also when a later
-                # parameter raised: these were stepped). Each holds the whole number read above,
-                # so adding 1 stores what the full step's fill_(count + 1) would; under a loss
-                # scaler, 1 unless the step was skipped (these counts were read on the host, so
-                # they are on the CPU: its flag, taken only then, costs no synchronisation).
-                torch._foreach_add_(
-                    [e.count for e in fused],
-                    1 if scaling is None else scaling.taken_on(fused[0].count.device),
-                )
+            if fused:  # (also when a later parameter raised: these were stepped)
+                _advance_counts([e.count for e in fused], scaling)
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -870,14 +859,7 @@ class LowPrecisionOptimizer(Optimizer):
         for k, b in batch.bufs.items():
             if b is None:
                 torch._foreach_copy_(batch.views[k], bufs[k].split(batch.sizes))
-        # Every step count of the batch becomes `step`, as _advance does, in one call: each holds
-        # step - 1 as read (the batch's key), so adding 1 stores what fill_(step) would, for
-        # floating-point or integer counts (a loaded checkpoint keeps its dtype). Under a loss
-        # scaler, 1 unless the step was skipped, decided on the device.
-        if scaling is None:
-            torch._foreach_add_(batch.counts, 1)
-        else:
-            torch._foreach_add_(batch.counts, scaling.taken_on(params.device))
+        _advance_counts(batch.counts, scaling)  # (each held step - 1, the batch's key)
         return True
 
     def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1017,10 +999,9 @@ class LowPrecisionOptimizer(Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p, storage in zip(group["params"], self._validate_group(group, gi), strict=True):
                 index += 1
-                if self.state.get(p) and p.numel() <= _SMALL:
+                if self.state.get(p):
                     work.append((group, p, index, storage))
-        work.sort(key=lambda item: -item[1].numel())  # the step's order (step())
-        buckets, _ = self._small_buckets(work, None)
+        buckets, _ = self._small_buckets(_by_size(work)[1], None)
         for _step, items in buckets:
             group, _, _, storage = items[0]
             states = [self.state[p] for _, p, _, _ in items]
@@ -1316,6 +1297,24 @@ class _Scaling:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
+
+
+def _by_size(work: list) -> tuple[list, list]:
+    """``step()``'s order of its work list: the large parameters, largest first, then the small
+    ones (up to ``_SMALL`` elements, batched). Parameters are independent (the random key is a
+    parameter's index, not its position here), so only the batches depend on this order."""
+    work = sorted(work, key=lambda item: -item[1].numel())
+    n_large = sum(item[1].numel() > _SMALL for item in work)
+    return work[:n_large], work[n_large:]
+
+
+def _advance_counts(counts: list[torch.Tensor], scaling: _Scaling | None) -> None:
+    """Advance the step counts of parameters stepped together, in one call. Each holds the whole
+    number read on the host before the step, so adding 1 stores what ``_advance``'s
+    ``fill_(count + 1)`` would, for floating-point or integer counts (a loaded checkpoint keeps
+    its dtype); under a loss scaler, ``1 - skip``, decided on the device (these counts are on the
+    CPU, where the flag costs no synchronisation)."""
+    torch._foreach_add_(counts, 1 if scaling is None else scaling.taken_on(counts[0].device))
 
 
 def _host_counts(device: torch.device) -> bool:
