@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
+import warnings
 import weakref
 
 import pytest
@@ -413,3 +415,118 @@ def test_a_record_does_not_keep_replaced_parameter_storage_alive():
     gc.collect()
     assert old() is None
     assert opt._step_plan is not None  # (the record is still there)
+
+
+# Several parameters of one kernel variant: a redone step steps them with one compiled call
+# (base._Many). Three of these take the fused step's own call; the small ones batch.
+MANY_SHAPES = [(300, 256), (256, 300), (72000,), (64,), (32, 4), (7,), (1,)]
+MANY_MAKERS = {
+    "adamw-kahan": _adamw_kahan,
+    "sgd-stochastic": lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="stochastic", fused=True,
+                                     seed=5),
+    "adagrad-split": lambda ps: Adagrad(ps, lr=0.05, master="split", fused=True),
+}
+
+
+def _calls_shared(opt) -> bool:
+    """Whether the last record's parameters took one call together (a _Many that ran)."""
+    plan = opt._step_plan
+    runs = [] if plan is None or plan.many is None else plan.many
+    return any(isinstance(r, base._Many) and r.pattern in base._MANY_SEEN.get(r.key, ())
+               for r in runs)
+
+
+@pytest.fixture
+def many_shapes(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", MANY_SHAPES)
+    monkeypatch.setattr(base, "_MANY_SEEN", {})  # (a budget of its own for this test)
+
+
+@pytest.mark.parametrize("name", ["nothing", "step_count_written", "a_grad_missing",
+                                  "param_data_replaced", "grads_in_fp32",
+                                  "step_counts_written_through_data"])
+@pytest.mark.parametrize("make", list(MANY_MAKERS))
+def test_one_call_for_several_parameters_equals_the_full_step(make, name, many_shapes):
+    _, opt = _same_with_and_without_replay(
+        MANY_MAKERS[make], CHANGES[name], replays=STEPS - 1 if name in KEPT else 3
+    )
+    assert _calls_shared(opt)
+
+
+@pytest.mark.parametrize("make", ["adamw-kahan", "sgd-stochastic"])
+def test_one_call_for_several_parameters_under_a_loss_scaler(make, many_shapes):
+    _, opt = _same_with_and_without_replay(
+        MANY_MAKERS[make], CHANGES["nothing"], replays=STEPS - 1, scaled=lambda step: True
+    )
+    assert _calls_shared(opt)
+
+
+def test_a_variant_past_its_budget_of_size_patterns_steps_one_call_each(many_shapes, monkeypatch):
+    # Dynamo compiles the shared call per number and sizes of parameters; past the budget the
+    # parameters take their own calls, with the same results.
+    monkeypatch.setattr(base, "_MANY_PATTERNS", 0)
+    _, opt = _same_with_and_without_replay(_adamw_kahan, CHANGES["nothing"])
+    assert not _calls_shared(opt)
+    assert any(isinstance(r, base._Many) for r in opt._step_plan.many)
+
+
+def test_a_shared_call_that_fails_to_compile_leaves_each_its_own(many_shapes, monkeypatch):
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    ref = _adamw_kahan(ref_params)
+    ref.load_state_dict(opt.state_dict())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compile failure")
+
+    for run in opt._step_plan.many:
+        if isinstance(run, base._Many):
+            monkeypatch.setattr(run, "kernel", broken)
+    monkeypatch.setattr(base, "_MANY_BROKEN", set())
+    for _ in range(2):
+        for p, q in zip(params, ref_params, strict=True):
+            p.grad = torch.full_like(p, 0.5)
+            q.grad = torch.full_like(q, 0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (the fused step itself stays on: no warning)
+            opt.step()
+        ref.step()
+        assert_same(params, opt, ref_params, ref)
+    assert base._MANY_BROKEN and not getattr(opt, "_fused_broken", False)
+
+
+def test_shared_calls_hold_at_most_many_max_parameters_each(many_shapes, monkeypatch):
+    # Sorted by size and cut into calls of _MANY_MAX: with 2, the three large parameters take a
+    # shared call of two and a call of their own, with the same results as the full step.
+    monkeypatch.setattr(base, "_MANY_MAX", 2)
+    _, opt = _same_with_and_without_replay(_adamw_kahan, CHANGES["nothing"])
+    shared = [r for r in opt._step_plan.many if isinstance(r, base._Many)]
+    assert [len(r.entries) for r in shared] == [2]
+    assert [r.p.numel() for r in shared[0].entries] == [72000, 76800]  # (sorted by size)
+    assert _calls_shared(opt)
+
+
+def test_shared_calls_of_equal_sizes_compile_once(monkeypatch):
+    # Two calls, each of two parameters of one size (a different size in each), are one pattern
+    # of sizes for Dynamo: the second call reuses the first one's compilation.
+    shapes = [(300, 256), (300, 256), (72000,), (72000,)]
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", shapes)
+    monkeypatch.setattr(base, "_MANY_SEEN", {})
+    monkeypatch.setattr(base, "_MANY_MAX", 2)
+    monkeypatch.setattr(base, "_KERNELS", {})  # (fresh compiled functions: fresh Dynamo caches)
+    torch.manual_seed(0)
+    params = [torch.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    opt = _adamw_kahan(params)
+    def compiled() -> int:
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        before = compiled()
+        opt.step()
+        if step == 1:  # (the first step redone from its record compiles the shared calls)
+            assert compiled() - before == 1
+    shared = [r for r in opt._step_plan.many if isinstance(r, base._Many)]
+    assert len(shared) == 2 and len({r.kernel for r in shared}) == 1
+    assert {r.pattern for r in shared} == {(0, 0)} and _calls_shared(opt)

@@ -19,12 +19,13 @@ dtype).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -426,42 +427,90 @@ class LowPrecisionOptimizer(Optimizer):
             )
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         try:
-            for run in plan.runs:
-                if isinstance(run, _Batch):
-                    if not self._run_batch(run, run.entries[0].step + 1, memo, scaling):
-                        self._step_plan = None
-                        for group, p, index, storage in run.items:
-                            self._step_param(group, p, index, storage, scaling, memo)
-                    continue
-                e = run
-                if e.fused is not None:
-                    host = scaling is None or _host_counts(e.p.device)
-                    try:
-                        if host:
-                            step = e.step + 1
-                            self._run_fused(
-                                e.fused, e.p.grad, *self._step_coefficients(e.group, step, memo),
-                                *self._keys(e.group, e.storage, step, e.index),
-                                {} if scaling is None else scaling.kernel_args(e.p.device),
-                            )
-                        else:
-                            step, lo, hi, coeffs, extra = self._scaled_numbers(
-                                e.group, e.p, e.index, e.storage, e.state, scaling, memo
-                            )
-                            self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
-                    except _COMPILE_ERRORS as err:  # compilation failed before anything was written
-                        _disable_fused(self, err)
-                        self._step_plan = None
-                    else:
-                        if host:
-                            fused.append(e)
-                        else:
-                            self._advance(e.state, step, scaling, e.p.device)
+            for run in plan.merged(self):
+                if isinstance(run, _Many):
+                    if self._run_many(run, memo, scaling):
+                        fused.extend(run.entries)
                         continue
-                self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
+                    runs = run.entries  # (not compiled: each by its own call, below)
+                else:
+                    runs = [run]
+                for run in runs:
+                    self._replay_run(run, memo, scaling, fused)
         finally:
             if fused:  # (also when a later parameter raised: these were stepped)
                 _advance_counts([e.count for e in fused], scaling)
+        return True
+
+    def _replay_run(self, run, memo, scaling, fused: list[_Entry]) -> None:
+        """Redo one recorded run (a batch or a parameter); ``fused`` collects the entries whose
+        counts ``_replay`` advances."""
+        if isinstance(run, _Batch):
+            if not self._run_batch(run, run.entries[0].step + 1, memo, scaling):
+                self._step_plan = None
+                for group, p, index, storage in run.items:
+                    self._step_param(group, p, index, storage, scaling, memo)
+            return
+        e = run
+        if e.fused is not None:
+            host = scaling is None or _host_counts(e.p.device)
+            try:
+                if host:
+                    step = e.step + 1
+                    self._run_fused(
+                        e.fused, e.p.grad, *self._step_coefficients(e.group, step, memo),
+                        *self._keys(e.group, e.storage, step, e.index),
+                        {} if scaling is None else scaling.kernel_args(e.p.device),
+                    )
+                else:
+                    step, lo, hi, coeffs, extra = self._scaled_numbers(
+                        e.group, e.p, e.index, e.storage, e.state, scaling, memo
+                    )
+                    self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
+            except _COMPILE_ERRORS as err:  # compilation failed before anything was written
+                _disable_fused(self, err)
+                self._step_plan = None
+            else:
+                if host:
+                    fused.append(e)
+                else:
+                    self._advance(e.state, step, scaling, e.p.device)
+                return
+        self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
+
+    def _run_many(self, many: _Many, memo, scaling) -> bool:
+        """Redo ``many``'s parameters with one compiled call (``_update_many``); False, having
+        written nothing, where they must go one by one instead: their step counts differ (the
+        coefficients are shared), or the call cannot be compiled."""
+        entries = many.entries
+        step = entries[0].step + 1
+        if any(e.step + 1 != step for e in entries) or not many.usable():
+            return False
+        e0 = entries[0]
+        group, storage, n = e0.group, e0.storage, many.words
+        _, c32 = self._step_coefficients(group, step, memo)
+        if storage.needs_random_bits:
+            keys = [_key_tensors(*self._keys(group, storage, step, e.index)) for e in entries]
+            los, his = [lo for lo, _ in keys], [hi for _, hi in keys]
+        else:
+            los = his = [_ZERO_KEY] * len(entries)
+        if n is None:
+            pvs = [_flat(e.p) for e in entries]
+            gvs = [_flat(e.p.grad) for e in entries]
+        else:
+            pvs = [_pair_words(e.p, k) for e, k in zip(entries, n, strict=True)]
+            gvs = [_pair_words(e.p.grad, k) for e, k in zip(entries, n, strict=True)]
+        kw = {} if scaling is None else scaling.kernel_args(e0.p.device)
+        f = e0.fused
+        if f.pairs is not None:
+            kw["dtypes"] = f.pairs
+        try:
+            with _one_cpp_kernel_per_loop():
+                many.kernel(pvs, gvs, many.svs, many.mvs, c32, los, his, fn=many.fn,
+                            storage=storage, math=self._math, flags=f.flags, **kw)
+        except _COMPILE_ERRORS:  # (compilation failed before anything was written)
+            many.broken()
+            return False
         return True
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -1212,6 +1261,13 @@ def _param_update_pairs(
     p.copy_(new_p)
 
 
+def _update_many(pvs, gvs, svs, mvs, c, los, his, *, fn, **kw) -> None:
+    """``fn`` (``_param_update`` or ``_param_update_pairs``) on each of several parameters, for
+    one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's."""
+    for pv, gv, sv, mv, lo, hi in zip(pvs, gvs, svs, mvs, los, his, strict=True):
+        fn(pv, gv, sv, mv, c, lo, hi, **kw)
+
+
 _WORDS = {2: torch.int32, 4: torch.int64}
 
 
@@ -1492,6 +1548,120 @@ class _Entry:
         )
 
 
+# Recorded parameters of one kernel variant are redone by one compiled call (``_Many``). Dynamo
+# compiles that call for each number of parameters and pattern of sizes, so a variant takes at
+# most _MANY_PATTERNS of them (well below Dynamo's own recompile limit of 8, past which it would
+# run the function uncompiled); further ones are stepped one call per parameter, as before.
+_MANY_PATTERNS = 4
+_MANY_MAX = 16  # parameters per shared call
+_MANY_SEEN: dict[Any, set[tuple[int, ...]]] = {}  # per variant: the size patterns compiled
+_MANY_BROKEN: set[Any] = set()  # variants whose call failed to compile
+
+
+@contextlib.contextmanager
+def _one_cpp_kernel_per_loop() -> Iterator[None]:
+    """While compiling a shared call (``_Many``), Inductor's C++ backend ends its kernel after each
+    loop instead of gathering every loop of the graph into one C++ function.
+
+    Gathered, a call over 12 parameters is one function with 12 copies of the update (~0.5 MB of
+    C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies of one
+    variant are the same source, which Inductor compiles once and calls for each parameter (the
+    same few seconds as one parameter's kernel). The setting is Inductor's class attribute
+    ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a kernel);
+    where a version of torch lacks it, nothing is changed. Only compilation reads it."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+    except Exception:  # (no Inductor C++ backend here: nothing to set)
+        yield
+        return
+    old = getattr(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", None)
+    if not isinstance(old, int):
+        yield
+        return
+    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = 1
+    try:
+        yield
+    finally:
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = old
+
+
+class _Many:
+    """Recorded parameters redone by one compiled call (``_run_many``): their prepared steps
+    (``_Fused``) share a kernel variant, a group and a device, and none has a second pass
+    (norms) or an odd last element. Their updates are independent, so one call gives each the
+    bits its own call would. Per-parameter calls cost ~20-35 us each of Dynamo guards and
+    wrappers, more with the caches cold after backward: a 25M-parameter model has a dozen."""
+
+    __slots__ = ("entries", "fn", "kernel", "key", "mvs", "pattern", "svs", "words")
+
+    def __init__(self, opt: LowPrecisionOptimizer, entries: list[_Entry], scaled: bool) -> None:
+        f = entries[0].fused
+        self.entries = entries
+        self.fn = _param_update if f.pairs is None else _param_update_pairs
+        extra_key = (("many", self.fn.__name__.strip("_")), *(f.pairs or ()))
+        self.key = (type(opt), f.storage.name, tuple(sorted(f.flags.items())), scaled, extra_key)
+        self.kernel = _compiled_kernel(
+            type(opt), f.storage, f.flags, scaled=scaled, fn=_update_many, extra_key=extra_key
+        )
+        self.svs = [e.fused.views[0] for e in entries]
+        self.mvs = [e.fused.views[1] for e in entries]
+        self.words = None if f.pairs is None else [e.fused.n for e in entries]
+        # Dynamo's guards on the sizes (dynamic shapes) are which of them are equal, not their
+        # values: the pattern is each size's first position among them.
+        sizes = [e.p.numel() for e in entries]
+        self.pattern = tuple(sizes.index(n) for n in sizes)
+
+    def usable(self) -> bool:
+        """Whether the call may be compiled (or was) for this pattern of sizes."""
+        if self.key in _MANY_BROKEN:
+            return False
+        seen = _MANY_SEEN.setdefault(self.key, set())
+        if self.pattern not in seen:
+            if len(seen) >= _MANY_PATTERNS:
+                return False
+            seen.add(self.pattern)
+        return True
+
+    def broken(self) -> None:
+        _MANY_BROKEN.add(self.key)
+
+    @staticmethod
+    def merge(opt: LowPrecisionOptimizer, runs: list[Any], scaled: bool) -> list[Any]:
+        """``runs`` with the entries that can share a call replaced, where two or more can, by
+        a ``_Many`` at the place of the first."""
+        together: dict[Any, list[_Entry]] = {}
+        for run in runs:
+            f = getattr(run, "fused", None)
+            if (
+                f is not None and f.sums_kernel is None
+                and (f.pairs is None or f.n == run.p.numel())
+                and (not scaled or _host_counts(run.p.device))
+            ):
+                # (Their step counts as last read: the coefficients are shared. Counts that
+                # stop agreeing later, written by a caller, make _run_many step them one by one.)
+                key = (id(f.kernel), id(run.group), run.p.device, run.step)
+                together.setdefault(key, []).append(run)
+        # Sorted by size and cut into calls of at most _MANY_MAX: a call's compile time grows
+        # with its parameters, and calls of equal sizes share one compilation (one pattern).
+        first: dict[int, list[Any]] = {}
+        for es in together.values():
+            if len(es) > 1:
+                es = sorted(es, key=lambda e: e.p.numel())
+                first[id(es[0])] = [
+                    _Many(opt, part, scaled) if len(part) > 1 else part[0]
+                    for part in (es[i:i + _MANY_MAX] for i in range(0, len(es), _MANY_MAX))
+                ]
+        rest = {id(e) for calls in first.values() for c in calls
+                for e in (c.entries if isinstance(c, _Many) else [c])}
+        merged: list[Any] = []
+        for run in runs:
+            if id(run) in first:
+                merged.extend(first[id(run)])
+            elif id(run) not in rest:
+                merged.append(run)
+        return merged
+
+
 class _Batch:
     """Small parameters stepped together by one compiled call (``_step_small_fused``): their
     flattened views, to concatenate and copy back, and per state buffer name the one flat tensor
@@ -1547,7 +1717,7 @@ class _Plan:
     no gradient (with their dtype and device), and the work (``_Entry`` or ``_Batch``) in the order
     it ran."""
 
-    __slots__ = ("batches", "counts", "entries", "groups", "idle", "runs", "scaled")
+    __slots__ = ("batches", "counts", "entries", "groups", "idle", "many", "runs", "scaled")
 
     def __init__(self, opt: LowPrecisionOptimizer, scaled: bool) -> None:
         self.scaled = scaled  # (recorded under a loss scaler: redone only under one)
@@ -1562,6 +1732,13 @@ class _Plan:
         self.entries: list[_Entry] = []
         self.batches: list[_Batch] = []
         self.counts: list[tuple[list[_Entry], list[torch.Tensor]]] | None = None
+        self.many: list[Any] | None = None
+
+    def merged(self, opt: LowPrecisionOptimizer) -> list[Any]:
+        """The runs to redo, entries sharing a compiled call merged (``_Many.merge``)."""
+        if self.many is None:
+            self.many = _Many.merge(opt, self.runs, self.scaled)
+        return self.many
 
     def add(self, run: _Entry | _Batch) -> None:
         self.runs.append(run)
