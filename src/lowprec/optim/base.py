@@ -1548,8 +1548,8 @@ class _Entry:
         )
 
 
-# Recorded parameters of one kernel variant are redone by one compiled call (``_Many``). Dynamo
-# compiles that call for each number of parameters and pattern of sizes, so a variant takes at
+# Recorded parameters of one kernel variant are redone by shared compiled calls (``_Many``). Dynamo
+# compiles such a call for each number of parameters and pattern of sizes, so a variant takes at
 # most _MANY_PATTERNS of them (well below Dynamo's own recompile limit of 8, past which it would
 # run the function uncompiled); further ones are stepped one call per parameter, as before.
 _MANY_PATTERNS = 4
@@ -1564,9 +1564,9 @@ def _one_cpp_kernel_per_loop() -> Iterator[None]:
     loop instead of gathering every loop of the graph into one C++ function.
 
     Gathered, a call over 12 parameters is one function with 12 copies of the update (~0.5 MB of
-    C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies of one
-    variant are the same source, which Inductor compiles once and calls for each parameter (the
-    same few seconds as one parameter's kernel). The setting is Inductor's class attribute
+    C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies come out as
+    a few distinct sources (2-3 there: they differ only in Inductor's buffer numbering), each
+    compiled once and called for its parameters (7-18 s with a cold cache). The setting is Inductor's class attribute
     ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a kernel);
     where a version of torch lacks it, nothing is changed. Only compilation reads it."""
     try:
@@ -1628,7 +1628,7 @@ class _Many:
     @staticmethod
     def merge(opt: LowPrecisionOptimizer, runs: list[Any], scaled: bool) -> list[Any]:
         """``runs`` with the entries that can share a call replaced, where two or more can, by
-        a ``_Many`` at the place of the first."""
+        ``_Many`` calls (of at most ``_MANY_MAX`` each) at the place of the smallest."""
         together: dict[Any, list[_Entry]] = {}
         for run in runs:
             f = getattr(run, "fused", None)
