@@ -1553,7 +1553,7 @@ class _Entry:
 # most _MANY_PATTERNS of them (well below Dynamo's own recompile limit of 8, past which it would
 # run the function uncompiled); further ones are stepped one call per parameter, as before.
 _MANY_PATTERNS = 4
-_MANY_MAX = 16  # parameters per shared call
+_MANY_MAX = 4  # parameters per shared call (more compile longer: _one_cpp_kernel_per_loop)
 _MANY_SEEN: dict[Any, set[tuple[int, ...]]] = {}  # per variant: the size patterns compiled
 _MANY_BROKEN: set[Any] = set()  # variants whose call failed to compile
 
@@ -1566,7 +1566,9 @@ def _one_cpp_kernel_per_loop() -> Iterator[None]:
     Gathered, a call over 12 parameters is one function with 12 copies of the update (~0.5 MB of
     C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies come out as
     a few distinct sources (2-3 there: they differ only in Inductor's buffer numbering), each
-    compiled once and called for its parameters (7-18 s with a cold cache). The setting is Inductor's class attribute
+    compiled once and called for its parameters: 7-33 s with a cold cache for calls of 12
+    parameters, 4-13 s for calls of at most 4 (``_MANY_MAX``). The setting is Inductor's class
+    attribute
     ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a kernel);
     where a version of torch lacks it, nothing is changed. Only compilation reads it."""
     try:
