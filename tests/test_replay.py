@@ -432,7 +432,7 @@ def _calls_shared(opt) -> bool:
     """Whether the last record's parameters took one call together (a _Many that ran)."""
     plan = opt._step_plan
     runs = [] if plan is None or plan.many is None else plan.many
-    return any(isinstance(r, base._Many) and r.pattern in base._MANY_SEEN.get(r.key, ())
+    return any(isinstance(r, base._Many) and r.pattern in base._MANY_SEEN.get(r.kernel, ())
                for r in runs)
 
 

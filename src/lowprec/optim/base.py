@@ -487,19 +487,15 @@ class LowPrecisionOptimizer(Optimizer):
         if any(e.step + 1 != step for e in entries) or not many.usable():
             return False
         e0 = entries[0]
-        group, storage, n = e0.group, e0.storage, many.words
+        group, storage = e0.group, e0.storage
         _, c32 = self._step_coefficients(group, step, memo)
         if storage.needs_random_bits:
             keys = [_key_tensors(*self._keys(group, storage, step, e.index)) for e in entries]
             los, his = [lo for lo, _ in keys], [hi for _, hi in keys]
         else:
             los = his = [_ZERO_KEY] * len(entries)
-        if n is None:
-            pvs = [_flat(e.p) for e in entries]
-            gvs = [_flat(e.p.grad) for e in entries]
-        else:
-            pvs = [_pair_words(e.p, k) for e, k in zip(entries, n, strict=True)]
-            gvs = [_pair_words(e.p.grad, k) for e, k in zip(entries, n, strict=True)]
+        pvs = [_step_view(e.fused, e.p) for e in entries]
+        gvs = [_step_view(e.fused, e.p.grad) for e in entries]
         kw = {} if scaling is None else scaling.kernel_args(e0.p.device)
         f = e0.fused
         if f.pairs is not None:
@@ -715,8 +711,7 @@ class LowPrecisionOptimizer(Optimizer):
         """
         storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
         sv, mv = f.views
-        pv, gv = (p.view(-1), grad.view(-1)) if pairs is None else (
-            _pair_words(p, n), _pair_words(grad, n))
+        pv, gv = _step_view(f, p), _step_view(f, grad)
         tail = slice(n, None) if pairs is not None and n < p.numel() else None
         flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
         if f.sums_kernel is not None:
@@ -1494,6 +1489,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
+def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
+    """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
+    words of pairs of elements. Always a new view, even of a 1-d ``t``: handed a 1-d parameter
+    itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
+    return t.view(-1) if f.pairs is None else _pair_words(t, f.n)
+
+
 def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
     """What a step's path depends on in a gradient besides its shape."""
     return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
@@ -1568,9 +1570,8 @@ def _one_cpp_kernel_per_loop() -> Iterator[None]:
     a few distinct sources (2-3 there: they differ only in Inductor's buffer numbering), each
     compiled once and called for its parameters: 7-33 s with a cold cache for calls of 12
     parameters, 4-13 s for calls of at most 4 (``_MANY_MAX``). The setting is Inductor's class
-    attribute
-    ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a kernel);
-    where a version of torch lacks it, nothing is changed. Only compilation reads it."""
+    attribute ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a
+    kernel); where a version of torch lacks it, nothing is changed. Only compilation reads it."""
     try:
         from torch._inductor.codegen.cpp import CppScheduling
     except Exception:  # (no Inductor C++ backend here: nothing to set)
@@ -1594,20 +1595,20 @@ class _Many:
     bits its own call would. Per-parameter calls cost ~20-35 us each of Dynamo guards and
     wrappers, more with the caches cold after backward: a 25M-parameter model has a dozen."""
 
-    __slots__ = ("entries", "fn", "kernel", "key", "mvs", "pattern", "svs", "words")
+    __slots__ = ("entries", "fn", "kernel", "mvs", "pattern", "svs")
 
     def __init__(self, opt: LowPrecisionOptimizer, entries: list[_Entry], scaled: bool) -> None:
         f = entries[0].fused
         self.entries = entries
         self.fn = _param_update if f.pairs is None else _param_update_pairs
-        extra_key = (("many", self.fn.__name__.strip("_")), *(f.pairs or ()))
-        self.key = (type(opt), f.storage.name, tuple(sorted(f.flags.items())), scaled, extra_key)
+        # (One compiled function per variant, cached by _compiled_kernel: it is the variant's key
+        # in _MANY_SEEN and _MANY_BROKEN.)
         self.kernel = _compiled_kernel(
-            type(opt), f.storage, f.flags, scaled=scaled, fn=_update_many, extra_key=extra_key
+            type(opt), f.storage, f.flags, scaled=scaled, fn=_update_many,
+            extra_key=(("many", self.fn.__name__.strip("_")), *(f.pairs or ())),
         )
         self.svs = [e.fused.views[0] for e in entries]
         self.mvs = [e.fused.views[1] for e in entries]
-        self.words = None if f.pairs is None else [e.fused.n for e in entries]
         # Dynamo's guards on the sizes (dynamic shapes) are which of them are equal, not their
         # values: the pattern is each size's first position among them.
         sizes = [e.p.numel() for e in entries]
@@ -1615,9 +1616,9 @@ class _Many:
 
     def usable(self) -> bool:
         """Whether the call may be compiled (or was) for this pattern of sizes."""
-        if self.key in _MANY_BROKEN:
+        if self.kernel in _MANY_BROKEN:
             return False
-        seen = _MANY_SEEN.setdefault(self.key, set())
+        seen = _MANY_SEEN.setdefault(self.kernel, set())
         if self.pattern not in seen:
             if len(seen) >= _MANY_PATTERNS:
                 return False
@@ -1625,7 +1626,7 @@ class _Many:
         return True
 
     def broken(self) -> None:
-        _MANY_BROKEN.add(self.key)
+        _MANY_BROKEN.add(self.kernel)
 
     @staticmethod
     def merge(opt: LowPrecisionOptimizer, runs: list[Any], scaled: bool) -> list[Any]:
