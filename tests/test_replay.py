@@ -425,6 +425,9 @@ MANY_MAKERS = {
     "sgd-stochastic": lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="stochastic", fused=True,
                                      seed=5),
     "adagrad-split": lambda ps: Adagrad(ps, lr=0.05, master="split", fused=True),
+    # (whole-tensor norms: each parameter's sums, then its update, inside the shared call)
+    "lamb-stochastic": lambda ps: Lamb(ps, lr=1e-2, weight_decay=0.01, master="stochastic",
+                                       fused=True, seed=5),
 }
 
 
@@ -453,7 +456,7 @@ def test_one_call_for_several_parameters_equals_the_full_step(make, name, many_s
     assert _calls_shared(opt)
 
 
-@pytest.mark.parametrize("make", ["adamw-kahan", "sgd-stochastic"])
+@pytest.mark.parametrize("make", ["adamw-kahan", "sgd-stochastic", "lamb-stochastic"])
 def test_one_call_for_several_parameters_under_a_loss_scaler(make, many_shapes):
     _, opt = _same_with_and_without_replay(
         MANY_MAKERS[make], CHANGES["nothing"], replays=STEPS - 1, scaled=lambda step: True

@@ -500,6 +500,8 @@ class LowPrecisionOptimizer(Optimizer):
         f = e0.fused
         if f.pairs is not None:
             kw["dtypes"] = f.pairs
+        if f.sums_kernel is not None:
+            kw["sums_fn"], kw["norm_terms"] = many.sums_fn, self._norm_terms
         try:
             with _one_cpp_kernel_per_loop():
                 many.kernel(pvs, gvs, many.svs, many.mvs, c32, los, his, fn=many.fn,
@@ -1256,11 +1258,21 @@ def _param_update_pairs(
     p.copy_(new_p)
 
 
-def _update_many(pvs, gvs, svs, mvs, c, los, his, *, fn, **kw) -> None:
+def _update_many(
+    pvs, gvs, svs, mvs, c, los, his, *, fn, sums_fn=None, norm_terms=None, **kw
+) -> None:
     """``fn`` (``_param_update`` or ``_param_update_pairs``) on each of several parameters, for
-    one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's."""
+    one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's.
+
+    A rule with whole-tensor norms passes ``sums_fn`` (``_param_sums`` or ``_param_sums_pairs``)
+    and its ``norm_terms``: each parameter's sums, then its update, before the next parameter's,
+    so that the update finds the parameter's tensors still in cache from its own sums pass."""
+    sums_kw = {k: kw[k] for k in ("storage", "flags", "dtypes", "inv_scale") if k in kw}
     for pv, gv, sv, mv, lo, hi in zip(pvs, gvs, svs, mvs, los, his, strict=True):
-        fn(pv, gv, sv, mv, c, lo, hi, **kw)
+        cp = c
+        if sums_fn is not None:
+            cp = {**c, "sums": sums_fn(pv, gv, sv, mv, c, norm_terms=norm_terms, **sums_kw)}
+        fn(pv, gv, sv, mv, cp, lo, hi, **kw)
 
 
 _WORDS = {2: torch.int32, 4: torch.int64}
@@ -1419,14 +1431,17 @@ _SMALL_BATCH = 1 << 18
 def _compiled_kernel(
     cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
+    options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """A compiled ``_param_update`` (or ``fn``) for one (optimizer, storage, flags) variant.
 
     Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
     cache (and recompile budget) per variant instead of one shared by every optimizer. Shapes are
     dynamic (parameters are passed flattened), so one compilation serves every parameter size.
+    ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``).
     """
-    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key)
+    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key,
+           tuple(sorted((options or {}).items())))
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
@@ -1447,7 +1462,8 @@ def _compiled_kernel(
         # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
         kernel = torch.compile(
             variant, dynamic=True, fullgraph=True,
-            options={"emulate_precision_casts": True, "cpp.dynamic_threads": True},
+            options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
+                     **(options or {})},
         )
         _KERNELS[key] = kernel
     return kernel
@@ -1558,6 +1574,15 @@ _MANY_PATTERNS = 4
 _MANY_MAX = 4  # parameters per shared call (more compile longer: _one_cpp_kernel_per_loop)
 _MANY_SEEN: dict[Any, set[tuple[int, ...]]] = {}  # per variant: the size patterns compiled
 _MANY_BROKEN: set[Any] = set()  # variants whose call failed to compile
+# Inductor fuses loops that read nothing in common but a few bytes (here the step's 0-d
+# coefficients, shared by every parameter of a call) when they share at least
+# score_fusion_memory_threshold bytes (10 by default). It then ran the sums passes of all of a
+# shared call's parameters as one loop before any update, and the updates read everything back
+# from memory: LAMB's shared calls were 1.07x slower than a call per pass and parameter. Loops
+# over different parameters of a call share only those scalars (under 100 bytes) and a
+# parameter's own loops share parameter-sized tensors (a shared call's parameters have over
+# _SMALL elements), so this threshold keeps the first apart and leaves the second as they were.
+_MANY_OPTIONS = {"score_fusion_memory_threshold": 4096}
 
 
 @contextlib.contextmanager
@@ -1590,22 +1615,28 @@ def _one_cpp_kernel_per_loop() -> Iterator[None]:
 
 class _Many:
     """Recorded parameters redone by one compiled call (``_run_many``): their prepared steps
-    (``_Fused``) share a kernel variant, a group and a device, and none has a second pass
-    (norms) or an odd last element. Their updates are independent, so one call gives each the
-    bits its own call would. Per-parameter calls cost ~20-35 us each of Dynamo guards and
-    wrappers, more with the caches cold after backward: a 25M-parameter model has a dozen."""
+    (``_Fused``) share a kernel variant, a group and a device, and none has an odd last element.
+    Their updates are independent, so one call gives each the bits its own call would; a rule
+    with whole-tensor norms (LAMB) takes each parameter's sums pass, then its update, in turn.
+    Per-parameter calls cost ~20-35 us each of Dynamo guards and wrappers, more with the caches
+    cold after backward: a 25M-parameter model has a dozen (two dozen with norms)."""
 
-    __slots__ = ("entries", "fn", "kernel", "mvs", "pattern", "svs")
+    __slots__ = ("entries", "fn", "kernel", "mvs", "pattern", "sums_fn", "svs")
 
     def __init__(self, opt: LowPrecisionOptimizer, entries: list[_Entry], scaled: bool) -> None:
         f = entries[0].fused
         self.entries = entries
         self.fn = _param_update if f.pairs is None else _param_update_pairs
+        self.sums_fn = None
+        if f.sums_kernel is not None:
+            self.sums_fn = _param_sums if f.pairs is None else _param_sums_pairs
         # (One compiled function per variant, cached by _compiled_kernel: it is the variant's key
         # in _MANY_SEEN and _MANY_BROKEN.)
         self.kernel = _compiled_kernel(
             type(opt), f.storage, f.flags, scaled=scaled, fn=_update_many,
-            extra_key=(("many", self.fn.__name__.strip("_")), *(f.pairs or ())),
+            extra_key=(("many", self.fn.__name__.strip("_")), *(f.pairs or ()),
+                       *((("sums", "sums"),) if self.sums_fn is not None else ())),
+            options=_MANY_OPTIONS,
         )
         self.svs = [e.fused.views[0] for e in entries]
         self.mvs = [e.fused.views[1] for e in entries]
@@ -1636,8 +1667,7 @@ class _Many:
         for run in runs:
             f = getattr(run, "fused", None)
             if (
-                f is not None and f.sums_kernel is None
-                and (f.pairs is None or f.n == run.p.numel())
+                f is not None and (f.pairs is None or f.n == run.p.numel())
                 and (not scaled or _host_counts(run.p.device))
             ):
                 # (Their step counts as last read: the coefficients are shared. Counts that
