@@ -533,3 +533,26 @@ def test_shared_calls_of_equal_sizes_compile_once(monkeypatch):
     shared = [r for r in opt._step_plan.many if isinstance(r, base._Many)]
     assert len(shared) == 2 and len({r.kernel for r in shared}) == 1
     assert {r.pattern for r in shared} == {(0, 0)} and _calls_shared(opt)
+
+
+def test_lamb_on_fp32_parameters_shares_a_call_with_each_ones_norms(monkeypatch):
+    # FP32 parameters take the elementwise kernels (no pairs): the shared call runs _param_sums
+    # and then _param_update for each parameter in turn, with the bits of the eager step.
+    monkeypatch.setattr(base, "_MANY_SEEN", {})
+    shapes = [(300, 256), (72000,)]
+
+    def run(fused):
+        gen = torch.Generator().manual_seed(0)
+        params = [(torch.randn(s, generator=gen) * 0.1).requires_grad_() for s in shapes]
+        opt = Lamb(params, lr=1e-2, weight_decay=0.01, master="none", fused=fused)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return params, opt
+
+    pa, oa = run(False)
+    pb, ob = run(True)
+    assert_same(pa, oa, pb, ob)
+    shared = [r for r in ob._step_plan.many if isinstance(r, base._Many)]
+    assert [r.sums_fn for r in shared] == [base._param_sums] and _calls_shared(ob)
