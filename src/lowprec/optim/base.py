@@ -1579,9 +1579,9 @@ _MANY_BROKEN: set[Any] = set()  # variants whose call failed to compile
 # score_fusion_memory_threshold bytes (10 by default). It then ran the sums passes of all of a
 # shared call's parameters as one loop before any update, and the updates read everything back
 # from memory: LAMB's shared calls were 1.07x slower than a call per pass and parameter. Loops
-# over different parameters of a call share only those scalars (under 100 bytes) and a
-# parameter's own loops share parameter-sized tensors (a shared call's parameters have over
-# _SMALL elements), so this threshold keeps the first apart and leaves the second as they were.
+# over different parameters of a call share only those scalars (under 100 bytes), so this
+# threshold keeps them apart; loops that read the same parameter's tensors (over _SMALL elements
+# in a shared call) share far more than it and may still fuse.
 _MANY_OPTIONS = {"score_fusion_memory_threshold": 4096}
 
 
