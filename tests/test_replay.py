@@ -535,20 +535,29 @@ def test_shared_calls_of_equal_sizes_compile_once(monkeypatch):
     assert {r.pattern for r in shared} == {(0, 0)} and _calls_shared(opt)
 
 
-def test_lamb_on_fp32_parameters_shares_a_call_with_each_ones_norms(monkeypatch):
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "loss_scaler"])
+def test_lamb_on_fp32_parameters_shares_a_call_with_each_ones_norms(scaled, monkeypatch):
     # FP32 parameters take the elementwise kernels (no pairs): the shared call runs _param_sums
-    # and then _param_update for each parameter in turn, with the bits of the eager step.
+    # and then _param_update for each parameter in turn, with the bits of the eager step. Under a
+    # loss scaler both take the unscaled gradient, and a step with an inf is skipped.
     monkeypatch.setattr(base, "_MANY_SEEN", {})
-    shapes = [(300, 256), (72000,)]
+    shapes = [(300, 256), (72000,), (999,)]
 
     def run(fused):
         gen = torch.Generator().manual_seed(0)
         params = [(torch.randn(s, generator=gen) * 0.1).requires_grad_() for s in shapes]
         opt = Lamb(params, lr=1e-2, weight_decay=0.01, master="none", fused=fused)
-        for _ in range(4):
+        for step in range(5):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
+            if not scaled:
+                opt.step()
+                continue
+            for p in params:
+                p.grad.mul_(256)
+            if step == 3:
+                params[1].grad[5] = float("inf")
+            opt.step(grad_scale=torch.tensor(256.0), found_inf=torch.zeros(()))
         return params, opt
 
     pa, oa = run(False)

@@ -1580,8 +1580,10 @@ _MANY_BROKEN: set[Any] = set()  # variants whose call failed to compile
 # shared call's parameters as one loop before any update, and the updates read everything back
 # from memory: LAMB's shared calls were 1.07x slower than a call per pass and parameter. Loops
 # over different parameters of a call share only those scalars (under 100 bytes), so this
-# threshold keeps them apart; loops that read the same parameter's tensors (over _SMALL elements
-# in a shared call) share far more than it and may still fuse.
+# threshold keeps them apart. Loops of one parameter share its tensors' bytes: far more than the
+# threshold for the large parameters these calls are for; a parameter of under ~1000 elements
+# (shared calls take small ones where they do not batch, e.g. FP32 LAMB) may then take its two
+# sums in two loops instead of one: the same bits, a few KB read twice.
 _MANY_OPTIONS = {"score_fusion_memory_threshold": 4096}
 
 
