@@ -412,3 +412,33 @@ def test_small_parameters_past_one_batch_take_several_calls():
     assert_same(*results[0], *results[1])
     sizes = [words * 2 for _, _, words in calls]
     assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters, words of 2 elements
+
+
+@pytest.mark.parametrize(
+    ("cls", "master", "fused"),
+    [(AdamW, "kahan", False), (AdamW, "kahan", True), (SGD, "split", True),
+     (Lamb, "stochastic", True)],
+    ids=["adamw-kahan-eager", "adamw-kahan-fused", "sgd-split-fused", "lamb-stochastic-fused"],
+)
+def test_step_inside_torch_compile_is_the_step_itself(cls, master, fused):
+    """``torch.compile(opt.step)`` (or a compiled training step around it) runs the step as it
+    is: traced, a fused step failed to compile, and an eager Kahan step lost its compensation
+    (Inductor folds the BF16 round trip away without emulate_precision_casts)."""
+    shapes = [(64, 40), (40,), (base._SMALL + 2,)]
+
+    def run(compiled):
+        torch.manual_seed(0)
+        params = [(torch.randn(s) * 0.1).to(torch.bfloat16).requires_grad_() for s in shapes]
+        kw = {"momentum": 0.9} if cls is SGD else {}
+        opt = cls(params, lr=1e-2, master=master, fused=fused, seed=3, **kw)
+        step = torch.compile(opt.step) if compiled else opt.step
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(torch.bfloat16)
+            step()
+        return params, opt
+
+    pa, oa = run(False)
+    pb, ob = run(True)
+    assert_same(pa, oa, pb, ob)

@@ -328,6 +328,12 @@ class LowPrecisionOptimizer(Optimizer):
     #: ``grad_scale`` and ``found_inf`` (and does not unscale the gradients itself).
     _step_supports_amp_scaling = True
 
+    # Left out of any graph that torch.compile traces around it (a compiled training step, or
+    # torch.compile(opt.step)): the step compiles its own kernels with the settings they need
+    # (emulate_precision_casts keeps Kahan's compensation; without it Inductor folds it to zero)
+    # and decides on the host what to run; traced, it failed to compile, recompiled per
+    # parameter past Dynamo's limit, or lost the compensation of an eager Kahan step.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(
         self,
