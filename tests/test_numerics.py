@@ -883,3 +883,19 @@ def test_sum_squares_is_exact_squares_summed_in_fp64_in_any_order(n):
     if n > 4096:
         fp32 = x.square().sum().item()
         assert abs(fp32 - ref) / ref > 1e-12
+
+
+def test_round_stochastic_inside_torch_compile_draws_what_eager_draws():
+    # torch.randint(..., generator=None) failed to trace; without a generator the compiled call
+    # draws from the default one, the same bits as eager under fallback_random.
+    import torch._inductor.config
+
+    x = torch.randn(1000) * 3
+    compiled = torch.compile(numerics.round_stochastic)
+
+    @torch._inductor.config.patch(fallback_random=True)
+    def draw(fn):
+        torch.manual_seed(4)
+        return fn(x)
+
+    assert torch.equal(draw(numerics.round_stochastic), draw(compiled))

@@ -281,6 +281,15 @@ def counter_bits(
 # ---------------------------------------------------------------------------------------------
 
 
+def _generator_kwargs(generator: torch.Generator | None) -> dict[str, torch.Generator]:
+    """``{"generator": generator}`` for torch's random functions, or nothing for None.
+
+    ``torch.randint(..., generator=None)`` fails inside ``torch.compile`` (Dynamo cannot run it on
+    fake tensors) where leaving the argument out draws from the default generator as eager does.
+    """
+    return {} if generator is None else {"generator": generator}
+
+
 def _check_sr_args(x: torch.Tensor, dtype: torch.dtype) -> None:
     if x.dtype != torch.float32:
         raise TypeError(
@@ -478,7 +487,7 @@ def round_stochastic(
     """
     _check_sr_args(x, dtype)
     bits = torch.randint(
-        0, 1 << 24, x.shape, dtype=torch.int32, device=x.device, generator=generator
+        0, 1 << 24, x.shape, dtype=torch.int32, device=x.device, **_generator_kwargs(generator)
     )
     return round_stochastic_with_bits(x, bits, dtype)
 

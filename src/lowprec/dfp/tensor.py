@@ -46,6 +46,8 @@ from typing import Literal
 
 import torch
 
+from lowprec.numerics import _generator_kwargs
+
 __all__ = [
     "ROUNDING_MODES",
     "ZERO_EXPONENT",
@@ -223,7 +225,8 @@ def shift_right(
     rem = i - (q << r)  # the dropped low bits as a value in [0, 2**r): i == q * 2**r + rem
     if rounding == "stochastic":
         u = torch.randint(
-            0, 1 << _MAX_SHIFT, i.shape, dtype=torch.int64, device=i.device, generator=generator
+            0, 1 << _MAX_SHIFT, i.shape, dtype=torch.int64, device=i.device,
+            **_generator_kwargs(generator),
         )
         # The top r of u's 62 uniform bits form a uniform integer t in [0, 2**r); t < rem has
         # probability exactly rem / 2**r, the fraction of the way from q to q + 1 (t is 0 for r = 0,
