@@ -891,7 +891,7 @@ def test_round_stochastic_inside_torch_compile_draws_what_eager_draws():
     import torch._inductor.config
 
     x = torch.randn(1000) * 3
-    compiled = torch.compile(numerics.round_stochastic)
+    compiled = torch.compile(numerics.round_stochastic, dynamic=True)
 
     @torch._inductor.config.patch(fallback_random=True)
     def draw(fn):
