@@ -252,3 +252,17 @@ def test_fp16_recipes_use_half_products_on_cpu_only():
     for name in ("fp32", "bf16", "bf16-split", "dfp16"):
         assert not isinstance(recipes.get(name).autocast("cpu"), recipes.HalfProductsInFP32)
     assert isinstance(recipes.get("amp-fp16").autocast("cpu"), torch.autocast)
+
+
+def test_half_products_mode_around_a_compiled_model():
+    # The FP16 recipes' forward context entered around a compiled model: Dynamo failed to build
+    # its guards on the mode (NameError); now the compiled products go through FP32 as eager's do.
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32).half()
+    x = torch.randn(8, 64).half()
+    with recipes.HalfProductsInFP32():
+        eager = lin(x)
+        compiled = torch.compile(lin)(x)
+    reference = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()).half()
+    assert torch.equal(eager, reference)
+    assert torch.equal(compiled, reference)

@@ -95,6 +95,15 @@ def _has_cpu_half(obj: Any) -> bool:
     return False
 
 
+_PRODUCT_OPS = frozenset({
+    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+    F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
+    torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
+    torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul,
+    torch.Tensor.mm, torch.Tensor.bmm,
+})
+
+
 class HalfProductsInFP32(TorchFunctionMode):
     """FP16 matrix products on CPU computed as FP16 tensor cores compute them.
 
@@ -108,17 +117,14 @@ class HalfProductsInFP32(TorchFunctionMode):
     stay FP16.
     """
 
-    OPS = frozenset({
-        F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
-        F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
-        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
-        torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul,
-        torch.Tensor.mm, torch.Tensor.bmm,
-    })
+    OPS = _PRODUCT_OPS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.OPS and (_has_cpu_half(args) or _has_cpu_half(kwargs)):
+        # (The module's set, not self.OPS: inside torch.compile, Dynamo guards on what this
+        # reads, and a guard on an attribute of the active mode failed to build, NameError
+        # '___get_torch_function_mode_stack_at', for a compiled model under this mode.)
+        if func in _PRODUCT_OPS and (_has_cpu_half(args) or _has_cpu_half(kwargs)):
             out = func(*_cast_floats(args, torch.float32), **_cast_floats(kwargs, torch.float32))
             return _cast_floats(out, torch.float16)
         return func(*args, **kwargs)
