@@ -438,6 +438,10 @@ class UpdateMonitor:
             raise
         self.after_step()
 
+    # before_step/after_step stay out of graphs that torch.compile traces around them (a
+    # compiled training step): their preview must be the optimizer's own arithmetic, bit for
+    # bit, and traced it failed to compile (Dynamo's fake run of the preview raised).
+    @torch.compiler.disable
     @torch.no_grad()
     def before_step(self) -> None:
         """Snapshot the parameters (and preview the intended update) before the step.
@@ -528,6 +532,7 @@ class UpdateMonitor:
             return float(step)
         return float(step) if isinstance(step, (int, float)) else None
 
+    @torch.compiler.disable
     @torch.no_grad()
     def after_step(self) -> None:
         """Compare the parameters with the snapshot and record the step.
