@@ -764,3 +764,72 @@ def test_stochastic_int64_indices_give_the_same_stream(monkeypatch):
         results.append(params)
     for a, b in zip(*results, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+RESUME_FROM_TORCH = [
+    (SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    (Adagrad, torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),
+]
+
+
+@pytest.mark.parametrize(("ours", "ref", "kw"), RESUME_FROM_TORCH,
+                         ids=lambda v: getattr(v, "__name__", None))
+def test_resumes_a_torch_optim_checkpoint(ours, ref, kw):
+    # A run of torch.optim, saved, goes on with lowprec's optimizer of the same family: the
+    # checkpoint's hyperparameters and moments are taken, lowprec's own options (fused here)
+    # stay, and the steps after go as torch's own would (as test_none_on_fp32_matches_torch).
+    grads = grad_sequence(SHAPES, 10)
+    params = make_params()
+    start = [p.detach().clone() for p in params]
+    torch_opt = ref(params, foreach=False, **kw)
+    for gs in grads[:5]:
+        feed(params, gs)
+        torch_opt.step()
+    saved = copy.deepcopy(torch_opt.state_dict())
+    resumed = [p.detach().clone().requires_grad_() for p in params]
+    for gs in grads[5:]:
+        feed(params, gs)
+        torch_opt.step()
+
+    opt = ours(resumed, lr=123.0, fused=False)  # (lr and the rest come from the checkpoint)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == kw["lr"] and opt.param_groups[0]["fused"] is False
+    for gs in grads[5:]:
+        feed(resumed, gs)
+        opt.step()
+    for p, q, s in zip(resumed, params, start, strict=True):
+        assert not torch.equal(p, s)
+        assert_rel_close(p, q)
+
+
+def test_resuming_a_torch_optim_checkpoint_on_bf16_makes_the_master_fresh():
+    # BF16 parameters under Kahan: the moments are torch's (in the state dtype), the compensation
+    # starts at zero as in a fresh run, the count goes on.
+    params = make_params(torch.bfloat16)
+    torch_opt = torch.optim.AdamW(params, lr=1e-2)
+    for gs in grad_sequence(SHAPES, 3):
+        feed(params, gs)
+        torch_opt.step()
+    opt = AdamW(params, lr=1e-2, master="kahan")
+    opt.load_state_dict(torch_opt.state_dict())
+    for p in params:
+        st, ref = opt.state[p], torch_opt.state[p]
+        assert st["master"] == "kahan" and float(st["step"]) == 3.0
+        assert torch.equal(st["exp_avg"], ref["exp_avg"]) and st["exp_avg"] is not ref["exp_avg"]
+        assert not st["compensation"].any()
+    feed(params, grad_sequence(SHAPES, 1, seed=9)[0])
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 4.0 for p in params)
+
+
+def test_a_torch_checkpoint_of_another_family_is_refused_before_anything_changes():
+    params = make_params()
+    adam = torch.optim.AdamW(params, lr=1e-2)
+    feed(params, grad_sequence(SHAPES, 1)[0])
+    adam.step()
+    opt = SGD(params, lr=0.1, momentum=0.9)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"holds \['exp_avg', 'exp_avg_sq'\].*momentum_buffer"):
+        opt.load_state_dict(adam.state_dict())
+    assert opt.state_dict() == before

@@ -1010,14 +1010,22 @@ class LowPrecisionOptimizer(Optimizer):
                 f"{len(self.param_groups)}."
             )
         id_map: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+        loaded_groups = []
         for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(
                     f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
                     f"has {len(sg['params'])}."
                 )
-            merged = {**_COMMON_DEFAULTS, **self.defaults, **sg, "params": g["params"]}
+            # The checkpoint's options win. A torch.optim checkpoint (no "master") brings its
+            # hyperparameters, and lowprec's own options stay as this optimizer's group has
+            # them: its "fused" means torch's kernels, and it has no master or seed.
+            own = {} if "master" in sg else {k: g[k] for k in _COMMON_DEFAULTS}
+            merged = {**_COMMON_DEFAULTS, **self.defaults, **g, **sg, **own, "params": g["params"]}
+            if merged["seed"] is None:
+                merged["seed"] = g["seed"]
             self._validate_group(merged, gi)
+            loaded_groups.append({**merged, "params": sg["params"]})
             for sid, p in zip(sg["params"], g["params"], strict=True):
                 id_map[sid] = (p, merged)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -1031,13 +1039,50 @@ class LowPrecisionOptimizer(Optimizer):
                 for k, v in st.items()
             }
             if moved:
-                self._check_state(moved, merged, p, self._storage(merged, p), f"parameter {sid!r}")
+                storage = self._storage(merged, p)
+                if "master" not in moved:  # torch.optim's state: see _adopt_state
+                    moved = self._adopt_state(moved, merged, p, storage, f"parameter {sid!r}")
+                self._check_state(moved, merged, p, storage, f"parameter {sid!r}")
             new_state[p] = moved
         self._step_plan = None
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        super().load_state_dict({"state": {}, "param_groups": loaded_groups})
         for p, st in new_state.items():
             self.state[p] = st
         self._lay_out_loaded()
+
+    def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
+        """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
+        no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
+        moments cast to this group's state dtype, the master's own buffers as at a fresh start
+        from the parameter's current value (a zero Kahan compensation or split trail, an FP32
+        copy of the parameter: load the model's weights first), the count kept
+        (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
+        first)."""
+        names = self._math_buffers(group)
+        unknown = sorted(set(st) - {"step", *names})
+        if unknown:
+            raise ValueError(
+                f"{where}: the checkpoint's state holds {unknown}, which {type(self).__name__} "
+                f"with these options does not keep (it keeps {['step', *names]}); load a "
+                "checkpoint of the same optimizer."
+            )
+        state = self._init_state(group, p, storage)
+        for name in names:
+            t = st.get(name)
+            if t is None:  # (torch's SGD before its first step: the fresh buffer)
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+                raise ValueError(
+                    f"{where}: state {name!r} should be a {tuple(p.shape)} tensor, got {got}; "
+                    "the state does not belong to this parameter."
+                )
+            state[name] = t.to(device=p.device, dtype=state[name].dtype, copy=True)
+        step = st.get("step")
+        if step is None:
+            step = 1.0 if any(st.get(name) is not None for name in names) else 0.0
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        return state
 
     def _lay_out_loaded(self) -> None:
         """Lay out the small parameters' loaded state as a fused step batches them (one flat
