@@ -767,6 +767,7 @@ def test_stochastic_int64_indices_give_the_same_stream(monkeypatch):
 
 
 RESUME_FROM_TORCH = [
+    (SGD, torch.optim.SGD, dict(lr=0.1)),  # (no momentum: no state to adopt)
     (SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
     (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     (Adagrad, torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),
@@ -833,3 +834,14 @@ def test_a_torch_checkpoint_of_another_family_is_refused_before_anything_changes
     with pytest.raises(ValueError, match=r"holds \['exp_avg', 'exp_avg_sq'\].*momentum_buffer"):
         opt.load_state_dict(adam.state_dict())
     assert opt.state_dict() == before
+
+
+def test_an_empty_momentum_buffer_of_an_older_torch_sgd_checkpoint_loads():
+    # Older torch SGD without momentum saved {"momentum_buffer": None} per parameter.
+    params = make_params()
+    sd = torch.optim.SGD(params, lr=0.1).state_dict()
+    sd["state"] = {i: {"momentum_buffer": None} for i in range(len(params))}
+    opt = SGD(params, lr=0.5)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert all(float(opt.state[p]["step"]) == 0.0 for p in params)

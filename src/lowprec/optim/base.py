@@ -1059,7 +1059,8 @@ class LowPrecisionOptimizer(Optimizer):
         (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
         first)."""
         names = self._math_buffers(group)
-        unknown = sorted(set(st) - {"step", *names})
+        # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
+        unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
         if unknown:
             raise ValueError(
                 f"{where}: the checkpoint's state holds {unknown}, which {type(self).__name__} "
