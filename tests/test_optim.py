@@ -845,3 +845,22 @@ def test_an_empty_momentum_buffer_of_an_older_torch_sgd_checkpoint_loads():
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] == 0.1
     assert all(float(opt.state[p]["step"]) == 0.0 for p in params)
+
+
+def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_by_adamw():
+    # torch.optim.Adam adds its weight decay to the gradient (L2); lowprec.AdamW decays
+    # decoupled, so such a checkpoint is refused before anything changes; without decay it loads.
+    params = make_params()
+    for decay, loads in ((0.1, False), (0.0, True)):
+        adam = torch.optim.Adam(params, lr=1e-2, weight_decay=decay)
+        feed(params, grad_sequence(SHAPES, 1)[0])
+        adam.step()
+        opt = AdamW(params, lr=1e-3)
+        if loads:
+            opt.load_state_dict(adam.state_dict())
+            assert float(opt.state[params[0]]["step"]) == 1.0
+            continue
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(ValueError, match=r"L2 \(decoupled_weight_decay=False"):
+            opt.load_state_dict(adam.state_dict())
+        assert opt.state_dict() == before

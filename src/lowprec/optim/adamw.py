@@ -163,6 +163,14 @@ class AdamW(LowPrecisionOptimizer):
     def _validate_hparams(self, group):
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
+        # (torch.optim.Adam's groups carry decoupled_weight_decay=False: its decay is L2, added
+        # to the gradient, which this AdamW would silently turn into decoupled decay)
+        if group.get("decoupled_weight_decay", True) is False and group["weight_decay"] != 0:
+            raise ValueError(
+                "this group's weight decay is L2 (decoupled_weight_decay=False, as in a "
+                "torch.optim.Adam checkpoint), but lowprec.AdamW decays decoupled; load an AdamW "
+                "checkpoint, or set the group's weight_decay to 0 before loading."
+            )
 
     def _math_buffers(self, group):
         names = ("exp_avg", "exp_avg_sq")
