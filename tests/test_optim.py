@@ -864,3 +864,20 @@ def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_by_adamw():
         with pytest.raises(ValueError, match=r"L2 \(decoupled_weight_decay=False"):
             opt.load_state_dict(adam.state_dict())
         assert opt.state_dict() == before
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 65537])
+@pytest.mark.parametrize("numel", [0, 1, 2, 5, 4096])
+def test_stochastic_bits_of_bf16_elements_are_halves_of_their_pairs_hash(offset, numel):
+    # Element i of a BF16 parameter takes the low 16 bits of the hash of i // 2 when i is even
+    # and the high 16 when odd (what the fused step on pairs uses); the eager step hashes each
+    # pair once and interleaves, for any chunk offset and length.
+    from lowprec.numerics import hash_bits
+    from lowprec.optim.base import _random_bits
+
+    lo, hi = 0x89ABCDEF, 0x01234567
+    idx = torch.arange(offset, offset + numel, dtype=torch.int64)
+    h = hash_bits(idx // 2, lo, hi).to(torch.int64) & 0xFFFFFFFF
+    expected = torch.where(idx % 2 == 0, h & 0xFFFF, h >> 16)
+    got = _random_bits(offset, numel, torch.device("cpu"), lo, hi, torch.bfloat16)
+    assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), expected)

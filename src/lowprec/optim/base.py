@@ -1213,19 +1213,28 @@ def _random_bits(
     """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
 
     Element ``i`` of a bfloat16 parameter takes 16 bits of the 32-bit hash of ``i // 2``: the low
-    half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements (the
-    fused step on pairs computes it once per pair, halving the hashing). Other dtypes (float16
-    takes 24 bits) get the hash of ``i`` itself.
+    half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements: it is
+    computed once per pair here as in the fused step on pairs (hashing each element was a third
+    of an eager stochastic AdamW step). Other dtypes (float16 takes 24 bits) get the hash of ``i``
+    itself.
     """
     # int32 indices where they fit (the hash is then int32 throughout, much cheaper than int64 on
     # CPUs without 64-bit vector multiplies); the same bits either way.
     wide = offset + numel > _INT32_MAX
-    idx = torch.arange(offset, offset + numel, device=device,
-                       dtype=torch.int64 if wide else torch.int32)
+    itype = torch.int64 if wide else torch.int32
     if dtype != torch.bfloat16:
-        return hash_bits(idx, key_lo, key_hi)
-    # (i & 1) * 16 shifts the odd elements' half down; the & keeps 16 bits either way.
-    return (hash_bits(idx >> 1, key_lo, key_hi) >> ((idx & 1) * 16)) & 0xFFFF
+        return hash_bits(torch.arange(offset, offset + numel, device=device, dtype=itype),
+                         key_lo, key_hi)
+    if numel == 0:
+        return torch.empty(0, device=device, dtype=torch.int32)
+    # Each pair's hash once: its low half for the even element, its high half (shifted down)
+    # for the odd one, interleaved; elements offset .. offset + numel - 1 are a slice of them.
+    first = offset // 2
+    words = torch.arange(first, (offset + numel - 1) // 2 + 1, device=device, dtype=itype)
+    h = hash_bits(words, key_lo, key_hi)
+    halves = torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1).view(-1)
+    start = offset - 2 * first
+    return halves[start:start + numel]
 
 
 def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
