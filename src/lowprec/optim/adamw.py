@@ -134,9 +134,10 @@ class AdamW(LowPrecisionOptimizer):
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
-            one per parameter (on CPU, small parameters of a group may share one), with the same
-            results as the eager step (default: None, meaning fused on CUDA devices and eager
-            elsewhere; see ``lowprec.optim``).
+            one per parameter (on CPU, small parameters of a group share one call; from the
+            second step on, large ones share calls of up to 4), with the same results as the
+            eager step (default: None, meaning fused on CUDA devices and eager elsewhere; see
+            ``lowprec.optim``).
     """
 
     def __init__(

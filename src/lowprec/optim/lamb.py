@@ -166,7 +166,8 @@ class Lamb(LowPrecisionOptimizer):
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
-            two per parameter (on CPU, small parameters of a group may share them), with the same
+            two per parameter, its norms first (on CPU, small parameters of a group share one
+            call; from the second step on, large ones share calls of up to 4), with the same
             results as the eager step (default: None, meaning fused on CUDA devices and eager
             elsewhere; see ``lowprec.optim``).
     """
