@@ -42,6 +42,7 @@ from lowprec.numerics import (
     sum_squares,
     sum_squares_pairs,
 )
+from lowprec.optim.shards import init_state_local, is_dtensor, local, local_shards, wrap_like
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -170,6 +171,8 @@ class LowPrecisionOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if any(is_dtensor(p) for p in params):
+            self._has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
         """Validate a group's options and parameters; returns each parameter's storage strategy
@@ -260,6 +263,12 @@ class LowPrecisionOptimizer(Optimizer):
             storages = self._validate_group(group, gi)
             for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                 index += 1
+                if is_dtensor(p):  # (steps swap them for their shards: add_param_group notes them)
+                    raise ValueError(
+                        f"parameter group {gi}, parameter {pi}: a DTensor parameter was put in "
+                        "param_groups directly; add it with add_param_group (or pass it to the "
+                        "constructor) so that steps run on its local shard."
+                    )
                 g = p.grad
                 if g is None:
                     continue
@@ -311,6 +320,8 @@ class LowPrecisionOptimizer(Optimizer):
                 )
 
     def _init_state(self, group, p, storage) -> dict[str, Any]:
+        if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: _adopt_state)
+            return init_state_local(self, group, p, storage)
         sd = self._state_dtype(group, p, storage)
         state: dict[str, Any] = {
             "step": torch.tensor(0.0, dtype=torch.float32),
@@ -369,10 +380,19 @@ class LowPrecisionOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.__dict__.get("_has_dtensors"):
+            with local_shards(self):
+                self._step_all(grad_scale, found_inf)
+        else:
+            self._step_all(grad_scale, found_inf)
+        return loss
+
+    def _step_all(self, grad_scale: Any, found_inf: Any) -> None:
+        """``step()`` after the closure: redo the recorded step, or take a full one."""
         scaled = grad_scale is not None or found_inf is not None
         plan = self.__dict__.get("_step_plan")
         if plan is not None and plan.scaled == scaled and self._replay(plan, grad_scale, found_inf):
-            return loss
+            return
         self._step_plan = None
         work = self._collect()
         scaling = None
@@ -388,7 +408,6 @@ class LowPrecisionOptimizer(Optimizer):
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         self._step_plan = plan
-        return loss
 
     def _replay(self, plan: _Plan, grad_scale: Any = None, found_inf: Any = None) -> bool:
         """Redo the recorded step ``plan`` with this step's numbers, if nothing it relied on changed.
@@ -607,12 +626,18 @@ class LowPrecisionOptimizer(Optimizer):
                 group, p, index, storage, state, scaling, memo
             )
         plan = memo.get("plan")
+        # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
+        # indices in the whole parameter, from `start` on; the compiled kernels key from 0.
+        start = 0
+        offsets = self.__dict__.get("_shard_offsets")
+        if offsets and storage.needs_random_bits:
+            start = offsets.get(id(p), 0)
         tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
-        if p.numel() > 1 and contiguous and _fused_enabled(self, group, p):
+        if p.numel() > 1 and contiguous and not start and _fused_enabled(self, group, p):
             if isinstance(step, int):  # (shared by the group's parameters at this step number)
                 coeffs, c32 = self._step_coefficients(group, step, memo)
             else:
@@ -636,7 +661,8 @@ class LowPrecisionOptimizer(Optimizer):
             # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
             # random bits make this bit-identical to one pass.
             pieces = [
-                (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl), sl.start)
+                (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
+                 start + sl.start)
                 for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
             ]
             if not self._elementwise:
@@ -651,7 +677,7 @@ class LowPrecisionOptimizer(Optimizer):
                     sums = part if sums is None else sums + part
                 coeffs = {**coeffs, "sums": sums}
         else:
-            pieces = [(p, p.grad, sbufs, mbufs, 0)]
+            pieces = [(p, p.grad, sbufs, mbufs, start)]
         for piece_p, piece_g, piece_s, piece_m, offset in pieces:
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                           math=self._math, flags=flags, offset=offset, **extra)
@@ -820,6 +846,7 @@ class LowPrecisionOptimizer(Optimizer):
         norms = not self._elementwise
         rest, buckets, filled_of = [], {}, {}
         names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
+        shard_offsets = self.__dict__.get("_shard_offsets")
         for item in items:
             group, p, _index, storage = item
             ck = (id(group), storage.name, p.dtype)
@@ -833,7 +860,9 @@ class LowPrecisionOptimizer(Optimizer):
                 )
             g = p.grad if fresh is not None else p
             n = p.numel()
-            if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)):
+            if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)) or (
+                storage.needs_random_bits and shard_offsets and shard_offsets.get(id(p))
+            ):  # (a shard's random bits start at its offset: _step_param)
                 rest.append(item)
                 continue
             state = self.state[p]
@@ -987,6 +1016,12 @@ class LowPrecisionOptimizer(Optimizer):
         group = self._group_of(p)
         storage = self._storage(group, p)
         state = self.state.get(p)
+        if is_dtensor(p):  # (computed on this rank's shard, returned as a DTensor like p)
+            lp = local(p)
+            if not state:
+                return wrap_like(lp.float(), p)
+            bufs = {k: local(state[k]) for k in storage.buffers(lp)}
+            return wrap_like(storage.load(lp, bufs).clone(), p)
         if not state:
             return p.detach().float().clone()
         return storage.load(p, {k: state[k] for k in storage.buffers(p)}).clone()
@@ -1097,7 +1132,7 @@ class LowPrecisionOptimizer(Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p, storage in zip(group["params"], self._validate_group(group, gi), strict=True):
                 index += 1
-                if self.state.get(p):
+                if self.state.get(p) and not is_dtensor(p):  # (DTensor state stays as loaded)
                     work.append((group, p, index, storage))
         buckets, _ = self._small_buckets(_by_size(work)[1], None)
         for _step, items in buckets:
