@@ -1,0 +1,137 @@
+"""Worker processes for tests/test_dtensor.py: lowprec's optimizers on DTensor parameters.
+
+Each configuration steps parameters that ``distribute_tensor`` shards over a 1-D CPU mesh (gloo
+ranks started by ``tests._dist_workers.launch``), with gradients placed as the parameters and
+the same full values on every rank, so that the unsharded run in the test process is the
+reference: the same steps on the same full tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import lowprec
+
+#: First dimensions that 2 or 3 ranks split unevenly, an odd flat length, a parameter above the
+#: fused step's small-parameter batch size (65536 elements), one kept replicated.
+SHAPES = {"w": (5, 12), "b": (7,), "big": (300, 256), "emb": (9, 33), "rep": (6, 4)}
+REPLICATED = ("rep",)
+STEPS = 4
+
+
+def full_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {n: (torch.randn(s, generator=g) * 0.1).to(dtype) for n, s in SHAPES.items()}
+
+
+def full_grads(step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    # (updates of ~1e-3 of the weights: many below half a BF16 unit, where the masters differ)
+    return {n: (torch.randn(s, generator=g) * 1e-2).to(dtype) for n, s in SHAPES.items()}
+
+
+def make(cfg: dict[str, Any], params: list[torch.Tensor]) -> lowprec.optim.SGD:
+    cls = getattr(lowprec.optim, cfg["cls"])
+    return cls(params, **cfg["kw"])
+
+
+def _placements(name: str, shard_dim: int, ndim: int) -> list[Any]:
+    return [Replicate()] if name in REPLICATED else [Shard(shard_dim if shard_dim < ndim else 0)]
+
+
+def _full(t: DTensor) -> torch.Tensor:
+    """The whole of ``t`` on every rank (gloo gathers no int16: a split trail goes as bf16)."""
+    if t.dtype != torch.int16:
+        return t.full_tensor()
+    as_bf16 = DTensor.from_local(t.to_local().view(torch.bfloat16), t.device_mesh, t.placements,
+                                 run_check=False, shape=t.shape, stride=t.stride())
+    return as_bf16.full_tensor().view(torch.int16)
+
+
+def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Steps of ``cfg`` on sharded parameters: full parameters, masters and state after them, and
+    the placements the state tensors have (as seen on this rank)."""
+    dtype = cfg["dtype"]
+    params = {
+        n: nn.Parameter(
+            distribute_tensor(t, mesh, _placements(n, cfg.get("shard_dim", 0), t.dim()))
+        )
+        for n, t in full_params(dtype).items()
+    }
+    opt = make(cfg, list(params.values()))
+    out: dict[str, Any] = {}
+    try:
+        for step in range(STEPS):
+            for n, g in full_grads(step, dtype).items():
+                params[n].grad = distribute_tensor(g, mesh, params[n].placements)
+            opt.step()
+            if step == 1 and cfg.get("resume"):  # a checkpoint in the middle, into a new one
+                saved = opt.state_dict()
+                opt = make(cfg, list(params.values()))
+                opt.load_state_dict(saved)
+    except Exception as e:  # (the test checks the message and that nothing changed)
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["params"] = {n: p.full_tensor() for n, p in params.items()}
+    out["masters"] = {n: opt.master_weight(p).full_tensor() for n, p in params.items()}
+    state: dict[str, dict[str, Any]] = {}
+    placements: dict[str, dict[str, Any]] = {}
+    for n, p in params.items():
+        st = opt.state.get(p, {})
+        state[n] = {k: _full(v) if isinstance(v, DTensor) else v for k, v in st.items()}
+        placements[n] = {k: tuple(v.placements) if isinstance(v, DTensor) else None
+                         for k, v in st.items() if isinstance(v, torch.Tensor)}
+    out["state"], out["placements"] = state, placements
+    out["param_placements"] = {n: tuple(p.placements) for n, p in params.items()}
+    return out
+
+
+def worker_sharded(rank: int, world: int, out: Path, configs: dict[str, dict[str, Any]]) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    results = {name: run_config(mesh, cfg) for name, cfg in configs.items()}
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 4)).to(torch.bfloat16)
+
+
+def train_mlp(runs: dict[str, dict[str, Any]], *, world: int = 1, rank: int = 0,
+              steps: int = 3) -> dict[str, dict[str, torch.Tensor]]:
+    """``steps`` of a small BF16 MLP on a fixed batch split over ``world`` ranks, with FSDP2's
+    ``fully_shard`` where ``world`` > 1; the full parameters after them, per run."""
+    out = {}
+    for name, kw in runs.items():
+        model = _mlp()
+        if world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        opt = lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=11, **kw)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(12, 16, generator=g).to(torch.bfloat16)
+            y = torch.randn(12, 4, generator=g)
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            # (each rank's share of the mean over the whole batch: FSDP2 averages over ranks)
+            loss = (model(xs).float() - ys).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+                     for n, p in model.named_parameters()}
+    return out
+
+
+def worker_fsdp2(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]) -> None:
+    torch.save(train_mlp(runs, world=world, rank=rank), out / f"rank{rank}.pt")
