@@ -36,6 +36,25 @@ def full_grads(step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: (torch.randn(s, generator=g) * 1e-2).to(dtype) for n, s in SHAPES.items()}
 
 
+def grads_for(cfg: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
+    """The full gradients of ``step``; at ``cfg["inf_step"]`` one inf in the last row of ``w``,
+    which only the last rank's shard holds."""
+    grads = full_grads(step, cfg["dtype"])
+    if cfg.get("inf_step") == step:
+        grads["w"][-1, -1] = float("inf")
+    return grads
+
+
+def opt_step(opt: Any, cfg: dict[str, Any]) -> float | None:
+    """One step; under ``cfg["scaled"]`` with a loss scale and a found-inf flag (returned)."""
+    if not cfg.get("scaled"):
+        opt.step()
+        return None
+    found = torch.zeros(())
+    opt.step(grad_scale=torch.tensor(4.0), found_inf=found)
+    return found.item()
+
+
 def make(cfg: dict[str, Any], params: list[torch.Tensor]) -> lowprec.optim.SGD:
     cls = getattr(lowprec.optim, cfg["cls"])
     return cls(params, **cfg["kw"])
@@ -68,9 +87,9 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         for step in range(STEPS):
-            for n, g in full_grads(step, dtype).items():
+            for n, g in grads_for(cfg, step).items():
                 params[n].grad = distribute_tensor(g, mesh, params[n].placements)
-            opt.step()
+            out.setdefault("found", []).append(opt_step(opt, cfg))
             if step == 1 and cfg.get("resume"):  # a checkpoint in the middle, into a new one
                 saved = opt.state_dict()
                 opt = make(cfg, list(params.values()))

@@ -36,6 +36,13 @@ CONFIGS = {
     "adagrad-fp32-params": {"cls": "Adagrad", "dtype": F,
                                   "kw": {"lr": 0.1, "fused": False}},
     "adagrad-split": {"cls": "Adagrad", "dtype": B, "kw": {"lr": 0.1, "master": "split"}},
+    # Under a loss scaler, an inf in one rank's shard skips the step on every rank.
+    "sgd-split-scaled-inf": {"cls": "SGD", "dtype": B, "scaled": True, "inf_step": 2,
+                             "kw": {**SGD, "master": "split"}},
+    "adamw-stochastic-fused-scaled-inf": {"cls": "AdamW", "dtype": B, "scaled": True,
+                                          "inf_step": 1,
+                                          "kw": {"lr": 1e-2, "master": "stochastic",
+                                                 "seed": 5, "fused": True}},
 }
 # What a shard cannot do alone: refused before anything is written.
 REFUSED = {
@@ -51,11 +58,12 @@ def reference(cfg):
     """The unsharded run: the same steps on plain tensors."""
     params = {n: nn.Parameter(t) for n, t in shard.full_params(cfg["dtype"]).items()}
     opt = shard.make(cfg, list(params.values()))
+    found = []
     for step in range(shard.STEPS):
-        for n, g in shard.full_grads(step, cfg["dtype"]).items():
+        for n, g in shard.grads_for(cfg, step).items():
             params[n].grad = g
-        opt.step()
-    return params, opt
+        found.append(shard.opt_step(opt, cfg))
+    return params, opt, found
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +80,11 @@ def sharded(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sharded_steps_equal_unsharded(sharded, world, name):
-    params, opt = reference(CONFIGS[name])
+    params, opt, found = reference(CONFIGS[name])
     for rank, results in enumerate(sharded[world]):
         got = results[name]
         assert "error" not in got, got.get("error")
+        assert got["found"] == found, rank  # (an inf in one shard: every rank skips)
         for n, p in params.items():
             assert torch.equal(got["params"][n], p.detach()), (rank, n)
             assert torch.equal(got["masters"][n], opt.master_weight(p)), (rank, n)

@@ -397,7 +397,9 @@ class LowPrecisionOptimizer(Optimizer):
         work = self._collect()
         scaling = None
         if scaled:
-            scaling = _Scaling.prepare(work, grad_scale, found_inf)
+            scaling = _Scaling.prepare(
+                work, grad_scale, found_inf, self.__dict__.get("_shard_reduce")
+            )
         # The step is recorded, for the next steps to redo (_replay).
         plan = _Plan(self, scaled)
         memo: dict[Any, Any] = {"plan": plan}
@@ -448,7 +450,8 @@ class LowPrecisionOptimizer(Optimizer):
         scaling = None
         if plan.scaled:  # (off the CPU the counts are read on the device: _scaled_numbers)
             scaling = _Scaling.prepare(
-                [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf
+                [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf,
+                self.__dict__.get("_shard_reduce"),
             )
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         try:
@@ -1395,7 +1398,9 @@ class _Scaling:
         self._taken: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
-    def prepare(cls, work, grad_scale, found_inf) -> _Scaling:
+    def prepare(cls, work, grad_scale, found_inf, reduce=None) -> _Scaling:
+        """``reduce``: process groups over which the inf/NaN finding is combined (the ranks
+        holding the shards of DTensor parameters: lowprec.optim.shards), so that all skip alike."""
         devices = list(dict.fromkeys(p.device for _, p, _, _ in work))
         home = found_inf.device if isinstance(found_inf, torch.Tensor) else (
             devices[0] if devices else torch.device("cpu"))
@@ -1431,6 +1436,8 @@ class _Scaling:
             # total is finite exactly when every gradient is.
             ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).double()
             bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
+        for group in reduce or ():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
         if found_inf is None:
             found = bad
         else:

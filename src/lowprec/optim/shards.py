@@ -8,7 +8,8 @@ gave wrong values. So a step over DTensor parameters runs on each rank's local s
 ``local_shards`` hands the step the local tensor of every DTensor parameter (with its local
 gradient) and local views of its state, and afterwards keeps the state as DTensors of the
 parameter's placements, as ``torch.optim`` keeps it, so that ``state_dict`` and distributed
-checkpointing see sharded state.
+checkpointing see sharded state. Under a loss scaler, the check of the gradients for inf/NaN is
+combined over the ranks holding a parameter's shards, so that every rank skips the same steps.
 
 What a shard cannot do alone is refused before anything is written:
 
@@ -125,6 +126,14 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
         "_shard_states", {}
     )
     offsets: dict[int, int] = {}
+    # Process groups over which a shard's inf/NaN check must agree (a loss scaler's skip):
+    # every mesh dimension a parameter is sharded along.
+    reduce: dict[int, Any] = {}
+    for _, _, p in work:
+        for dim, pl in enumerate(p.placements):
+            if not isinstance(pl, Replicate):
+                group = p.device_mesh.get_group(dim)
+                reduce.setdefault(id(group), group)
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
     for k, v in saved_state.items():
         if not is_dtensor(k):
@@ -155,12 +164,13 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             group["params"] = ps
         opt.state = state
         opt._shard_offsets = offsets
+        opt._shard_reduce = list(reduce.values())
         yield
     finally:
         for group, ps in zip(groups, saved_params, strict=True):
             group["params"] = ps
         opt.state = saved_state
-        opt._shard_offsets = None
+        opt._shard_offsets = opt._shard_reduce = None
         shards = {id(lp) for _, lp, _ in swapped}
         for k, v in state.items():
             if v and id(k) not in shards and k not in saved_state:
