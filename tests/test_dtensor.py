@@ -139,3 +139,26 @@ def test_fsdp2_training(fsdp2, master):
 
 def _start(name):
     return dict(shard._mlp().named_parameters())[name].detach()
+
+
+DCP_RUNS = {"split": {"master": "split"}, "stochastic": {"master": "stochastic"},
+            "fp32": {"master": "fp32"},
+            "kahan-fused": {"master": "kahan", "fused": True},
+            "stochastic-fused": {"master": "stochastic", "fused": True}}
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory):
+    where = tmp_path_factory.mktemp("dcp")
+    workers.launch(shard.worker_dcp, 2, where, DCP_RUNS)
+    return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(DCP_RUNS))
+def test_fsdp2_distributed_checkpoint_resumes_bit_for_bit(dcp_runs, name):
+    """FSDP2's checkpoint path (get_state_dict, torch.distributed.checkpoint save and load,
+    set_state_dict) saves the sharded state and a resumed run goes on as the straight one."""
+    for rank, results in enumerate(dcp_runs):
+        straight, resumed = results[name]["straight"], results[name]["resumed"]
+        for n, w in straight.items():
+            assert torch.equal(resumed[n], w), (rank, n)
