@@ -36,6 +36,11 @@ CONFIGS = {
     "adagrad-fp32-params": {"cls": "Adagrad", "dtype": F,
                                   "kw": {"lr": 0.1, "fused": False}},
     "adagrad-split": {"cls": "Adagrad", "dtype": B, "kw": {"lr": 0.1, "master": "split"}},
+    # Sharded along dim 1 (tensor parallelism's row-wise layout): fine without random bits.
+    "adamw-kahan-dim1-fused": {"cls": "AdamW", "dtype": B, "shard_dim": 1,
+                               "kw": {"lr": 1e-2, "master": "kahan", "fused": True}},
+    "sgd-split-dim1": {"cls": "SGD", "dtype": B, "shard_dim": 1,
+                       "kw": {**SGD, "master": "split"}},
     # Under a loss scaler, an inf in one rank's shard skips the step on every rank.
     "sgd-split-scaled-inf": {"cls": "SGD", "dtype": B, "scaled": True, "inf_step": 2,
                              "kw": {**SGD, "master": "split"}},
