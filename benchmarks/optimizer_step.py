@@ -275,8 +275,9 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
             missing = [k for k in vkw if k not in sig]
             skip = f"{cls.__name__} takes no {', '.join(missing)}=" if missing else ""
             extra = {"momentum": MOMENTUM} if fam == "sgd" else {}
+            # Split with BF16 state: the trail keeps the weights exact, the moments are BF16.
             fam_configs = configs + ([(torch.bfloat16, "split", torch.bfloat16)]
-                                     if fam == "adamw" else [])
+                                     if fam in ("adamw", "sgd") else [])
             for dtype, master, sd in fam_configs:
                 kwargs = {"lr": LR[fam], **extra, "master": master, **vkw}
                 if sd is not None:
