@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from lowprec.optim.shards import is_dtensor, local
+
 __all__ = ["LossScaler", "NonFiniteLossError"]
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -226,7 +228,9 @@ class LossScaler:
                     raise ValueError(
                         "LossScaler does not unscale sparse gradients; use dense gradients."
                     )
-                grads.append(p.grad)
+                # A DTensor's gradient (FSDP2): its local shard, unscaled in place like any
+                # other; the optimizer's step combines every rank's finding (lowprec.optim.shards).
+                grads.append(local(p.grad) if is_dtensor(p.grad) else p.grad)
         return grads
 
     def _check_and_unscale(self, grads: list[torch.Tensor], inv_scale: torch.Tensor,

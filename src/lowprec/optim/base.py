@@ -630,24 +630,29 @@ class LowPrecisionOptimizer(Optimizer):
             )
         plan = memo.get("plan")
         # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
-        # indices in the whole parameter, from `start` on; the compiled kernels key from 0.
+        # indices in the whole parameter, from `start` on (the compiled kernels take it as a
+        # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
         start = 0
         offsets = self.__dict__.get("_shard_offsets")
         if offsets and storage.needs_random_bits:
             start = offsets.get(id(p), 0)
+        fusable = not start or (
+            start + p.numel() <= _INT32_MAX and (start % 2 == 0 or p.dtype != torch.bfloat16)
+        )
         tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
-        if p.numel() > 1 and contiguous and not start and _fused_enabled(self, group, p):
+        if p.numel() > 1 and contiguous and fusable and _fused_enabled(self, group, p):
             if isinstance(step, int):  # (shared by the group's parameters at this step number)
                 coeffs, c32 = self._step_coefficients(group, step, memo)
             else:
                 c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
             try:
                 fused = self._prepare_fused(
-                    storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None
+                    storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None,
+                    start=start,
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -690,7 +695,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-        keyed: bool = False, per_word: bool = False,
+        keyed: bool = False, per_word: bool = False, start: int = 0,
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
         numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
@@ -698,12 +703,19 @@ class LowPrecisionOptimizer(Optimizer):
         (``_replay``).
 
         ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
-        sums are per parameter of such a batch, for a rule with ``_norm_terms``.
+        sums are per parameter of such a batch, for a rule with ``_norm_terms``. ``start``: the
+        index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
+        shard; even on pairs), passed to the kernels as ``base``.
         """
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
         f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
         f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+        f.base, f.start = None, start
+        if start:
+            # (bfloat16 hashes pairs: the first pair's index; start is even there)
+            f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
+                                  dtype=torch.int64)
         f.per_word = per_word = per_word and self._norm_terms is not None
         if per_word and (pairs is None or n != p.numel()):
             raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
@@ -775,6 +787,8 @@ class LowPrecisionOptimizer(Optimizer):
                         flat(f.mbufs, tail), coeffs, **kw,
                     )
             coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
+        if f.base is not None:
+            extra = {**extra, "base": f.base}
         if pairs is None:
             f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
                      storage=storage, math=self._math, flags=flags, **extra)
@@ -786,7 +800,8 @@ class LowPrecisionOptimizer(Optimizer):
         if tail is not None:
             _param_update(
                 p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
-                coeffs, lo, hi, storage=storage, math=self._math, flags=flags, offset=n, **extra,
+                coeffs, lo, hi, storage=storage, math=self._math, flags=flags,
+                offset=f.start + n, **{k: v for k, v in extra.items() if k != "base"},
             )
 
     def _step_small_fused(self, items, memo, scaling: _Scaling | None = None) -> list:
@@ -874,7 +889,10 @@ class LowPrecisionOptimizer(Optimizer):
                     rest.append(item)
                     continue
                 state.update(self._init_state(group, p, storage))
-                fresh.add(id(p))
+                if not (shard_offsets and id(p) in shard_offsets):
+                    # (a DTensor's shard keeps its own state tensors: a DTensor made from a
+                    # view into a batch's flat tensor could not be saved or copied)
+                    fresh.add(id(p))
             if not (p.is_contiguous() and g.is_contiguous()) or not all(
                 state[k].is_contiguous() for k in names
             ):
@@ -1081,8 +1099,11 @@ class LowPrecisionOptimizer(Optimizer):
                 if "master" not in moved:  # torch.optim's state: see _adopt_state
                     moved = self._adopt_state(moved, merged, p, storage, f"parameter {sid!r}")
                 self._check_state(moved, merged, p, storage, f"parameter {sid!r}")
+                if is_dtensor(p):
+                    _check_sharded_state(moved, p, f"parameter {sid!r}")
             new_state[p] = moved
         self._step_plan = None
+        self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
         super().load_state_dict({"state": {}, "param_groups": loaded_groups})
         for p, st in new_state.items():
             self.state[p] = st
@@ -1218,11 +1239,13 @@ def _param_update(
     offset: int = 0,
     inv_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
-    (it keys the random bits of stochastic rounding). Under a loss scaler, ``inv_scale`` (0-d
+    (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
+    steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss scaler, ``inv_scale`` (0-d
     FP32) multiplies the gradient and ``skip`` (0-d bool) selects the old values for every write.
 
     The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
@@ -1232,7 +1255,8 @@ def _param_update(
     new_w, new_m = math(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
     bits = None
     if storage.needs_random_bits:
-        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype).view(p.shape)
+        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
+        bits = bits.view(p.shape)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
     if skip is not None:  # a skipped step writes back what was there, bit for bit
         new_p = torch.where(skip, p, new_p)
@@ -1246,9 +1270,15 @@ def _param_update(
 
 
 def _random_bits(
-    offset: int, numel: int, device: torch.device, key_lo: Any, key_hi: Any, dtype: torch.dtype
+    offset: int, numel: int, device: torch.device, key_lo: Any, key_hi: Any, dtype: torch.dtype,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
+
+    ``base``: a 0-d int64 tensor added to every hashed index (a compiled step of a DTensor's shard
+    passes its first element's index in the whole parameter there, so that one compilation serves
+    every shard): for bfloat16 the index of the first pair (half that element's index, which must
+    be even, with ``offset`` 0), otherwise the first element's index.
 
     Element ``i`` of a bfloat16 parameter takes 16 bits of the 32-bit hash of ``i // 2``: the low
     half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements: it is
@@ -1261,15 +1291,15 @@ def _random_bits(
     wide = offset + numel > _INT32_MAX
     itype = torch.int64 if wide else torch.int32
     if dtype != torch.bfloat16:
-        return hash_bits(torch.arange(offset, offset + numel, device=device, dtype=itype),
-                         key_lo, key_hi)
+        idx = torch.arange(offset, offset + numel, device=device, dtype=itype)
+        return hash_bits(idx if base is None else idx + base, key_lo, key_hi)
     if numel == 0:
         return torch.empty(0, device=device, dtype=torch.int32)
     # Each pair's hash once: its low half for the even element, its high half (shifted down)
     # for the odd one, interleaved; elements offset .. offset + numel - 1 are a slice of them.
     first = offset // 2
     words = torch.arange(first, (offset + numel - 1) // 2 + 1, device=device, dtype=itype)
-    h = hash_bits(words, key_lo, key_hi)
+    h = hash_bits(words if base is None else words + base, key_lo, key_hi)
     halves = torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1).view(-1)
     start = offset - 2 * first
     return halves[start:start + numel]
@@ -1317,6 +1347,7 @@ def _param_update_pairs(
     skip: torch.Tensor | None = None,
     idx: torch.Tensor | None = None,
     owner: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
 ) -> None:
     """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
 
@@ -1330,7 +1361,8 @@ def _param_update_pairs(
     ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
     ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's
     parameter and ``idx`` its index within that parameter, which replaces the word's own index
-    in the random bits' hash (``_batch_layout``).
+    in the random bits' hash (``_batch_layout``). ``base`` (0-d int64) is added to every word's
+    index: a DTensor shard's first word's index in the whole parameter (``_random_bits``).
     """
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
@@ -1343,7 +1375,7 @@ def _param_update_pairs(
                                dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
         elif owner is not None:
             key_lo, key_hi = key_lo[owner], key_hi[owner]
-        bits = hash_bits(idx, key_lo, key_hi)
+        bits = hash_bits(idx if base is None else idx + base, key_lo, key_hi)
     new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
     new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
     if skip is not None:  # a skipped step writes back what was there, bit for bit
@@ -1436,13 +1468,13 @@ class _Scaling:
             # total is finite exactly when every gradient is.
             ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).double()
             bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
-        for group in reduce or ():
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
         if found_inf is None:
             found = bad
         else:
             found = found_inf
             found.add_(bad.to(found.device, found.dtype))
+        for group in reduce or ():  # (the caller's finding too: e.g. a scaler's unscale_)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
         return cls(inv, found.reshape(()) != 0)
 
     def inv_scale_on(self, device: torch.device) -> torch.Tensor:
@@ -1463,6 +1495,24 @@ class _Scaling:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
+
+
+def _check_sharded_state(state: dict[str, Any], p: Any, where: str) -> None:
+    """A DTensor parameter's loaded state must be sharded as the parameter: each rank steps its
+    own shard of every buffer (lowprec.optim.shards)."""
+    for k, v in state.items():
+        if k == "step" or not isinstance(v, torch.Tensor):
+            continue
+        if not (is_dtensor(v) and v.device_mesh == p.device_mesh
+                and tuple(v.placements) == tuple(p.placements)):
+            got = f"placed as {tuple(v.placements)}" if is_dtensor(v) else "a plain tensor"
+            raise ValueError(
+                f"{where}: state {k!r} of a DTensor parameter placed as {tuple(p.placements)} is "
+                f"{got}; load a checkpoint saved from parameters sharded alike (this optimizer's "
+                "state_dict() on each rank, or torch.distributed.checkpoint with get_state_dict "
+                "and set_state_dict, which reshards), or distribute the tensor first "
+                "(torch.distributed.tensor.distribute_tensor)."
+            )
 
 
 def _by_size(work: list) -> tuple[list, list]:
@@ -1624,6 +1674,7 @@ class _Fused:
     """A compiled step prepared by ``LowPrecisionOptimizer._prepare_fused``."""
 
     __slots__ = (
+        "base",
         "flags",
         "kernel",
         "mbufs",
@@ -1632,6 +1683,7 @@ class _Fused:
         "pairs",
         "per_word",
         "sbufs",
+        "start",
         "storage",
         "sums_fn",
         "sums_kernel",
@@ -1771,7 +1823,7 @@ class _Many:
         for run in runs:
             f = getattr(run, "fused", None)
             if (
-                f is not None and (f.pairs is None or f.n == run.p.numel())
+                f is not None and (f.pairs is None or f.n == run.p.numel()) and f.base is None
                 and (not scaled or _host_counts(run.p.device))
             ):
                 # (Their step counts as last read: the coefficients are shared. Counts that

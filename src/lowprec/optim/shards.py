@@ -34,9 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.base import LowPrecisionOptimizer
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = Replicate = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -62,24 +62,66 @@ def wrap_like(t: torch.Tensor, p: Any) -> Any:
         )
 
 
-def flat_offset(p: Any) -> int | None:
-    """Index, in ``p`` flattened, of the first element of this rank's shard, where the shard is
-    one block of consecutive elements (replicated, or sharded along the first dimension only);
-    else None."""
-    if all(isinstance(pl, Replicate) for pl in p.placements):
+def _block_sharded(p: Any) -> bool:
+    """Whether every rank's shard of ``p`` is one block of consecutive elements of ``p``
+    flattened: each placement replicates or shards the first dimension (decided from the
+    placements alone, so every rank decides alike)."""
+    return all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0)
+               for pl in p.placements)
+
+
+def flat_offset(p: Any) -> int:
+    """Index, in ``p`` flattened, of the first element of this rank's shard (``_block_sharded``)."""
+    if all(isinstance(pl, Replicate) for pl in p.placements) or p.dim() == 0:
         return 0
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # pragma: no cover
-        return None
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    if tuple(shape[1:]) != tuple(p.shape[1:]) or any(offset[1:]):
-        return None
-    return int(offset[0]) * math.prod(p.shape[1:]) if p.dim() else 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) * math.prod(p.shape[1:])
 
 
-def _check(opt: LowPrecisionOptimizer, gi: int, pi: int, p: Any, storage: Any) -> None:
-    where = f"parameter group {gi}, parameter {pi}"
+class _Shard:
+    """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
+    its local tensor and placements stay the same: its local state dict (kept from step to step
+    for ``_replay``), the index of its first element in the whole parameter (keying stochastic
+    rounding's random bits), and the process groups its shards span."""
+
+    __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
+
+    def __init__(self, p: Any, lp: torch.Tensor) -> None:
+        self.p, self.local, self.lstate = p, lp, {}
+        self.placements = tuple(p.placements)
+        self.offset = flat_offset(p) if _block_sharded(p) else None
+        mesh = p.device_mesh
+        self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
+                       if not isinstance(pl, Replicate)]
+        self.verdict: tuple[Any, ...] | None = None  # (options checked, error or None)
+
+    def current(self, p: Any) -> bool:
+        return self.p is p and self.local is local(p) and tuple(p.placements) == self.placements
+
+
+def _refusal(opt: LowPrecisionOptimizer, where: str, shard: _Shard, storage: Any):
+    """The error a step of this shard must raise under these options, or None."""
+    placements = shard.placements
+    sharded = not all(isinstance(pl, Replicate) for pl in placements)
+    if sharded and opt._norm_terms is not None:
+        return NotImplementedError(
+            f"{where}: {type(opt).__name__} needs norms over the whole tensor, and this DTensor "
+            f"parameter is sharded ({placements}): each rank holds only its shard. Keep such "
+            "parameters replicated, or use an elementwise optimizer (SGD, AdamW, Adagrad)."
+        )
+    if storage.needs_random_bits and shard.offset is None:
+        return NotImplementedError(
+            f"{where}: stochastic rounding keys its random bits by the element's index in the "
+            f"whole parameter, and the shards of this parameter ({placements}) are not blocks "
+            "of it. Shard such parameters along their first dimension only (FSDP2 does), or "
+            "choose another master."
+        )
+    return None
+
+
+def _check_grad(where: str, p: Any) -> None:
     g = p.grad
     if g is not None and (not is_dtensor(g) or tuple(g.placements) != tuple(p.placements)):
         got = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
@@ -87,20 +129,6 @@ def _check(opt: LowPrecisionOptimizer, gi: int, pi: int, p: Any, storage: Any) -
             f"{where}: a DTensor parameter placed as {tuple(p.placements)} has a gradient placed "
             f"as {got}; the step updates each rank's shard with its own gradient, so the "
             "gradient must be placed as the parameter (FSDP2 and DTensor's backward do so)."
-        )
-    sharded = not all(isinstance(pl, Replicate) for pl in p.placements)
-    if sharded and opt._norm_terms is not None:
-        raise NotImplementedError(
-            f"{where}: {type(opt).__name__} needs norms over the whole tensor, and this DTensor "
-            f"parameter is sharded ({tuple(p.placements)}): each rank holds only its shard. Keep "
-            "such parameters replicated, or use an elementwise optimizer (SGD, AdamW, Adagrad)."
-        )
-    if storage.needs_random_bits and flat_offset(p) is None:
-        raise NotImplementedError(
-            f"{where}: stochastic rounding keys its random bits by the element's index in the "
-            f"whole parameter, and this shard ({tuple(p.placements)}) is not one block of it. "
-            "Shard such parameters along their first dimension (FSDP2 does), or choose another "
-            "master."
         )
 
 
@@ -113,39 +141,39 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
     step (``_replay``) is redone as for plain parameters. Afterwards every parameter-shaped state
     tensor is a DTensor of the parameter's placements. Nothing is changed if a check fails."""
     groups = opt.param_groups
+    old: dict[int, _Shard] = opt.__dict__.get("_shards") or {}
+    shards: dict[int, _Shard] = {}  # (only the current parameters: dropped ones are let go)
     work = []
     for gi, group in enumerate(groups):
-        storages = opt._validate_group(group, gi)
-        for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
-            if is_dtensor(p):
-                _check(opt, gi, pi, p, storage)
-                work.append((gi, pi, p))
+        for pi, p in enumerate(group["params"]):
+            if not is_dtensor(p):
+                continue
+            shard = old.get(id(p))
+            if shard is None or not shard.current(p):
+                shard = _Shard(p, local(p))
+            shards[id(p)] = shard
+            where = f"parameter group {gi}, parameter {pi}"
+            _check_grad(where, p)
+            options = (id(group), group["master"], p.dtype)
+            if shard.verdict is None or shard.verdict[0] != options:
+                opt._validate_options(group, gi)
+                storage = opt._storage(group, p)
+                shard.verdict = (options, _refusal(opt, where, shard, storage))
+            if shard.verdict[1] is not None:
+                raise shard.verdict[1]
+            work.append((gi, pi, shard))
+    opt._shards = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
-    cache: dict[int, tuple[Any, torch.Tensor, dict[str, Any]]] = opt.__dict__.setdefault(
-        "_shard_states", {}
-    )
-    offsets: dict[int, int] = {}
-    # Process groups over which a shard's inf/NaN check must agree (a loss scaler's skip):
-    # every mesh dimension a parameter is sharded along.
-    reduce: dict[int, Any] = {}
-    for _, _, p in work:
-        for dim, pl in enumerate(p.placements):
-            if not isinstance(pl, Replicate):
-                group = p.device_mesh.get_group(dim)
-                reduce.setdefault(id(group), group)
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
     for k, v in saved_state.items():
         if not is_dtensor(k):
             state[k] = v
-    swapped = []
     params = [list(ps) for ps in saved_params]
-    for gi, pi, p in work:
-        lp = local(p)
-        entry = cache.get(id(p))
-        if entry is None or entry[0] is not p or entry[1] is not lp:
-            entry = cache[id(p)] = (p, lp, {})
-        lstate = entry[2]
+    offsets: dict[int, int] = {}
+    reduce: dict[int, Any] = {}
+    for gi, pi, shard in work:
+        p, lp, lstate = shard.p, shard.local, shard.lstate
         dstate = saved_state.get(p, {})
         for k in [k for k in lstate if k not in dstate]:
             del lstate[k]
@@ -155,11 +183,13 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                 lstate[k] = v
         state[lp] = lstate
         params[gi][pi] = lp
-        offsets[id(lp)] = flat_offset(p) or 0
-        swapped.append((p, lp, lstate))
+        offsets[id(lp)] = shard.offset or 0
+        for group in shard.groups:  # (a loss scaler's skip must agree over these)
+            reduce.setdefault(id(group), group)
     try:
-        for p, lp, _ in swapped:
-            lp.grad = None if p.grad is None else local(p.grad)
+        for _, _, shard in work:
+            g = shard.p.grad
+            shard.local.grad = None if g is None else local(g)
         for group, ps in zip(groups, params, strict=True):
             group["params"] = ps
         opt.state = state
@@ -171,11 +201,11 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             group["params"] = ps
         opt.state = saved_state
         opt._shard_offsets = opt._shard_reduce = None
-        shards = {id(lp) for _, lp, _ in swapped}
         for k, v in state.items():
-            if v and id(k) not in shards and k not in saved_state:
+            if v and id(k) not in offsets and k not in saved_state:
                 saved_state[k] = v  # (state a plain parameter got in this step)
-        for p, lp, lstate in swapped:
+        for _, _, shard in work:
+            p, lp, lstate = shard.p, shard.local, shard.lstate
             lp.grad = None
             if not lstate:
                 continue
