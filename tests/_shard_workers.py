@@ -8,6 +8,8 @@ reference: the same steps on the same full tensors.
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import sys
 from pathlib import Path
@@ -48,14 +50,44 @@ def grads_for(cfg: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
     return grads
 
 
-def opt_step(opt: Any, cfg: dict[str, Any]) -> float | None:
-    """One step; under ``cfg["scaled"]`` with a loss scale and a found-inf flag (returned)."""
+def grads_for_step(cfg: dict[str, Any], step: int, scaler: Any) -> dict[str, torch.Tensor]:
+    """``grads_for``, times the loss scaler's scale where there is one (a power of two: exact)."""
+    grads = grads_for(cfg, step)
+    if scaler is not None:
+        scale = float(scaler.scale(torch.ones(())))
+        grads = {n: (g.float() * scale).to(g.dtype) for n, g in grads.items()}
+    return grads
+
+
+def opt_step(opt: Any, cfg: dict[str, Any], scaler: Any = None) -> Any:
+    """One step; under ``cfg["scaled"]`` with a loss scale and a found-inf flag (returned); under
+    ``cfg["scaler"]`` through ``scaler`` (a LossScaler), with ``unscale_`` first: its
+    (found-inf, scale) after the step."""
+    if cfg.get("scaler"):
+        scaler.unscale_(opt)
+        stepped = scaler.step(opt)
+        scaler.update()
+        return bool(stepped), float(scaler.scale(torch.ones(())))
     if not cfg.get("scaled"):
         opt.step()
         return None
     found = torch.zeros(())
     opt.step(grad_scale=torch.tensor(4.0), found_inf=found)
     return found.item()
+
+
+def new_scaler(cfg: dict[str, Any]) -> Any:
+    return lowprec.LossScaler(init_scale=8.0, growth_interval=2) if cfg.get("scaler") else None
+
+
+def compiled_calls(opt: Any) -> tuple[int, int]:
+    """How the last recorded step ran: (parameters or batches stepped by compiled kernels, those
+    whose random bits start past index 0 of a larger parameter: a shard's ``base``)."""
+    plan = opt.__dict__.get("_step_plan")
+    if plan is None:
+        return 0, 0
+    fused = [e.fused for e in plan.entries if e.fused is not None]
+    return len(fused) + len(plan.batches), sum(f.base is not None for f in fused)
 
 
 def make(cfg: dict[str, Any], params: list[torch.Tensor]) -> lowprec.optim.SGD:
@@ -76,40 +108,71 @@ def _full(t: DTensor) -> torch.Tensor:
     return as_bf16.full_tensor().view(torch.int16)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
 def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Steps of ``cfg`` on sharded parameters: full parameters, masters and state after them, and
     the placements the state tensors have (as seen on this rank)."""
     dtype = cfg["dtype"]
+    plain = cfg.get("plain", ())  # (names kept as plain tensors, beside the DTensors)
     params = {
         n: nn.Parameter(
-            distribute_tensor(t, mesh, _placements(n, cfg.get("shard_dim", 0), t.dim()))
+            t if n in plain
+            else distribute_tensor(t, mesh, _placements(n, cfg.get("shard_dim", 0), t.dim()))
         )
         for n, t in full_params(dtype).items()
     }
     opt = make(cfg, list(params.values()))
+    scaler = new_scaler(cfg)
     out: dict[str, Any] = {}
     try:
         for step in range(STEPS):
-            for n, g in grads_for(cfg, step).items():
-                params[n].grad = distribute_tensor(g, mesh, params[n].placements)
-            out.setdefault("found", []).append(opt_step(opt, cfg))
-            if step == 1 and cfg.get("resume"):  # a checkpoint in the middle, into a new one
-                saved = opt.state_dict()
+            for n, g in grads_for_step(cfg, step, scaler).items():
+                params[n].grad = g if n in plain else distribute_tensor(
+                    g, mesh, params[n].placements
+                )
+            out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
+            out["compiled"] = compiled_calls(opt)
+            if step == 1 and cfg.get("resume"):
+                # A checkpoint in the middle: copied, saved to bytes and loaded back (as each
+                # rank's torch.save and torch.load would), into a new optimizer.
+                saved = copy.deepcopy(opt.state_dict())
+                buf = io.BytesIO()
+                torch.save(saved, buf)
+                buf.seek(0)
                 opt = make(cfg, list(params.values()))
-                opt.load_state_dict(saved)
+                opt.load_state_dict(torch.load(buf))
+        if cfg.get("load_plain"):  # a checkpoint of the full tensors, not sharded
+            plain = opt.state_dict()
+            plain["state"] = {
+                i: {k: _full(v) if isinstance(v, DTensor) else v for k, v in st.items()}
+                for i, st in plain["state"].items()
+            }
+            fresh = make(cfg, list(params.values()))
+            try:
+                fresh.load_state_dict(plain)
+            except ValueError as e:
+                out["load_error"] = str(e)
+            out["load_left_state"] = bool(fresh.state)
     except Exception as e:  # (the test checks the message and that nothing changed)
         out["error"] = f"{type(e).__name__}: {e}"
-    out["params"] = {n: p.full_tensor() for n, p in params.items()}
-    out["masters"] = {n: opt.master_weight(p).full_tensor() for n, p in params.items()}
+    out["params"] = {n: _whole(p) for n, p in params.items()}
+    out["masters"] = {n: _whole(opt.master_weight(p)) for n, p in params.items()}
     state: dict[str, dict[str, Any]] = {}
     placements: dict[str, dict[str, Any]] = {}
     for n, p in params.items():
         st = opt.state.get(p, {})
         state[n] = {k: _full(v) if isinstance(v, DTensor) else v for k, v in st.items()}
+        if n in plain:  # (state as the parameter's: plain, unless it is a DTensor)
+            placements[n] = {k: None for k, v in st.items() if isinstance(v, torch.Tensor)}
+            continue
         placements[n] = {k: tuple(v.placements) if isinstance(v, DTensor) else None
                          for k, v in st.items() if isinstance(v, torch.Tensor)}
     out["state"], out["placements"] = state, placements
-    out["param_placements"] = {n: tuple(p.placements) for n, p in params.items()}
+    out["param_placements"] = {n: tuple(p.placements) if isinstance(p, DTensor) else None
+                               for n, p in params.items()}
     return out
 
 
@@ -136,33 +199,40 @@ def _mlp() -> nn.Module:
                          nn.Linear(64, 4)).to(torch.bfloat16)
 
 
-def train_mlp(runs: dict[str, dict[str, Any]], *, world: int = 1, rank: int = 0,
-              steps: int = 3) -> dict[str, dict[str, torch.Tensor]]:
-    """``steps`` of a small BF16 MLP on a fixed batch split over ``world`` ranks, with FSDP2's
-    ``fully_shard`` where ``world`` > 1; the full parameters after them, per run."""
+def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
+              rank: int, steps: int = 3) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """``steps`` of a small BF16 MLP under FSDP2's ``fully_shard`` on a fixed batch split over
+    the ranks, per run; beside it an unsharded copy of the model and optimizer stepped with the
+    gradients FSDP2 reduced (gathered whole), the reference for the sharded steps. The full
+    parameters of both after the steps."""
+    from torch.distributed.fsdp import fully_shard
+
     out = {}
     for name, kw in runs.items():
-        model = _mlp()
-        if world > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+        model, replica = _mlp(), _mlp()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
         opt = lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=11, **kw)
+        ref = lowprec.optim.AdamW(replica.parameters(), lr=1e-2, seed=11, **kw)
+        twins = dict(replica.named_parameters())
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
             x = torch.randn(12, 16, generator=g).to(torch.bfloat16)
             y = torch.randn(12, 4, generator=g)
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-            # (each rank's share of the mean over the whole batch: FSDP2 averages over ranks)
-            loss = (model(xs).float() - ys).pow(2).mean()
-            loss.backward()
+            (model(xs).float() - ys).pow(2).mean().backward()
+            for n, p in model.named_parameters():
+                twins[n].grad = p.grad.full_tensor()
             opt.step()
             opt.zero_grad()
-        out[name] = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-                     for n, p in model.named_parameters()}
+            ref.step()
+            ref.zero_grad()
+        out[name] = {
+            "sharded": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "unsharded": {n: p.detach().clone() for n, p in replica.named_parameters()},
+        }
     return out
 
 
