@@ -124,6 +124,8 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         )
         for n, t in full_params(dtype).items()
     }
+    if cfg.get("rank_seed"):  # (seed=None then differs between the ranks)
+        torch.manual_seed(1000 + dist.get_rank())
     opt = make(cfg, list(params.values()))
     scaler = new_scaler(cfg)
     out: dict[str, Any] = {}

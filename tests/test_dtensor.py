@@ -69,6 +69,9 @@ CONFIGS = {
 REFUSED = {
     "lamb-sharded": ({"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "master": "kahan"}},
                      "NotImplementedError", "norms over the whole tensor"),
+    "sr-rank-seeds": ({"cls": "AdamW", "dtype": B, "rank_seed": True,
+                       "kw": {"lr": 1e-2, "master": "stochastic"}},
+                      "ValueError", "different seeds"),
     "sr-dim1": ({"cls": "SGD", "dtype": B, "shard_dim": 1,
                  "kw": {"lr": 0.1, "master": "stochastic"}},
                 "NotImplementedError", "are not blocks of it"),

@@ -132,6 +132,41 @@ def _check_grad(where: str, p: Any) -> None:
         )
 
 
+def _check_seeds(opt: LowPrecisionOptimizer, rounding: list[tuple[int, _Shard]]) -> None:
+    """Every rank of a mesh must round its DTensors stochastically with the same seed: replicas
+    would drift apart otherwise, and shards would not round as the unsharded parameter. With
+    ``seed=None`` a group takes ``torch.initial_seed()``, which differs between ranks that were
+    not seeded alike. Checked (a collective over each mesh) on the first step of each set of seeds,
+    which every rank takes alike."""
+    seeds: dict[Any, dict[int, int]] = {}
+    for gi, shard in rounding:
+        seeds.setdefault(shard.p.device_mesh, {})[gi] = opt.param_groups[gi]["seed"]
+    key = tuple((id(mesh), tuple(sorted(d.items()))) for mesh, d in seeds.items())
+    if not key or opt.__dict__.get("_seeds_checked") == key:
+        return
+    for mesh, d in seeds.items():
+        halves = [v for seed in d.values() for v in (seed & 0xFFFFFFFF, seed >> 32)]
+        mine = torch.tensor(halves + [-v for v in halves], dtype=torch.int64,
+                            device=mesh.device_type)
+        both = mine.clone()
+        for dim in range(mesh.ndim):  # (MAX over every dimension: over the whole mesh)
+            torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX,
+                                         group=mesh.get_group(dim))
+        n = len(halves)
+        if not torch.equal(both[:n], -both[n:]):
+            differ = sorted({gi for j, gi in enumerate(g for g in d for _ in (0, 1))
+                             if both[j] != -both[n + j]})
+            raise ValueError(
+                f"parameter group(s) {differ}: the ranks of a device mesh round their DTensor "
+                "parameters stochastically with different seeds (seed=None takes "
+                "torch.initial_seed(), which differs between ranks not seeded alike), so "
+                "replicas would drift apart. Pass the same seed= on every rank, or call "
+                "torch.manual_seed with the same value on every rank before creating the "
+                "optimizer."
+            )
+    opt._seeds_checked = key
+
+
 @contextlib.contextmanager
 def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
     """For the length of a step: every DTensor parameter replaced, in ``opt.param_groups``, by its
@@ -158,10 +193,12 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             if shard.verdict is None or shard.verdict[0] != options:
                 opt._validate_options(group, gi)
                 storage = opt._storage(group, p)
-                shard.verdict = (options, _refusal(opt, where, shard, storage))
+                shard.verdict = (options, _refusal(opt, where, shard, storage),
+                                 storage.needs_random_bits)
             if shard.verdict[1] is not None:
                 raise shard.verdict[1]
             work.append((gi, pi, shard))
+    _check_seeds(opt, [(gi, shard) for gi, _, shard in work if shard.verdict[2]])
     opt._shards = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
