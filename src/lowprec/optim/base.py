@@ -42,7 +42,14 @@ from lowprec.numerics import (
     sum_squares,
     sum_squares_pairs,
 )
-from lowprec.optim.shards import init_state_local, is_dtensor, local, local_shards, wrap_like
+from lowprec.optim.shards import (
+    check_loaded_state,
+    init_state_local,
+    is_dtensor,
+    local,
+    local_shards,
+    wrap_like,
+)
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -1100,7 +1107,7 @@ class LowPrecisionOptimizer(Optimizer):
                     moved = self._adopt_state(moved, merged, p, storage, f"parameter {sid!r}")
                 self._check_state(moved, merged, p, storage, f"parameter {sid!r}")
                 if is_dtensor(p):
-                    _check_sharded_state(moved, p, f"parameter {sid!r}")
+                    check_loaded_state(moved, p, f"parameter {sid!r}")
             new_state[p] = moved
         self._step_plan = None
         self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
@@ -1245,8 +1252,9 @@ def _param_update(
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
     (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
-    steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss scaler, ``inv_scale`` (0-d
-    FP32) multiplies the gradient and ``skip`` (0-d bool) selects the old values for every write.
+    steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss
+    scaler, ``inv_scale`` (0-d FP32) multiplies the gradient and ``skip`` (0-d bool) selects the
+    old values for every write.
 
     The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
     it into one pass over the elements with the writes done in place. Everything is computed
@@ -1495,24 +1503,6 @@ class _Scaling:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
-
-
-def _check_sharded_state(state: dict[str, Any], p: Any, where: str) -> None:
-    """A DTensor parameter's loaded state must be sharded as the parameter: each rank steps its
-    own shard of every buffer (lowprec.optim.shards)."""
-    for k, v in state.items():
-        if k == "step" or not isinstance(v, torch.Tensor):
-            continue
-        if not (is_dtensor(v) and v.device_mesh == p.device_mesh
-                and tuple(v.placements) == tuple(p.placements)):
-            got = f"placed as {tuple(v.placements)}" if is_dtensor(v) else "a plain tensor"
-            raise ValueError(
-                f"{where}: state {k!r} of a DTensor parameter placed as {tuple(p.placements)} is "
-                f"{got}; load a checkpoint saved from parameters sharded alike (this optimizer's "
-                "state_dict() on each rank, or torch.distributed.checkpoint with get_state_dict "
-                "and set_state_dict, which reshards), or distribute the tensor first "
-                "(torch.distributed.tensor.distribute_tensor)."
-            )
 
 
 def _by_size(work: list) -> tuple[list, list]:

@@ -257,6 +257,24 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                     dstate[k] = v
 
 
+def check_loaded_state(state: dict[str, Any], p: Any, where: str) -> None:
+    """A DTensor parameter's loaded state must be sharded as the parameter: each rank steps its
+    own shard of every buffer."""
+    for k, v in state.items():
+        if k == "step" or not isinstance(v, torch.Tensor):
+            continue
+        if not (is_dtensor(v) and v.device_mesh == p.device_mesh
+                and tuple(v.placements) == tuple(p.placements)):
+            got = f"placed as {tuple(v.placements)}" if is_dtensor(v) else "a plain tensor"
+            raise ValueError(
+                f"{where}: state {k!r} of a DTensor parameter placed as {tuple(p.placements)} is "
+                f"{got}; load a checkpoint saved from parameters sharded alike (this optimizer's "
+                "state_dict() on each rank, or torch.distributed.checkpoint with get_state_dict "
+                "and set_state_dict, which reshards), or distribute the tensor first "
+                "(torch.distributed.tensor.distribute_tensor)."
+            )
+
+
 def init_state_local(opt: LowPrecisionOptimizer, group: dict[str, Any], p: Any, storage: Any):
     """``opt._init_state`` for DTensor ``p``: computed on its shard, kept as DTensors."""
     lp = local(p)
