@@ -61,14 +61,20 @@ CONFIGS = {
                                  "kw": {"lr": 1e-2, "master": "kahan", "fused": True}},
     "sgd-stochastic-fused-resume": {"cls": "SGD", "dtype": B, "resume": True,
                                     "kw": {**SGD, "master": "stochastic", "fused": True}},
+    # LAMB: each shard's sums of squares added over the ranks make the whole tensor's norms.
+    "lamb-kahan": {"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "weight_decay": 0.01,
+                                                     "master": "kahan", "fused": False}},
+    "lamb-split-fused": {"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "master": "split",
+                                                           "fused": True}},
+    "lamb-stochastic-fused": {"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "seed": 2,
+                                                                "master": "stochastic",
+                                                                "fused": True}},
     # A checkpoint of the full tensors is refused for sharded parameters, nothing loaded.
     "sgd-kahan-load-plain": {"cls": "SGD", "dtype": B, "load_plain": True,
                              "kw": {**SGD, "master": "kahan"}},
 }
 # What a shard cannot do alone: refused before anything is written.
 REFUSED = {
-    "lamb-sharded": ({"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "master": "kahan"}},
-                     "NotImplementedError", "norms over the whole tensor"),
     "sr-rank-seeds": ({"cls": "AdamW", "dtype": B, "rank_seed": True,
                        "kw": {"lr": 1e-2, "master": "stochastic"}},
                       "ValueError", "different seeds"),

@@ -43,11 +43,13 @@ from lowprec.numerics import (
     sum_squares_pairs,
 )
 from lowprec.optim.shards import (
+    all_reduce_sums,
     check_loaded_state,
     init_state_local,
     is_dtensor,
     local,
     local_shards,
+    reduce_groups,
     wrap_like,
 )
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
@@ -659,7 +661,7 @@ class LowPrecisionOptimizer(Optimizer):
             try:
                 fused = self._prepare_fused(
                     storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None,
-                    start=start,
+                    start=start, shards=reduce_groups(self, p),
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -680,19 +682,20 @@ class LowPrecisionOptimizer(Optimizer):
                  start + sl.start)
                 for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
             ]
-            if not self._elementwise:
-                # First pass: the rule's whole-tensor sums (FP64), read-only.
-                sums = None
-                for piece_p, piece_g, piece_s, piece_m, _ in pieces:
-                    part = _param_sums(
-                        piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
-                        norm_terms=self._norm_terms, flags=flags,
-                        inv_scale=extra.get("inv_scale"),
-                    )
-                    sums = part if sums is None else sums + part
-                coeffs = {**coeffs, "sums": sums}
         else:
             pieces = [(p, p.grad, sbufs, mbufs, start)]
+        # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
+        shards = reduce_groups(self, p) if not self._elementwise else ()
+        if self._norm_terms is not None and not self._elementwise and (len(pieces) > 1 or shards):
+            # First pass: the rule's whole-tensor sums (FP64), read-only.
+            sums = None
+            for piece_p, piece_g, piece_s, piece_m, _ in pieces:
+                part = _param_sums(
+                    piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
+                    norm_terms=self._norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
+                )
+                sums = part if sums is None else sums + part
+            coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
         for piece_p, piece_g, piece_s, piece_m, offset in pieces:
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                           math=self._math, flags=flags, offset=offset, **extra)
@@ -702,7 +705,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-        keyed: bool = False, per_word: bool = False, start: int = 0,
+        keyed: bool = False, per_word: bool = False, start: int = 0, shards: Any = (),
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
         numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
@@ -712,13 +715,14 @@ class LowPrecisionOptimizer(Optimizer):
         ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
         sums are per parameter of such a batch, for a rule with ``_norm_terms``. ``start``: the
         index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
-        shard; even on pairs), passed to the kernels as ``base``.
+        shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
+        over which a DTensor shard's whole-tensor sums are added (``_norm_terms``).
         """
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
         f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
         f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
-        f.base, f.start = None, start
+        f.base, f.start, f.shards = None, start, tuple(shards)
         if start:
             # (bfloat16 hashes pairs: the first pair's index; start is even there)
             f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
@@ -785,7 +789,7 @@ class LowPrecisionOptimizer(Optimizer):
                 sums = torch.stack([part.sum(1) for part in squares.split(words, dim=1)], dim=1)
                 c32["sums"] = sums.index_select(1, owner)
             elif pairs is None:
-                c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, **kw)
+                c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
             else:
                 c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
                 if tail is not None:
@@ -793,6 +797,7 @@ class LowPrecisionOptimizer(Optimizer):
                         p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
                         flat(f.mbufs, tail), coeffs, **kw,
                     )
+                c32["sums"] = all_reduce_sums(c32["sums"], f.shards)
             coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
         if f.base is not None:
             extra = {**extra, "base": f.base}
@@ -887,7 +892,9 @@ class LowPrecisionOptimizer(Optimizer):
             n = p.numel()
             if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)) or (
                 storage.needs_random_bits and shard_offsets and shard_offsets.get(id(p))
-            ):  # (a shard's random bits start at its offset: _step_param)
+            ) or (norms and reduce_groups(self, p)):
+                # (a shard's random bits start at its offset, and its norms add every rank's
+                # shard: _step_param)
                 rest.append(item)
                 continue
             state = self.state[p]
@@ -1673,6 +1680,7 @@ class _Fused:
         "pairs",
         "per_word",
         "sbufs",
+        "shards",
         "start",
         "storage",
         "sums_fn",
@@ -1814,6 +1822,7 @@ class _Many:
             f = getattr(run, "fused", None)
             if (
                 f is not None and (f.pairs is None or f.n == run.p.numel()) and f.base is None
+                and not f.shards
                 and (not scaled or _host_counts(run.p.device))
             ):
                 # (Their step counts as last read: the coefficients are shared. Counts that

@@ -9,15 +9,15 @@ gave wrong values. So a step over DTensor parameters runs on each rank's local s
 gradient) and local views of its state, and afterwards keeps the state as DTensors of the
 parameter's placements, as ``torch.optim`` keeps it, so that ``state_dict`` and distributed
 checkpointing see sharded state. Under a loss scaler, the check of the gradients for inf/NaN is
-combined over the ranks holding a parameter's shards, so that every rank skips the same steps.
+combined over the ranks holding a parameter's shards, so that every rank skips the same steps;
+a rule with whole-tensor norms (LAMB's trust ratio) adds every shard's sums of squares over those
+ranks (``all_reduce_sums``) before it updates.
 
-What a shard cannot do alone is refused before anything is written:
-
-* a rule with whole-tensor norms (LAMB's trust ratio) on a sharded parameter: its norms would be
-  the shard's;
-* stochastic rounding on a shard that is not one block of the parameter's flattened elements
-  (e.g. sharded along a dimension other than the first): its random bits are keyed by the
-  element's index in the whole parameter, so that a sharded run rounds as an unsharded one.
+What a shard cannot do alone is refused before anything is written: stochastic rounding on a
+shard that is not one block of the parameter's flattened elements (e.g. sharded along a dimension
+other than the first), since its random bits are keyed by the element's index in the whole
+parameter, so that a sharded run rounds as an unsharded one; and stochastic rounding with seeds
+that differ between the ranks of a mesh (``_check_seeds``).
 """
 
 from __future__ import annotations
@@ -104,13 +104,6 @@ class _Shard:
 def _refusal(opt: LowPrecisionOptimizer, where: str, shard: _Shard, storage: Any):
     """The error a step of this shard must raise under these options, or None."""
     placements = shard.placements
-    sharded = not all(isinstance(pl, Replicate) for pl in placements)
-    if sharded and opt._norm_terms is not None:
-        return NotImplementedError(
-            f"{where}: {type(opt).__name__} needs norms over the whole tensor, and this DTensor "
-            f"parameter is sharded ({placements}): each rank holds only its shard. Keep such "
-            "parameters replicated, or use an elementwise optimizer (SGD, AdamW, Adagrad)."
-        )
     if storage.needs_random_bits and shard.offset is None:
         return NotImplementedError(
             f"{where}: stochastic rounding keys its random bits by the element's index in the "
@@ -208,6 +201,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             state[k] = v
     params = [list(ps) for ps in saved_params]
     offsets: dict[int, int] = {}
+    groups_of: dict[int, list[Any]] = {}
     reduce: dict[int, Any] = {}
     for gi, pi, shard in work:
         p, lp, lstate = shard.p, shard.local, shard.lstate
@@ -221,6 +215,8 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
         state[lp] = lstate
         params[gi][pi] = lp
         offsets[id(lp)] = shard.offset or 0
+        if shard.groups:
+            groups_of[id(lp)] = shard.groups
         for group in shard.groups:  # (a loss scaler's skip must agree over these)
             reduce.setdefault(id(group), group)
     try:
@@ -232,12 +228,13 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
         opt.state = state
         opt._shard_offsets = offsets
         opt._shard_reduce = list(reduce.values())
+        opt._shard_groups = groups_of
         yield
     finally:
         for group, ps in zip(groups, saved_params, strict=True):
             group["params"] = ps
         opt.state = saved_state
-        opt._shard_offsets = opt._shard_reduce = None
+        opt._shard_offsets = opt._shard_reduce = opt._shard_groups = None
         for k, v in state.items():
             if v and id(k) not in offsets and k not in saved_state:
                 saved_state[k] = v  # (state a plain parameter got in this step)
@@ -255,6 +252,20 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                         lstate[k] = local(d)
                 else:
                     dstate[k] = v
+
+
+def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[Any]:
+    """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
+    whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
+    groups = opt.__dict__.get("_shard_groups")
+    return groups.get(id(p), []) if groups else []
+
+
+def all_reduce_sums(sums: torch.Tensor, groups: Any) -> torch.Tensor:
+    """``sums`` (a shard's FP64 sums of squares) added over ``groups``: the whole tensor's."""
+    for group in groups:
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
+    return sums
 
 
 def check_loaded_state(state: dict[str, Any], p: Any, where: str) -> None:
