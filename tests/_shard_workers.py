@@ -95,8 +95,11 @@ def make(cfg: dict[str, Any], params: list[torch.Tensor]) -> lowprec.optim.SGD:
     return cls(params, **cfg["kw"])
 
 
-def _placements(name: str, shard_dim: int, ndim: int) -> list[Any]:
-    return [Replicate()] if name in REPLICATED else [Shard(shard_dim if shard_dim < ndim else 0)]
+def _placements(name: str, shard_dim: int, ndim: int, mesh_dims: int = 1) -> list[Any]:
+    """One placement per mesh dimension: a 2-D mesh (HSDP) replicates along its first and shards
+    along its second."""
+    last = Replicate() if name in REPLICATED else Shard(shard_dim if shard_dim < ndim else 0)
+    return [Replicate()] * (mesh_dims - 1) + [last]
 
 
 def _full(t: DTensor) -> torch.Tensor:
@@ -120,7 +123,9 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     params = {
         n: nn.Parameter(
             t if n in plain
-            else distribute_tensor(t, mesh, _placements(n, cfg.get("shard_dim", 0), t.dim()))
+            else distribute_tensor(
+                t, mesh, _placements(n, cfg.get("shard_dim", 0), t.dim(), mesh.ndim)
+            )
         )
         for n, t in full_params(dtype).items()
     }
@@ -188,8 +193,9 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def worker_sharded(rank: int, world: int, out: Path, configs: dict[str, dict[str, Any]]) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+def worker_sharded(rank: int, world: int, out: Path, configs: dict[str, dict[str, Any]],
+                   mesh_shape: tuple[int, ...] | None = None) -> None:
+    mesh = init_device_mesh("cpu", mesh_shape or (world,))
     results = {name: run_config(mesh, cfg) for name, cfg in configs.items()}
     torch.save(results, out / f"rank{rank}.pt")
     _exit_now()

@@ -108,19 +108,44 @@ def sharded(tmp_path_factory):
     return out
 
 
+# HSDP: a 2 x 2 mesh, replicated along its first dimension, sharded along its second.
+HSDP = ("adamw-stochastic-fused-scaled-inf", "sgd-split-scaler-inf", "lamb-kahan",
+        "lamb-stochastic-fused", "adamw-kahan-fused-resume")
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory):
+    where = tmp_path_factory.mktemp("hsdp")
+    workers.launch(shard.worker_sharded, 4, where, {k: CONFIGS[k] for k in HSDP}, (2, 2))
+    return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.parametrize("name", HSDP)
+def test_hsdp_steps_equal_unsharded(hsdp, name):
+    """On a 2-D mesh the inf/NaN finding, LAMB's sums and the seed check span the sharded
+    dimension, and the replicas stay equal."""
+    check_sharded(CONFIGS[name], hsdp, name)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sharded_steps_equal_unsharded(sharded, world, name):
-    params, opt, found = reference(CONFIGS[name])
-    for rank, results in enumerate(sharded[world]):
+    check_sharded(CONFIGS[name], sharded[world], name)
+
+
+def check_sharded(cfg, ranks, name):
+    params, opt, found = reference(cfg)
+    for rank, results in enumerate(ranks):
         got = results[name]
         assert "error" not in got, got.get("error")
         assert got["found"] == found, rank  # (an inf in one shard: every rank skips)
         calls, based = got["compiled"]
-        if CONFIGS[name]["kw"].get("fused"):  # (not silently eager: the same bits would pass)
+        if cfg["kw"].get("fused"):  # (not silently eager: the same bits would pass)
             assert calls > 0, rank
-            # A shard past the start of a stochastic parameter keys its bits in the kernel.
-            want_based = rank > 0 and CONFIGS[name]["kw"]["master"] == "stochastic"
+            # A shard past the start of a stochastic parameter keys its bits in the kernel (on
+            # the 2 x 2 mesh: the second shard, odd ranks).
+            past = rank % 2 if len(ranks) == 4 else rank
+            want_based = past > 0 and cfg["kw"]["master"] == "stochastic"
             assert (based > 0) == want_based, (rank, based)
         else:
             assert calls == 0, rank
