@@ -638,6 +638,8 @@ class LowPrecisionOptimizer(Optimizer):
                 group, p, index, storage, state, scaling, memo
             )
         plan = memo.get("plan")
+        # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
+        shards = reduce_groups(self, p) if not self._elementwise else ()
         # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
         # indices in the whole parameter, from `start` on (the compiled kernels take it as a
         # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
@@ -661,7 +663,7 @@ class LowPrecisionOptimizer(Optimizer):
             try:
                 fused = self._prepare_fused(
                     storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None,
-                    start=start, shards=reduce_groups(self, p),
+                    start=start, shards=shards,
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -684,8 +686,6 @@ class LowPrecisionOptimizer(Optimizer):
             ]
         else:
             pieces = [(p, p.grad, sbufs, mbufs, start)]
-        # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
-        shards = reduce_groups(self, p) if not self._elementwise else ()
         if self._norm_terms is not None and not self._elementwise and (len(pieces) > 1 or shards):
             # First pass: the rule's whole-tensor sums (FP64), read-only.
             sums = None

@@ -62,6 +62,12 @@ def wrap_like(t: torch.Tensor, p: Any) -> Any:
         )
 
 
+def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
+    """Whether state entry ``name`` of shard ``lp`` is a per-element buffer (kept as a DTensor
+    placed as the parameter), not the step count or an option."""
+    return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
+
+
 def _block_sharded(p: Any) -> bool:
     """Whether every rank's shard of ``p`` is one block of consecutive elements of ``p``
     flattened: each placement replicates or shards the first dimension (decided from the
@@ -95,13 +101,14 @@ class _Shard:
         mesh = p.device_mesh
         self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
                        if not isinstance(pl, Replicate)]
-        self.verdict: tuple[Any, ...] | None = None  # (options checked, error or None)
+        # (options checked, the error a step must raise or None, whether it rounds randomly)
+        self.verdict: tuple[Any, ...] | None = None
 
     def current(self, p: Any) -> bool:
         return self.p is p and self.local is local(p) and tuple(p.placements) == self.placements
 
 
-def _refusal(opt: LowPrecisionOptimizer, where: str, shard: _Shard, storage: Any):
+def _refusal(where: str, shard: _Shard, storage: Any):
     """The error a step of this shard must raise under these options, or None."""
     placements = shard.placements
     if storage.needs_random_bits and shard.offset is None:
@@ -186,7 +193,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             if shard.verdict is None or shard.verdict[0] != options:
                 opt._validate_options(group, gi)
                 storage = opt._storage(group, p)
-                shard.verdict = (options, _refusal(opt, where, shard, storage),
+                shard.verdict = (options, _refusal(where, shard, storage),
                                  storage.needs_random_bits)
             if shard.verdict[1] is not None:
                 raise shard.verdict[1]
@@ -245,7 +252,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                 continue
             dstate = saved_state[p]
             for k, v in list(lstate.items()):
-                if isinstance(v, torch.Tensor) and k != "step" and v.shape == lp.shape:
+                if _param_shaped(k, v, lp):
                     d = dstate.get(k)
                     if not (is_dtensor(d) and local(d) is v):
                         d = dstate[k] = wrap_like(v, p)
@@ -291,7 +298,5 @@ def init_state_local(opt: LowPrecisionOptimizer, group: dict[str, Any], p: Any, 
     lp = local(p)
     st = opt._init_state(group, lp, storage)
     return {
-        k: wrap_like(v, p) if isinstance(v, torch.Tensor) and k != "step" and v.shape == lp.shape
-        else v
-        for k, v in st.items()
+        k: wrap_like(v, p) if _param_shaped(k, v, lp) else v for k, v in st.items()
     }
