@@ -55,6 +55,7 @@ PATTERNS = {
     "burst": {2, 3, 4, 5, 6},
     "clean": set(),
     "alternating": set(range(0, 24, 2)),
+    "below one": set(range(1, 15)),  # 2**10 backs off to 2**-4: no floor at 1
 }
 
 
@@ -68,8 +69,8 @@ def test_scale_sequence_equals_grad_scaler(pattern, growth_interval, make_opt):
         model = _model()
         opt = (AdamW(model.parameters(), lr=1e-2, master="none") if make_opt == "lowprec"
                else torch.optim.SGD(model.parameters(), lr=0.1))
-        # GradScaler has no floor: give ours one far below what the pattern reaches
-        kw = {"device": "cpu"} if cls is torch.amp.GradScaler else {"min_scale": 2.0**-60}
+        # (the defaults of both: neither has a floor)
+        kw = {"device": "cpu"} if cls is torch.amp.GradScaler else {}
         scaler = cls(init_scale=2.0**10, growth_interval=growth_interval, **kw)
         seq, took = [], []
         for i in range(24):

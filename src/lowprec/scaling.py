@@ -15,8 +15,9 @@ lacks:
   device. No value is read on the host, and the gradients are never rewritten.
 * ``step()`` says whether the optimizer stepped (a 0-d bool tensor: ``if scaler.step(opt):`` reads
   it; ignore it to stay free of host syncs), so a scheduler can skip with it.
-* ``min_scale``, ``max_scale``, hysteresis (back off only after ``hysteresis`` overflows in a
-  row), and an error instead of endless skipping when every step overflows whatever the scale.
+* ``min_scale`` (no floor by default, as GradScaler), ``max_scale``, hysteresis (back off only
+  after ``hysteresis`` overflows in a row), and an error instead of endless skipping when every
+  step overflows whatever the scale.
 * Misuse (``unscale_`` twice, ``step`` twice, ``update`` without ``step``) raises clear errors.
 
 All scaler state (scale, growth tracker, overflow run) lives in 0-d tensors on the loss's device
@@ -49,12 +50,15 @@ class _Stage(enum.Enum):
     STEPPED = 2
 
 
-def _check_positive(name: str, value: Any, *, above_one: bool = False) -> float:
+def _check_positive(
+    name: str, value: Any, *, above_one: bool = False, zero: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}.")
     value = float(value)
-    if not math.isfinite(value) or value <= 0 or (above_one and value <= 1):
-        limit = "> 1" if above_one else "> 0"
+    low = 1.0 if above_one else 0.0
+    if not math.isfinite(value) or value < low or (value == low and not zero):
+        limit = "> 1" if above_one else ">= 0" if zero else "> 0"
         raise ValueError(f"{name} must be finite and {limit}, got {value}.")
     return value
 
@@ -87,7 +91,8 @@ class LossScaler:
         enabled: When False every method is a pass-through (default: True).
         dynamic: Adjust the scale; False keeps ``init_scale`` fixed and still skips steps with
             inf/NaN gradients (default: True).
-        min_scale: The scale never backs off below this (default: 1.0).
+        min_scale: The scale never backs off below this; 0 means no floor, GradScaler's
+            behaviour, so the scale sequence is GradScaler's (default: 0.0).
         max_scale: The scale never grows above this (default: the largest finite FP32 value, so
             it never becomes inf).
         hysteresis: Back off only after this many overflows in a row; the steps are skipped
@@ -108,7 +113,7 @@ class LossScaler:
         enabled: bool = True,
         *,
         dynamic: bool = True,
-        min_scale: float = 1.0,
+        min_scale: float = 0.0,
         max_scale: float = _FP32_MAX,
         hysteresis: int = 1,
         max_consecutive_skips: int = 50,
@@ -127,7 +132,7 @@ class LossScaler:
         self._growth_interval = growth_interval
         self._hysteresis = hysteresis
         self._max_skips = max_consecutive_skips
-        self._min_scale = _check_positive("min_scale", min_scale)
+        self._min_scale = _check_positive("min_scale", min_scale, zero=True)
         self._max_scale = _check_positive("max_scale", max_scale)
         if not self._min_scale <= self._init_scale <= self._max_scale:
             raise ValueError(
@@ -453,7 +458,9 @@ class LossScaler:
         run = count("_overflow_run", 0, 0)
         hysteresis = count("hysteresis", self._hysteresis, 1)
         max_skips = count("max_consecutive_skips", self._max_skips, 1)
-        min_scale = _check_positive("min_scale", state_dict.get("min_scale", self._min_scale))
+        min_scale = _check_positive(
+            "min_scale", state_dict.get("min_scale", self._min_scale), zero=True
+        )
         max_scale = _check_positive("max_scale", state_dict.get("max_scale", self._max_scale))
         if not min_scale <= max_scale:
             raise ValueError(f"min_scale={min_scale} must be <= max_scale={max_scale}.")
