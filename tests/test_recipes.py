@@ -103,12 +103,15 @@ def test_convert_keeps_norm_layers_fp32_and_returns_fp32_outputs():
         recipes.get("bf16").convert(model)
 
 
-def test_split_recipe_puts_fp32_layers_in_a_plain_group():
+def test_split_recipe_steps_fp32_layers_plainly():
     recipe = recipes.get("bf16-split")
     model = recipe.convert(_Net())
     opt = recipe.optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
-    masters = sorted(g["master"] for g in opt.param_groups)
-    assert masters == ["none", "split"]
+    assert [g["master"] for g in opt.param_groups] == ["split"]
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    assert opt.state[model.inp.weight]["master"] == "split"
+    assert opt.state[model.norm.weight]["master"] == "none"
 
 
 def test_optimizer_names_and_bad_input():

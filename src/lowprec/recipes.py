@@ -45,7 +45,8 @@ loss scaling is needed. DFP is exact integer emulation and slow: see docs/dfp.md
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,18 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
         return type(obj)(*(_cast_floats(o, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        if type(obj) is dict:
+            return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        # A mapping of its own type (a Hugging Face ModelOutput, an OrderedDict...) stays one:
+        # callers read its attributes (`.loss`, `.past_key_values`). A copy keeps the type and
+        # whatever its constructor needs; item assignment updates ModelOutput's attributes too.
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            cast = _cast_floats(v, dtype)
+            if cast is not v:
+                out[k] = cast
+        return out
     return obj
 
 
@@ -90,7 +101,7 @@ def _has_cpu_half(obj: Any) -> bool:
         return obj.dtype == torch.float16 and obj.device.type == "cpu"
     if isinstance(obj, (list, tuple)):
         return any(_has_cpu_half(o) for o in obj)
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return any(_has_cpu_half(o) for o in obj.values())
     return False
 
@@ -242,20 +253,6 @@ class Recipe:
                 f"recipe {self.name!r} sets master={self.master!r}; build the optimizer "
                 "directly from lowprec.optim to choose another."
             )
-        params = list(params)
-        if self.master == "split":
-            # split is BF16-only: FP32 parameters (kept layers) get their own plain group.
-            groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-            out = []
-            for g in groups:
-                ps = list(g["params"])
-                low = [p for p in ps if p.dtype == torch.bfloat16]
-                rest = [p for p in ps if p.dtype != torch.bfloat16]
-                if low:
-                    out.append({**g, "params": low, "master": "split"})
-                if rest:
-                    out.append({**g, "params": rest, "master": "none"})
-            return _OPTIMIZERS[key](out, **hyperparameters)
         return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
 
     # ------------------------------------------------------------------ the step

@@ -163,8 +163,7 @@ class Split(MasterStorage):
             hint = (
                 "use master='fp32' (or 'kahan') for float16 parameters"
                 if dtype == torch.float16
-                else "an FP32 parameter is already its own master: use master='none' or 'auto' for"
-                " it, e.g. in a separate parameter group"
+                else "use master='none' or 'auto' for them, e.g. in a separate parameter group"
             )
             raise ValueError(
                 f"master='split' keeps a BF16 parameter plus a 16-bit trail, so it needs bfloat16 "
@@ -296,16 +295,18 @@ def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
     ``"auto"`` is ``"none"`` for FP32/FP64 parameters and ``"kahan"`` for BF16/FP16 ones. The
     strategies that exist to recover bits a low-precision parameter loses (``"fp32"``, ``"kahan"``,
     ``"stochastic"``) leave FP32/FP64 parameters plain: those are already their own master. This
-    lets a model keep some layers in FP32 under one optimizer. ``"split"`` raises for anything
-    but bfloat16, since its memory layout (the parameter is the top half) cannot hold otherwise.
+    lets a model keep some layers in FP32 under one optimizer, in the same parameter groups as
+    its BF16 layers (as frameworks build them: Hugging Face Trainer's decay and no-decay groups).
+    ``"split"`` does the same for FP32/FP64 parameters and raises for float16, since its memory
+    layout (the parameter is the top half of an FP32 value) holds for bfloat16 alone.
     """
     if master not in MASTER_CHOICES:
         raise ValueError(f"unknown master={master!r}; choose one of {', '.join(MASTER_CHOICES)}.")
+    if dtype in _HIGH:
+        return STORAGES["none"]
     if master == "split":
         STORAGES["split"].check(dtype)
         return STORAGES["split"]
-    if dtype in _HIGH:
-        return STORAGES["none"]
     if master == "auto":
         return STORAGES["kahan"]
     return STORAGES[master]
