@@ -373,12 +373,8 @@ def test_auto_resolution_and_mixed_dtypes_in_one_group():
 def test_master_weight_and_export(master):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5)).to(torch.bfloat16)
     model[1].float()  # a layer kept in FP32
-    if master == "split":  # split is BF16-only: the FP32 layer goes in its own group
-        groups = [{"params": model[0].parameters()},
-                  {"params": model[1].parameters(), "master": "none"}]
-    else:
-        groups = model.parameters()
-    opt = AdamW(groups, lr=1e-2, master=master)
+    # (every strategy, split too, leaves the FP32 layer plain in the same group)
+    opt = AdamW(model.parameters(), lr=1e-2, master=master)
     for _ in range(3):
         opt.zero_grad()
         model(torch.randn(4, 6, dtype=torch.bfloat16)).float().sum().backward()
@@ -547,8 +543,14 @@ def test_stochastic_is_reproducible_and_seeded():
 BAD_CONSTRUCTION = [
     (lambda: SGD([torch.zeros(3, dtype=torch.int64)]), TypeError, "floating-point"),
     (lambda: SGD([torch.zeros(3, dtype=torch.complex64)]), TypeError, "floating-point"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], master="split"), ValueError,
-     "needs bfloat16.*master='none'"),
+    (lambda: AdamW([torch.zeros(3, requires_grad=True)], differentiable=True), ValueError,
+     "does not support differentiable=True"),
+    (lambda: AdamW([torch.zeros(3, requires_grad=True)], capturable=True), ValueError,
+     "does not support capturable=True"),
+    (lambda: SGD([torch.zeros(3, requires_grad=True)], foreach="yes"), TypeError,
+     "foreach must be a bool or None"),
+    (lambda: SGD([("w", torch.zeros(3, requires_grad=True)), torch.zeros(2)]), ValueError,
+     "every parameter of a group with its name"),
     (lambda: AdamW([torch.zeros(3, dtype=torch.float16, requires_grad=True)], master="split"),
      ValueError, "needs bfloat16.*master='fp32'"),
     (lambda: SGD([torch.zeros(3, requires_grad=True)], master="bf16"), ValueError,

@@ -514,10 +514,15 @@ class UpdateMonitor:
             state = opt._init_state(group, p, storage)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        mbufs = {k: state[k].float() for k in opt._math_buffers(group)}
+        names = opt._math_buffers(group)
+        late = [k for k in names if state.get(k) is None]  # (created by this step: _step_late)
+        dtype = opt._state_dtype(group, p, storage)
+        mbufs = {k: (opt._new_math_buffer(group, p, k, dtype) if k in late else state[k]).float()
+                 for k in names}
+        coeffs = (opt._first_use_coefficients if late else opt._coefficients)(group, step)
         w = storage.load(p, sbufs).clone()
         g = p.grad.float() if inv is None else p.grad.float() * inv.to(p.device)
-        new_w, _ = opt._math(w, g, mbufs, opt._coefficients(group, step), **opt._flags(group))
+        new_w, _ = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
         return {
             "old": p.detach().clone(),
             "w": w,

@@ -102,6 +102,12 @@ class Adagrad(LowPrecisionOptimizer):
             second step on, large ones share calls of up to 4), with the same results as the
             eager step (default: None, meaning fused on CUDA devices and eager elsewhere; see
             ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
+            its own implementation (``fused``) (default: None).
+        capturable: Must be False: the step decides on the host what to run, so it cannot be
+            captured in a CUDA graph (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
     """
 
     def __init__(
@@ -118,13 +124,17 @@ class Adagrad(LowPrecisionOptimizer):
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
         fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
             initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize,
             master=master, state_dtype=state_dtype, seed=seed, fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
 
     def _validate_hparams(self, group):
         _check_nonnegative(

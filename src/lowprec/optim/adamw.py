@@ -138,6 +138,12 @@ class AdamW(LowPrecisionOptimizer):
             second step on, large ones share calls of up to 4), with the same results as the
             eager step (default: None, meaning fused on CUDA devices and eager elsewhere; see
             ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
+            its own implementation (``fused``) (default: None).
+        capturable: Must be False: the step decides on the host what to run, so it cannot be
+            captured in a CUDA graph (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
     """
 
     def __init__(
@@ -154,12 +160,16 @@ class AdamW(LowPrecisionOptimizer):
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
         fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, master=master, state_dtype=state_dtype, seed=seed, fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
 
     def _validate_hparams(self, group):
         _check_nonnegative(group, "lr", "eps", "weight_decay")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import operator
 import sys
 import types
@@ -58,6 +59,9 @@ __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
+# Options of torch.optim's implementations (how its step runs), accepted for code written for
+# torch.optim and kept out of lowprec's groups: lowprec chooses its own implementation.
+_TORCH_ONLY_OPTIONS = ("foreach", "capturable", "differentiable")
 
 
 def _as_float(value: Any, name: str) -> float:
@@ -69,6 +73,43 @@ def _as_float(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}.")
     return float(value)
+
+
+def _check_torch_options(
+    name: str, foreach: bool | None, capturable: bool, differentiable: bool
+) -> None:
+    """Accept torch.optim's implementation options as code written for torch.optim passes them,
+    and refuse the ones lowprec cannot honour, naming the reason."""
+    for option, value in (("foreach", foreach), ("capturable", capturable),
+                          ("differentiable", differentiable)):
+        if value not in (None, True, False):
+            raise TypeError(f"{option} must be a bool or None, got {value!r}.")
+    if differentiable:
+        raise ValueError(
+            f"lowprec.{name} does not support differentiable=True: its step updates the stored "
+            "weights in place without autograd; use torch.optim for differentiating through "
+            "an optimizer step."
+        )
+    if capturable:
+        raise ValueError(
+            f"lowprec.{name} does not support capturable=True: its step decides on the host "
+            "which kernels to run, so it cannot be captured in a CUDA graph; leave capturable "
+            "at False."
+        )
+    # foreach: torch's choice between its loop and multi-tensor kernels; lowprec's step has its
+    # own (fused=), so any value is accepted and changes nothing.
+
+
+def _step_tensor(value: Any, where: str) -> torch.Tensor:
+    """A step count saved as a plain number, as the 0-d FP32 tensor lowprec keeps."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value >= 0 and float(value).is_integer()
+    ):
+        raise ValueError(
+            f"{where}: the checkpoint's step count must be a whole number >= 0 or a tensor, got "
+            f"{value!r}."
+        )
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
@@ -93,12 +134,21 @@ class LowPrecisionOptimizer(Optimizer):
     added here.
     """
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
         if isinstance(params, set):
             raise TypeError(
                 "parameters must be an ordered collection (a list), not a set: a set's order "
                 "changes between runs, and checkpoints map state to parameters by position."
             )
+        _check_torch_options(type(self).__name__, foreach, capturable, differentiable)
         super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
 
     # ------------------------------------------------------------------ subclass interface
@@ -158,6 +208,17 @@ class LowPrecisionOptimizer(Optimizer):
             raise TypeError("parameters must be an ordered collection (a list), not a set.")
         else:
             params = list(params or [])
+        param_group = dict(param_group)
+        if any(isinstance(p, tuple) for p in params):
+            # (name, parameter) pairs, as model.named_parameters() gives them: torch.optim (2.6
+            # and newer) keeps the names as the group's "param_names", and so does this.
+            if not all(isinstance(p, tuple) and len(p) == 2 for p in params):
+                raise ValueError(
+                    "give every parameter of a group with its name, as (name, tensor) pairs "
+                    "(e.g. list(model.named_parameters())), or none of them."
+                )
+            param_group["param_names"] = [name for name, _ in params]
+            params = [p for _, p in params]
         seen: set[int] = set()
         for p in params:
             if not isinstance(p, torch.Tensor):
@@ -246,10 +307,20 @@ class LowPrecisionOptimizer(Optimizer):
                 self._math_buffers(group))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # (torch's __setstate__, which load_state_dict, deepcopy and unpickling call, adds
+        # "differentiable" to the defaults: an option of torch's own step, not a group option of
+        # lowprec's, so it is not copied into the groups, whose state_dict() would then differ
+        # from the one saved.)
         super().__setstate__(state)
+        own = {k: v for k, v in self.defaults.items() if k not in _TORCH_ONLY_OPTIONS}
         for group in self.param_groups:
-            for key, value in {**_COMMON_DEFAULTS, **self.defaults}.items():
+            for key, value in {**_COMMON_DEFAULTS, **own}.items():
                 group.setdefault(key, value)
+            for st in (self.state.get(p) for p in group["params"]):
+                if st and "step" in st and not isinstance(st["step"], torch.Tensor):
+                    # (a count saved as a number, as torch did before 1.12: a tensor, as torch's
+                    # own optimizers convert it)
+                    st["step"] = _step_tensor(st["step"], "a parameter's state")
 
     # ------------------------------------------------------------------ the step
 
@@ -263,8 +334,14 @@ class LowPrecisionOptimizer(Optimizer):
             return torch.float32
         return p.dtype
 
-    def _collect(self) -> list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage]]:
-        """Validate every group, gradient and state; return the work list. Writes nothing."""
+    def _collect(
+        self, late: list | None = None
+    ) -> list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage]]:
+        """Validate every group, gradient and state; return the work list. Writes nothing.
+
+        ``late`` collects the work items whose state lacks a buffer the update rule now keeps
+        (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
+        to 0.9): ``_step_all`` creates it, as torch.optim creates its buffers lazily."""
         work = []
         index = -1
         expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
@@ -298,7 +375,11 @@ class LowPrecisionOptimizer(Optimizer):
                     key = (gi, p.dtype, storage.name)
                     if key not in expected:
                         expected[key] = self._expected_state(group, p, storage)
-                    self._check_state(state, group, p, storage, (gi, pi), expected[key])
+                    missing = self._check_state(
+                        state, group, p, storage, (gi, pi), expected[key]
+                    )
+                    if missing and late is not None:
+                        late.append((group, p, index, storage))
                 work.append((group, p, index, storage))
         return work
 
@@ -306,7 +387,9 @@ class LowPrecisionOptimizer(Optimizer):
         sd = self._state_dtype(group, p, storage)
         return {**storage.buffers(p), **dict.fromkeys(self._math_buffers(group), sd)}
 
-    def _check_state(self, state, group, p, storage, where, expected=None) -> None:
+    def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
+        """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
+        the update rule's buffers it lacks (created at the next step: ``_create_late``)."""
         if isinstance(where, tuple):  # (group, parameter): formatted only for an error
             where = f"parameter group {where[0]}, parameter {where[1]}"
         if state.get("master") != storage.name:
@@ -317,8 +400,13 @@ class LowPrecisionOptimizer(Optimizer):
             )
         if expected is None:
             expected = self._expected_state(group, p, storage)
+        missing = tuple(
+            name for name in self._math_buffers(group) if state.get(name, None) is None
+        )
         for name, dtype in expected.items():
             t = state.get(name)
+            if name in missing:
+                continue
             if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
                 got = (
                     f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
@@ -327,6 +415,7 @@ class LowPrecisionOptimizer(Optimizer):
                     f"{where}: state {name!r} should be a {tuple(p.shape)} {dtype} tensor, got "
                     f"{got}; the state does not belong to this parameter or these options."
                 )
+        return missing
 
     def _init_state(self, group, p, storage) -> dict[str, Any]:
         if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: _adopt_state)
@@ -338,11 +427,20 @@ class LowPrecisionOptimizer(Optimizer):
         }
         state.update(storage.init(p))
         for name in self._math_buffers(group):
-            state[name] = torch.full_like(
-                p, self._init_math_buffer(name, p, group), dtype=sd,
-                memory_format=torch.preserve_format,
-            )
+            state[name] = self._new_math_buffer(group, p, name, sd)
         return state
+
+    def _new_math_buffer(self, group, p, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full_like(
+            p, self._init_math_buffer(name, p, group), dtype=dtype,
+            memory_format=torch.preserve_format,
+        )
+
+    def _first_use_coefficients(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
+        """The coefficients of a parameter's first step with buffers created late (an option
+        turned on after its first step: ``_collect``'s ``late``). Default: the step's own; SGD's
+        momentum buffer starts as the step's direction, as torch.optim's does."""
+        return self._coefficients(group, step)
 
     #: torch.amp.GradScaler hands this optimizer its scale and found-inf flag as the attributes
     #: ``grad_scale`` and ``found_inf`` (and does not unscale the gradients itself).
@@ -398,19 +496,27 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _step_all(self, grad_scale: Any, found_inf: Any) -> None:
         """``step()`` after the closure: redo the recorded step, or take a full one."""
-        scaled = grad_scale is not None or found_inf is not None
+        # (how the kernels take the scaler's inputs: _Scaling.mode)
+        scaled = "unscale" if grad_scale is not None else "skip" if found_inf is not None else False
         plan = self.__dict__.get("_step_plan")
         if plan is not None and plan.scaled == scaled and self._replay(plan, grad_scale, found_inf):
             return
         self._step_plan = None
-        work = self._collect()
+        late: list[Any] = []
+        work = self._collect(late)
         scaling = None
         if scaled:
             scaling = _Scaling.prepare(
                 work, grad_scale, found_inf, self.__dict__.get("_shard_reduce")
             )
-        # The step is recorded, for the next steps to redo (_replay).
-        plan = _Plan(self, scaled)
+        if late:  # (rare: a step that creates buffers is not recorded)
+            self._step_late(late, scaling)
+            ids = {id(p) for _, p, _, _ in late}
+            work = [item for item in work if id(item[1]) not in ids]
+            plan = None
+        else:
+            # The step is recorded, for the next steps to redo (_replay).
+            plan = _Plan(self, scaled)
         memo: dict[Any, Any] = {"plan": plan}
         large, small = _by_size(work)
         for group, p, index, storage in large:
@@ -419,6 +525,17 @@ class LowPrecisionOptimizer(Optimizer):
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         self._step_plan = plan
+
+    def _step_late(self, late: list, scaling: _Scaling | None) -> None:
+        """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
+        create them, then take an eager step with the coefficients of their first use."""
+        for group, p, index, storage in late:
+            state = self.state[p]
+            dtype = self._state_dtype(group, p, storage)
+            for name in self._math_buffers(group):
+                if state.get(name, None) is None:
+                    state[name] = self._new_math_buffer(group, p, name, dtype)
+            self._step_param(group, p, index, storage, scaling, {}, first_use=True)
 
     def _replay(self, plan: _Plan, grad_scale: Any = None, found_inf: Any = None) -> bool:
         """Redo the recorded step ``plan`` with this step's numbers, if nothing it relied on changed.
@@ -615,12 +732,14 @@ class LowPrecisionOptimizer(Optimizer):
         return key & 0xFFFFFFFF, key >> 32
 
     def _step_param(
-        self, group, p, index, storage: MasterStorage, scaling=None, memo=None
+        self, group, p, index, storage: MasterStorage, scaling=None, memo=None,
+        first_use: bool = False,
     ) -> None:
         """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
         group shares (flags, coefficients and their tensors for a given step number), so that a
         model of many small tensors does not pay for them per tensor; its ``"plan"`` records the
-        step for ``_replay``."""
+        step for ``_replay``. ``first_use``: the first step of buffers created late
+        (``_step_late``), eager, with ``_first_use_coefficients``."""
         memo = {} if memo is None else memo
         state = self.state[p]
         if not state:
@@ -637,6 +756,8 @@ class LowPrecisionOptimizer(Optimizer):
             step, lo, hi, coeffs, extra = self._scaled_numbers(
                 group, p, index, storage, state, scaling, memo
             )
+        if first_use:
+            coeffs = self._first_use_coefficients(group, step)
         plan = memo.get("plan")
         # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
         shards = reduce_groups(self, p) if not self._elementwise else ()
@@ -655,14 +776,15 @@ class LowPrecisionOptimizer(Optimizer):
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
         flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
-        if p.numel() > 1 and contiguous and fusable and _fused_enabled(self, group, p):
+        if (p.numel() > 1 and contiguous and fusable and not first_use
+                and _fused_enabled(self, group, p)):
             if isinstance(step, int):  # (shared by the group's parameters at this step number)
                 coeffs, c32 = self._step_coefficients(group, step, memo)
             else:
                 c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
             try:
                 fused = self._prepare_fused(
-                    storage, flags, p, p.grad, sbufs, mbufs, scaled=scaling is not None,
+                    storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
                     start=start, shards=shards,
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
@@ -746,18 +868,21 @@ class LowPrecisionOptimizer(Optimizer):
         f.update_fn = _param_update if pairs is None else _param_update_pairs
         f.sums_fn = None
         f.sums_kernel = None
+        f.signature = signature = _signature(p, grad, sbufs, mbufs)
         if self._norm_terms is not None:
             f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
             f.sums_kernel = _compiled_kernel(
                 type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
                 extra_key=() if pairs is None
                 else (*pairs, *((("sums", "per_word"),) if per_word else ())),
+                signature=signature,
             )
         f.kernel = _compiled_kernel(
             type(self), storage, flags, scaled=scaled, fn=f.update_fn,
             extra_key=() if pairs is None
             else (*pairs, *((("keys", "batched"),) if keyed else ()),
                   *((("sums", "per_word"),) if per_word else ())),
+            signature=signature,
         )
         return f
 
@@ -964,7 +1089,7 @@ class LowPrecisionOptimizer(Optimizer):
                 extra["owner"], extra["idx"] = owner, idx
         try:
             fused = self._prepare_fused(
-                storage, flags, params, grad, sbufs, mbufs, scaled=scaling is not None,
+                storage, flags, params, grad, sbufs, mbufs, scaled=_mode(scaling),
                 keyed=keyed, per_word=segments is not None,
             )
             self._run_fused(fused, grad, coeffs, c32, lo, hi, extra, segments)
@@ -972,6 +1097,8 @@ class LowPrecisionOptimizer(Optimizer):
             _disable_fused(self, e)
             return False
         torch._foreach_copy_(batch.dst, params.split(batch.sizes))
+        if "inv_scale" in extra:  # (the kernel unscaled the batch's copy of the gradients)
+            torch._foreach_copy_([_flat(p.grad) for p in batch.ps], grad.split(batch.sizes))
         for k, b in batch.bufs.items():
             if b is None:
                 torch._foreach_copy_(batch.views[k], bufs[k].split(batch.sizes))
@@ -1091,7 +1218,8 @@ class LowPrecisionOptimizer(Optimizer):
             # hyperparameters, and lowprec's own options stay as this optimizer's group has
             # them: its "fused" means torch's kernels, and it has no master or seed.
             own = {} if "master" in sg else {k: g[k] for k in _COMMON_DEFAULTS}
-            merged = {**g, **sg, **own, "params": g["params"]}
+            merged = {k: v for k, v in {**g, **sg, **own}.items() if k not in _TORCH_ONLY_OPTIONS}
+            merged["params"] = g["params"]
             if merged["seed"] is None:
                 merged["seed"] = g["seed"]
             self._validate_group(merged, gi)
@@ -1108,6 +1236,10 @@ class LowPrecisionOptimizer(Optimizer):
                     if isinstance(v, torch.Tensor) else copy.deepcopy(v))
                 for k, v in st.items()
             }
+            if "step" in moved and not isinstance(moved["step"], torch.Tensor):
+                # A count saved as a number (torch before 1.12, and some third-party code):
+                # a tensor, as torch's own optimizers convert it.
+                moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
             if moved:
                 storage = self._storage(merged, p)
                 if "master" not in moved:  # torch.optim's state: see _adopt_state
@@ -1178,7 +1310,9 @@ class LowPrecisionOptimizer(Optimizer):
             states = [self.state[p] for _, p, _, _ in items]
             sizes = [p.numel() for _, p, _, _ in items]
             for name in (*storage.buffers(items[0][1]), *self._math_buffers(group)):
-                if len({(st[name].dtype, st[name].device) for st in states}) == 1:
+                if all(st.get(name) is not None for st in states) and len(
+                    {(st[name].dtype, st[name].device) for st in states}
+                ) == 1:
                     _flat_state(states, name, sizes, True)
 
 
@@ -1260,14 +1394,16 @@ def _param_update(
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
     (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
     steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss
-    scaler, ``inv_scale`` (0-d FP32) multiplies the gradient and ``skip`` (0-d bool) selects the
-    old values for every write.
+    scaler, ``inv_scale`` (0-d FP32) multiplies the gradient, which is written back unscaled (as
+    ``torch.amp.GradScaler`` leaves gradients: for code that reads them after the step), and
+    ``skip`` (0-d bool) selects the old values for every write but the gradient's.
 
     The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
     it into one pass over the elements with the writes done in place. Everything is computed
     before the first write.
     """
-    new_w, new_m = math(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
+    w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale)
+    new_w, new_m = math(w, g, m, c, **flags)
     bits = None
     if storage.needs_random_bits:
         bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
@@ -1282,6 +1418,8 @@ def _param_update(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
+    if inv_scale is not None:
+        grad.copy_(g)
 
 
 def _random_bits(
@@ -1381,6 +1519,7 @@ def _param_update_pairs(
     """
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
+    unscaled = None if inv_scale is None else _pack_pairs(even[1], odd[1], kinds["grad"])
     new_we, m_even = math(*even, c, **flags)
     new_wo, m_odd = math(*odd, c, **flags)
     bits = None
@@ -1402,6 +1541,8 @@ def _param_update_pairs(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
+    if unscaled is not None:  # (the gradient written back unscaled: _param_update)
+        grad.copy_(unscaled)
 
 
 def _update_many(
@@ -1439,10 +1580,14 @@ class _Scaling:
     unscaling happens inside the update itself; ``p.grad`` is never rewritten.
     """
 
-    def __init__(self, inv_scale: torch.Tensor, skip: torch.Tensor) -> None:
-        self._inv = {inv_scale.device: inv_scale}
+    def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
+        self._inv = {} if inv_scale is None else {inv_scale.device: inv_scale}
         self._skip = {skip.device: skip}
         self._taken: dict[torch.device, torch.Tensor] = {}
+        #: What the kernels do: "unscale" (divide the gradients by the scale, write them back
+        #: unscaled, skip on inf/NaN) or "skip" (gradients already unscaled, e.g. by the scaler's
+        #: unscale_: skip only). Part of a compiled kernel's key.
+        self.mode = "skip" if inv_scale is None else "unscale"
 
     @classmethod
     def prepare(cls, work, grad_scale, found_inf, reduce=None) -> _Scaling:
@@ -1460,7 +1605,7 @@ class _Scaling:
                 "torch.zeros((), device=...)), which the step increments when it finds inf/NaN."
             )
         if grad_scale is None:
-            inv = torch.ones((), dtype=torch.float32, device=home)
+            inv = None
         elif isinstance(grad_scale, torch.Tensor):
             if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
                 raise TypeError(
@@ -1503,13 +1648,21 @@ class _Scaling:
         return self._skip[device]
 
     def kernel_args(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The keyword arguments a step's kernel takes on ``device``: the unscaling and the skip."""
+        """The keyword arguments a step's kernel takes on ``device``: the skip flag, and the
+        inverse scale where the gradients carry one (``mode``)."""
+        if not self._inv:
+            return {"skip": self.skip_on(device)}
         return {"inv_scale": self.inv_scale_on(device), "skip": self.skip_on(device)}
 
     def taken_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
+
+
+def _mode(scaling: _Scaling | None) -> str | bool:
+    """How a step's kernels take a loss scaler's inputs (``_Scaling.mode``); False: none."""
+    return False if scaling is None else scaling.mode
 
 
 def _by_size(work: list) -> tuple[list, list]:
@@ -1543,10 +1696,14 @@ def _host_counts(device: torch.device) -> bool:
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
-try:  # the Dynamo/Inductor error base classes, where this PyTorch has them
-    from torch._dynamo.exc import TorchDynamoException
+try:  # the Dynamo/Inductor error classes, where this PyTorch has them
+    from torch._dynamo import exc as _dynamo_exc
 
-    _COMPILE_ERRORS = (*_COMPILE_ERRORS, TorchDynamoException)
+    # (FailOnRecompileLimitHit derives from Exception alone)
+    _COMPILE_ERRORS = (*_COMPILE_ERRORS, *(
+        getattr(_dynamo_exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
+        if isinstance(getattr(_dynamo_exc, name, None), type)
+    ))
 except ImportError:  # pragma: no cover
     pass
 
@@ -1581,23 +1738,26 @@ _SMALL_BATCH = 1 << 18
 def _compiled_kernel(
     cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
-    options: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (),
 ) -> Callable[..., Any]:
-    """A compiled ``_param_update`` (or ``fn``) for one (optimizer, storage, flags) variant.
+    """A compiled ``_param_update`` (or ``fn``) for one variant: optimizer, storage, flags, and
+    the ``signature`` of its tensors (``_signature``: device type and dtypes).
 
     Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
-    cache (and recompile budget) per variant instead of one shared by every optimizer. Shapes are
-    dynamic (parameters are passed flattened), so one compilation serves every parameter size.
+    cache (and recompile budget) per variant instead of one shared by every optimizer. Everything
+    that changes the generated code is in the key: a dtype or device left out made one function
+    recompile for every combination a process stepped, until Dynamo's recompile limit raised.
+    Shapes are dynamic (parameters are passed flattened), so one compilation serves every size.
     ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``).
     """
     key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key,
-           tuple(sorted((options or {}).items())))
+           tuple(sorted((options or {}).items())), signature)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
         what = "step" if fn is _param_update else fn.__name__.strip("_")
         what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
-        name = f"lowprec_{cls.__name__}_{storage.name}{'_scaled' if scaled else ''}_{what}"
+        name = f"lowprec_{cls.__name__}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
         variant = types.FunctionType(
             code.replace(co_name=name, co_qualname=name)
             if sys.version_info >= (3, 11) else code.replace(co_name=name),
@@ -1617,6 +1777,13 @@ def _compiled_kernel(
         )
         _KERNELS[key] = kernel
     return kernel
+
+
+def _signature(p, grad, sbufs, mbufs) -> tuple[Any, ...]:
+    """What of a step's tensors besides their sizes decides a compiled kernel's code: the device
+    type and every dtype (``_compiled_kernel``'s key)."""
+    return (p.device.type, p.dtype, grad.dtype,
+            *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
 
 
 def _fused_enabled(opt, group, p) -> bool:
@@ -1681,6 +1848,7 @@ class _Fused:
         "per_word",
         "sbufs",
         "shards",
+        "signature",
         "start",
         "storage",
         "sums_fn",
@@ -1790,7 +1958,7 @@ class _Many:
             type(opt), f.storage, f.flags, scaled=scaled, fn=_update_many,
             extra_key=(("many", self.fn.__name__.strip("_")), *(f.pairs or ()),
                        *((("sums", "sums"),) if self.sums_fn is not None else ())),
-            options=_MANY_OPTIONS,
+            options=_MANY_OPTIONS, signature=f.signature,
         )
         self.svs = [e.fused.views[0] for e in entries]
         self.mvs = [e.fused.views[1] for e in entries]
@@ -1971,9 +2139,14 @@ def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) 
     """
     masters = {}
     known = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for name, p in model.named_parameters():
+    by_id: dict[int, torch.Tensor] = {}
+    # Every name of a tied parameter (GPT-2's lm_head.weight is wte.weight), each holding the
+    # master: named_parameters() would name it once and leave the others at the stored value.
+    for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in known:
-            masters[name] = optimizer.master_weight(p)
+            if id(p) not in by_id:
+                by_id[id(p)] = optimizer.master_weight(p)
+            masters[name] = by_id[id(p)]
     out = {}
     for name, t in model.state_dict().items():
         if name in masters:

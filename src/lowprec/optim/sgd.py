@@ -132,6 +132,12 @@ class SGD(LowPrecisionOptimizer):
             second step on, large ones share calls of up to 4), with the same results as the
             eager step (default: None, meaning fused on CUDA devices and eager elsewhere; see
             ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
+            its own implementation (``fused``) (default: None).
+        capturable: Must be False: the step decides on the host what to run, so it cannot be
+            captured in a CUDA graph (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
     """
 
     def __init__(
@@ -148,13 +154,17 @@ class SGD(LowPrecisionOptimizer):
         state_dtype: torch.dtype | None = None,
         seed: int | None = None,
         fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize, master=master, state_dtype=state_dtype,
             seed=seed, fused=fused,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
 
     def _validate_hparams(self, group):
         _check_nonnegative(group, "lr", "momentum", "dampening", "weight_decay")
@@ -173,6 +183,11 @@ class SGD(LowPrecisionOptimizer):
             dampening=group["dampening"], weight_decay=group["weight_decay"],
             first_step=step == 1,
         )
+
+    def _first_use_coefficients(self, group, step):
+        # A momentum buffer created after the parameter's first step (momentum turned on
+        # mid-run) starts as that step's direction, as torch.optim.SGD's does.
+        return self._coefficients(group, 1)
 
     def _flags(self, group):
         return dict(
