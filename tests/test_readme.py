@@ -27,6 +27,8 @@ def test_usage_example_runs():
 def test_setup_commands_match_the_project():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'lowprec = "lowprec.cli:entry_point"' in pyproject
-    for extra in re.findall(r'-e "\.\[(\w+)\]"', README):
+    extras = [e for group in re.findall(r'-e "\.\[([\w,]+)\]"', README) for e in group.split(",")]
+    assert "integrations" in extras  # the test command installs the frameworks' tests' needs
+    for extra in extras:
         assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
     assert ".venv/bin/lowprec compare" in README and ".venv/bin/python -m pytest" in README
