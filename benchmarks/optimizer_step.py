@@ -106,10 +106,26 @@ class Row:
     state_dtype: torch.dtype | None = None  # lowprec's state_dtype= when given
     skip: str = ""  # why the row cannot run here (the factory is then None)
     compiled: bool = False  # its first step compiles (torch.compile): the "compile s" column
+    scaled: bool = False  # stepped under a loss scaler's contract (_under_scaler)
 
 
 def _name(*parts: str) -> str:
     return "-".join(p for p in parts if p)
+
+
+def _under_scaler(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                  ) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """``make``'s optimizer stepped as ``torch.amp.GradScaler`` steps one that unscales inside
+    its step (``_step_supports_amp_scaling``): with the attributes ``grad_scale`` and
+    ``found_inf``. The step then checks the gradients for inf/NaN, unscales them inside the
+    update and writes them back unscaled, as GradScaler leaves them. A scale of 1 keeps the
+    gradients' values from step to step (the cost does not depend on the scale)."""
+    def made(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        opt = make(params)
+        opt.grad_scale = torch.ones(())
+        opt.found_inf = torch.zeros(())
+        return opt
+    return made
 
 
 def _optimi_rows() -> list[Row]:
@@ -240,6 +256,10 @@ def peer_rows() -> list[Row]:
 
             rows.append(Row(_name("torch", fam, "fp32", variant), fam, "torch", torch.float32,
                             make, "none", variant))
+    # The same step under a loss scaler (torch's fused kernel unscales and writes the grads).
+    make = rows[-1].make
+    rows.append(Row("torch-adamw-fp32-fused-scaled", "adamw", "torch", torch.float32,
+                    _under_scaler(make), "none", "fused", scaled=True))
     # Round-to-nearest BF16 with BF16 state: the least traffic any AdamW can move.
     rows.append(Row("torch-adamw-bf16-fused", "adamw", "torch", torch.bfloat16,
                     lambda params: torch.optim.AdamW(params, lr=LR["adamw"], fused=True),
@@ -290,6 +310,13 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
 
                 rows.append(Row(name, fam, "lowprec", dtype, None if skip else make, master,
                                 variant, sd, skip=skip, compiled=vkw.get("fused") is True))
+                if fam == "adamw" and sd is None and (dtype, master) in (
+                        (torch.float32, "none"), (torch.bfloat16, "kahan")):
+                    # Under a loss scaler: the inf/NaN check and the unscaled gradients written
+                    # back cost this much more than the plain step (the comparisons below).
+                    rows.append(Row(f"{name}-scaled", fam, "lowprec", dtype,
+                                    None if skip else _under_scaler(make), master, variant, sd,
+                                    skip=skip, compiled=vkw.get("fused") is True, scaled=True))
     return rows
 
 
@@ -301,7 +328,8 @@ def _is(**want: Any) -> Callable[[Row], bool]:
 
 COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
     ("AdamW bf16 kahan vs best optimi AdamW kahan",
-     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="kahan", state_dtype=None),
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="kahan", state_dtype=None,
+         scaled=False),
      _is(source="optimi", family="adamw")),
     ("SGD bf16 kahan vs best optimi SGD kahan",
      _is(source="lowprec", family="sgd", dtype=torch.bfloat16, master="kahan", state_dtype=None),
@@ -310,14 +338,24 @@ COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
      _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="stochastic"),
      _is(source="torchao", family="adamw")),
     ("AdamW fp32 none vs torch AdamW foreach",
-     _is(source="lowprec", family="adamw", dtype=torch.float32),
+     _is(source="lowprec", family="adamw", dtype=torch.float32, scaled=False),
      _is(name="torch-adamw-fp32-foreach")),
     ("SGD fp32 none vs torch SGD foreach",
      _is(source="lowprec", family="sgd", dtype=torch.float32),
      _is(name="torch-sgd-fp32-foreach")),
     ("AdamW bf16 none vs torch fused AdamW on bf16",
-     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="none"),
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="none", scaled=False),
      _is(name="torch-adamw-bf16-fused")),
+    # What a loss scaler costs a step (inf/NaN check, unscaling, gradients written back), for
+    # torch's fused AdamW and for lowprec's, each against its own plain step.
+    ("torch fused AdamW scaled vs plain",
+     _is(name="torch-adamw-fp32-fused-scaled"), _is(name="torch-adamw-fp32-fused")),
+    *((f"AdamW {dt} {m} scaled vs plain ({v})",
+       _is(source="lowprec", family="adamw", master=m, variant=v, dtype=d, scaled=True),
+       _is(source="lowprec", family="adamw", master=m, variant=v, dtype=d, state_dtype=None,
+           scaled=False))
+      for v in LOWPREC_VARIANTS
+      for dt, d, m in (("fp32", torch.float32, "none"), ("bf16", torch.bfloat16, "kahan"))),
     ("Adagrad fp32 none vs torch Adagrad foreach",
      _is(source="lowprec", family="adagrad", dtype=torch.float32),
      _is(name="torch-adagrad-fp32-foreach")),
