@@ -401,6 +401,30 @@ def test_master_weight_and_export(master):
     assert torch.equal(AdamW([fresh]).master_weight(fresh), fresh.detach().float())
 
 
+def test_export_names_every_tie_of_a_tied_weight():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 6)
+            self.head = torch.nn.Linear(6, 11, bias=False)
+            self.head.weight = self.emb.weight  # GPT-2's lm_head / wte
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    model = Tied().to(torch.bfloat16)
+    opt = AdamW(model.parameters(), lr=1e-2, master="split")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randint(0, 11, (4, 5))).float().sum().backward()
+        opt.step()
+    master = opt.master_weight(model.emb.weight)
+    assert not torch.equal(master, model.emb.weight.detach().float())  # the trail holds bits
+    exported = master_state_dict(model, opt)
+    assert torch.equal(exported["emb.weight"], master)
+    assert torch.equal(exported["head.weight"], master)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 RESUME_CASES = [

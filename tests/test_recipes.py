@@ -103,6 +103,32 @@ def test_convert_keeps_norm_layers_fp32_and_returns_fp32_outputs():
         recipes.get("bf16").convert(model)
 
 
+class _Output(dict):
+    """A mapping output with attribute access, as Hugging Face's ModelOutput."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+class _DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return _Output(logits=y, loss=y.square().mean(), cache={"k": y.detach()}, note="kept")
+
+
+def test_convert_keeps_mapping_outputs_of_their_type():
+    model = recipes.get("bf16-kahan").convert(_DictNet())
+    out = model(torch.randn(2, 4))
+    assert type(out) is _Output
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.float32
+    assert type(out["cache"]) is dict and out["cache"]["k"].dtype == torch.float32
+    assert out.note == "kept"
+
+
 def test_split_recipe_steps_fp32_layers_plainly():
     recipe = recipes.get("bf16-split")
     model = recipe.convert(_Net())
