@@ -424,6 +424,16 @@ def test_export_names_every_tie_of_a_tied_weight():
     assert torch.equal(exported["emb.weight"], master)
     assert torch.equal(exported["head.weight"], master)
 
+    class Wrapper:  # as Accelerate's AcceleratedOptimizer (HF Trainer's trainer.optimizer)
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    wrapped = master_state_dict(model, Wrapper(Wrapper(opt)))
+    assert wrapped.keys() == exported.keys()
+    assert all(torch.equal(wrapped[k], exported[k]) for k in exported)
+    with pytest.raises(TypeError, match="needs a lowprec optimizer"):
+        master_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
 
 # --------------------------------------------------------------------------- checkpoints
 

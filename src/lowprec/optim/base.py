@@ -2136,7 +2136,22 @@ def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) 
 
     Parameters the optimizer updates are replaced by ``optimizer.master_weight(p)``; other
     floating-point entries (frozen parameters, buffers) are cast to FP32; the rest is kept.
+    ``optimizer`` may be a framework's wrapper of a lowprec optimizer that keeps it as
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, which Hugging Face Trainer's
+    ``trainer.optimizer`` is, or Lightning's ``LightningOptimizer``).
     """
+    inner = optimizer
+    for _ in range(4):  # (a wrapper of a wrapper at most, in practice)
+        if isinstance(inner, LowPrecisionOptimizer):
+            break
+        inner = getattr(inner, "optimizer", None)
+    if not isinstance(inner, LowPrecisionOptimizer):
+        raise TypeError(
+            "master_state_dict needs a lowprec optimizer (or a framework's wrapper of one, "
+            f"holding it as .optimizer), got {type(optimizer).__name__}; a torch.optim "
+            "optimizer keeps no master: its model's state_dict() is the export."
+        )
+    optimizer = inner
     masters = {}
     known = {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_id: dict[int, torch.Tensor] = {}
