@@ -329,9 +329,14 @@ def round_stochastic_with_bits(
     finfo = torch.finfo(dtype)
     nearest = x.to(dtype)
     near32 = nearest.float()
-    # The other neighbour lies on the far side of x from the nearest value.
-    toward = torch.where(near32 > x, -math.inf, math.inf).to(dtype)
-    other = torch.nextafter(nearest, toward)
+    # The other neighbour lies on the far side of x from the nearest value: one unit in the last
+    # place further from zero where |x| is larger, nearer to zero where it is smaller. On the
+    # bit pattern (sign and magnitude) that is the magnitude plus or minus 1 (from the largest
+    # finite value up to inf, from -0 down to -2**-24, as nextafter gives). Integer arithmetic,
+    # not torch.nextafter: compiled CPU code returned nextafter's float16 input unchanged, which
+    # made every fused FP16 stochastic step round to nearest.
+    step = torch.where(x.abs() > near32.abs(), 1, -1).to(torch.int32)
+    other = (nearest.view(torch.int16).to(torch.int32) + step).to(torch.int16).view(dtype)
     lo = torch.minimum(nearest, other).float()
     hi = torch.maximum(nearest, other).float()
     # x - lo is exact (Sterbenz) and hi - lo a power of two, so p is exact up to FP32 range.
