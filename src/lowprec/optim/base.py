@@ -26,6 +26,7 @@ import operator
 import sys
 import types
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -389,7 +390,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
-        the update rule's buffers it lacks (created at the next step: ``_create_late``)."""
+        the update rule's buffers it lacks (created at the next step: ``_step_late``)."""
         if isinstance(where, tuple):  # (group, parameter): formatted only for an error
             where = f"parameter group {where[0]}, parameter {where[1]}"
         if state.get("master") != storage.name:
@@ -1197,9 +1198,16 @@ class LowPrecisionOptimizer(Optimizer):
         dtype, which would round an FP32 master copy, FP32 moments or a compensation buffer kept
         for a BF16 parameter. Here state tensors keep their saved dtype and move to the
         parameter's device; the checkpoint is checked against the parameters before anything is
-        changed.
+        changed. The hooks of ``register_load_state_dict_pre_hook`` and ``..._post_hook`` run
+        as torch.optim runs them: the pre-hooks on (a shallow copy of) the state dict first,
+        each able to replace it, the post-hooks once everything is loaded.
         """
-        saved_groups = state_dict["param_groups"]
+        state_dict = state_dict.copy()  # (as torch.optim: a pre-hook may edit or replace it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        saved_groups = copy.deepcopy(state_dict["param_groups"])  # (not shared with the caller)
         saved_state = state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -1223,7 +1231,7 @@ class LowPrecisionOptimizer(Optimizer):
             if merged["seed"] is None:
                 merged["seed"] = g["seed"]
             self._validate_group(merged, gi)
-            loaded_groups.append({**merged, "params": sg["params"]})
+            loaded_groups.append(merged)  # (with the live parameters, as torch's update_group)
             for sid, p in zip(sg["params"], g["params"], strict=True):
                 id_map[sid] = (p, merged)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -1250,10 +1258,14 @@ class LowPrecisionOptimizer(Optimizer):
             new_state[p] = moved
         self._step_plan = None
         self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
-        super().load_state_dict({"state": {}, "param_groups": loaded_groups})
-        for p, st in new_state.items():
-            self.state[p] = st
+        # What torch's load_state_dict does once it has cast the state, which here keeps its
+        # dtypes: the live parameters in the loaded groups, the state keyed by them.
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        state.update(new_state)
+        self.__setstate__({"state": state, "param_groups": loaded_groups})
         self._lay_out_loaded()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
         """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
