@@ -6,9 +6,7 @@ this module needs ``transformers``; the test modules skip before importing it wh
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 import transformers
@@ -134,15 +132,3 @@ def reset_accelerate_state() -> None:
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread: these models are too small to gain from more, and on a shared
-    machine two threads waiting for each other made a step 10-30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

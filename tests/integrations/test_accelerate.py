@@ -26,7 +26,6 @@ from tests.integrations._models import (
     llama,
     masters,
     moved_apart,
-    one_thread,
     reset_accelerate_state,
     state_tensors,
     trained_params,
@@ -41,19 +40,6 @@ MICRO = 4
 MAX_NORM = 0.5
 DATA = Progressions(STEPS * ACCUMULATE * MICRO, seed=0)
 HELD_OUT = Progressions(64, seed=1).batch()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate_state()
-    yield
-    reset_accelerate_state()
 
 
 def _parts(master: str, seed: int = 0):
@@ -212,12 +198,11 @@ OVERFLOW_AT = 3
 @pytest.fixture(scope="module", params=list(OPTIMIZERS))
 def fp16_runs(request):
     make_low, make_ref = OPTIMIZERS[request.param]
-    with one_thread():
-        reset_accelerate_state()
-        low = _fp16_run(make_low)
-        reset_accelerate_state()
-        ref = _fp16_run(make_ref)
-        reset_accelerate_state()
+    reset_accelerate_state()
+    low = _fp16_run(make_low)
+    reset_accelerate_state()
+    ref = _fp16_run(make_ref)
+    reset_accelerate_state()
     return request.param, low, ref
 
 

@@ -21,12 +21,8 @@ def _block(heading: str) -> str:
 
 
 @pytest.fixture(autouse=True)
-def _tmp_cwd_one_thread(tmp_path, monkeypatch):
+def _tmp_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # (the examples write their checkpoints where they run)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only waits on this 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(code: str) -> dict:

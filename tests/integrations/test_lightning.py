@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -39,16 +39,6 @@ pytestmark = pytest.mark.integration
 FEATURES = 16
 BATCHES_PER_EPOCH = 8
 INF_STEP = 5  # the optimizer step whose gradient the clipping tests poison with an inf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The models are tiny: Lightning's per-step work dominates, and a second intra-op thread
-    # only adds OpenMP synchronisation (10-20x slower on a busy 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _data(batch_size: int = 32) -> DataLoader:

@@ -34,7 +34,6 @@ from tests.integrations._models import (
     gpt2,
     masters,
     moved_apart,
-    one_thread,
     reset_accelerate_state,
     state_tensors,
     trained_params,
@@ -48,19 +47,6 @@ LR = 3e-3
 GAP = 0.01
 TRAIN = Progressions(256, seed=0)
 HELD_OUT = Progressions(64, seed=1).batch()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    reset_accelerate_state()
-    yield
-    reset_accelerate_state()
 
 
 def _args(out, **overrides) -> TrainingArguments:
