@@ -674,7 +674,7 @@ ERROR_DIFFERENCES = {
 
 def _error_inputs():
     if _CO is None:
-        return [pytest.param(None, None, None, marks=pytest.mark.skip(reason=NO_DATA))]
+        return [pytest.param(None, None, None, marks=pytest.mark.skipif(_CO is None, reason=NO_DATA))]
     out = []
     for info in _CO.optim_db:
         ours = LOWPREC_OF.get(info.optim_cls)
