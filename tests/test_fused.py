@@ -14,8 +14,7 @@ import warnings
 import pytest
 import torch
 
-import lowprec.optim.base as base
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, update
 from tests._same import assert_same, bits
 
 pytestmark = pytest.mark.slow
@@ -54,19 +53,19 @@ def _kernel_calls():
     """Record every compiled-kernel call made inside: (function name, extra key, first input's
     length), the first input being the parameter (flat, or its words of two elements)."""
     calls = []
-    real = base._compiled_kernel
+    real = compiled._compiled_kernel
 
     def spy(*args, **kwargs):
         kernel = real(*args, **kwargs)
-        name = kwargs.get("fn", base._param_update).__name__
+        name = kwargs.get("fn", update._param_update).__name__
         key = kwargs.get("extra_key")
         return lambda *a, **k: calls.append((name, key, a[0].numel())) or kernel(*a, **k)
 
-    base._compiled_kernel = spy
+    compiled._compiled_kernel = spy
     try:
         yield calls
     finally:
-        base._compiled_kernel = real
+        compiled._compiled_kernel = real
 
 
 def _eager_and_fused(make, init, *, steps, seed, drop=None):
@@ -123,8 +122,8 @@ def test_fused_default_is_eager_on_cpu_and_non_contiguous_params_use_eager():
     opt.step()
     ref.step()
     assert torch.equal(w.detach(), ref.param_groups[0]["params"][0].detach())
-    assert not base._fused_enabled(AdamW([torch.randn(4, requires_grad=True)]),
-                                   {"fused": None}, torch.randn(4))
+    assert not compiled._fused_enabled(AdamW([torch.randn(4, requires_grad=True)]),
+                                       {"fused": None}, torch.randn(4))
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
@@ -133,7 +132,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
             raise RuntimeError("no C++ compiler found")
         return kernel
 
-    monkeypatch.setattr(base, "_compiled_kernel", broken)
+    monkeypatch.setattr(compiled, "_compiled_kernel", broken)
     init = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
     pa, oa = _run(AdamW, {}, torch.bfloat16, "kahan", False, 3, init)
     with pytest.warns(RuntimeWarning, match="fused .* unavailable .* no C\\+\\+ compiler"):
@@ -147,7 +146,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch):
 
 def test_changing_lr_does_not_recompile_and_shapes_share_kernels():
     torch._dynamo.reset()
-    base._KERNELS.clear()
+    compiled._KERNELS.clear()
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     start = graphs()
     w = torch.randn(64, 32, requires_grad=True)
@@ -195,7 +194,7 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
     small parameters (batched), and a large one viewed at an odd offset of its storage (no
     pairs: the elementwise kernel).
     """
-    n = base._SMALL + 301
+    n = batches._SMALL + 301
     storage = torch.randn(n + 1).to(torch.bfloat16)
     def run(fused):
         odd_view = storage.clone()[1:].requires_grad_()  # storage offset 1
@@ -379,7 +378,7 @@ def test_lamb_kernels_serve_every_length(master):
     """LAMB's two compiled passes (norms, update) are compiled once for tensors shorter and
     longer than a chunk, of odd and even lengths, at storage offsets."""
     torch._dynamo.reset()
-    base._KERNELS.clear()
+    compiled._KERNELS.clear()
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     start = graphs()
     for offset, n in ((0, 200_000), (2, 70_000), (0, 65_536), (4, 3_000), (0, 131_075), (0, 12)):
@@ -424,7 +423,7 @@ def test_step_inside_torch_compile_is_the_step_itself(cls, master, fused):
     """``torch.compile(opt.step)`` (or a compiled training step around it) runs the step as it
     is: traced, a fused step failed to compile, and an eager Kahan step lost its compensation
     (Inductor folds the BF16 round trip away without emulate_precision_casts)."""
-    shapes = [(64, 40), (40,), (base._SMALL + 2,)]
+    shapes = [(64, 40), (40,), (batches._SMALL + 2,)]
 
     def run(compiled):
         torch.manual_seed(0)

@@ -730,14 +730,14 @@ def test_lr_as_tensor_and_ints_are_accepted():
 @pytest.mark.parametrize("master", STRATEGIES)
 def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
     """Large tensors go through the eager step in chunks; the result must not change."""
-    import lowprec.optim.base as base
+    from lowprec.optim import driver
 
     shapes = [(37, 29), (1000,), (3,)]
     init = make_params(torch.bfloat16, shapes)
     seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
     results = []
     for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
-        monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
+        monkeypatch.setattr(driver, "_EAGER_CHUNK", chunk)
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = cls(params, master=master, seed=9)
         run(opt, params, seq)
@@ -754,7 +754,7 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
 def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
     """LAMB's chunked eager step (sums first, then the update) under grad_scale/found_inf:
     identical to one pass, and a skipped step (inf gradient) changes nothing."""
-    import lowprec.optim.base as base
+    from lowprec.optim import driver
 
     shapes = [(37, 29), (300,)]
     init = make_params(torch.bfloat16, shapes)
@@ -763,7 +763,7 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
     results = []
     calls = []
     for chunk in (1 << 40, 64):
-        monkeypatch.setattr(base, "_EAGER_CHUNK", chunk)
+        monkeypatch.setattr(driver, "_EAGER_CHUNK", chunk)
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, seed=3)
         opt._norm_terms = lambda *a, chunk=chunk, spy=opt._norm_terms, **k: (
@@ -786,15 +786,15 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
 def test_stochastic_int64_indices_give_the_same_stream(monkeypatch):
     """The random bits use int32 element indices where they fit and int64 ones past 2**31 - 1;
     both give the same stream (forced here with a tiny int32 limit)."""
-    import lowprec.optim.base as base
+    from lowprec.optim import driver, update
 
     shapes = [(37, 29), (1000,)]
     init = make_params(torch.bfloat16, shapes, scale=1e-2)
     seq = grad_sequence(shapes, 4, seed=6, dtype=torch.bfloat16)
     results = []
-    for limit in (base._INT32_MAX, 100):
-        monkeypatch.setattr(base, "_INT32_MAX", limit)
-        monkeypatch.setattr(base, "_EAGER_CHUNK", 256)  # offsets above the limit too
+    for limit in (update._INT32_MAX, 100):
+        monkeypatch.setattr(update, "_INT32_MAX", limit)
+        monkeypatch.setattr(driver, "_EAGER_CHUNK", 256)  # offsets above the limit too
         params = [p.detach().clone().requires_grad_() for p in init]
         run(AdamW(params, lr=1e-3, master="stochastic", seed=11), params, seq)
         results.append(params)
@@ -909,7 +909,7 @@ def test_stochastic_bits_of_bf16_elements_are_halves_of_their_pairs_hash(offset,
     # and the high 16 when odd (what the fused step on pairs uses); the eager step hashes each
     # pair once and interleaves, for any chunk offset and length.
     from lowprec.numerics import hash_bits
-    from lowprec.optim.base import _random_bits
+    from lowprec.optim.update import _random_bits
 
     lo, hi = 0x89ABCDEF, 0x01234567
     idx = torch.arange(offset, offset + numel, dtype=torch.int64)

@@ -17,13 +17,12 @@ import weakref
 import pytest
 import torch
 
-import lowprec.optim.base as base
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, loss_scale, plan, update
 from tests._same import assert_same, bits
 
 pytestmark = pytest.mark.slow
 
-# One parameter above base._SMALL (stepped alone), small ones batched, an odd-length one (its
+# One parameter above batches._SMALL (stepped alone), small ones batched, an odd-length one (its
 # last element takes the eager step) and a one-element one (eager).
 SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,)]
 CHANGE_AT = 3
@@ -193,7 +192,7 @@ def test_compile_failure_during_replay_falls_back_to_eager(monkeypatch):
     for entry in opt._step_plan.entries:
         if entry.fused is not None:
             monkeypatch.setattr(entry.fused, "kernel", broken)
-    monkeypatch.setattr(base, "_compiled_kernel", lambda *a, **k: broken)
+    monkeypatch.setattr(compiled, "_compiled_kernel", lambda *a, **k: broken)
     for p, q in zip(params, ref_params, strict=True):
         p.grad = torch.full_like(p, 0.5)
         q.grad = torch.full_like(q, 0.5)
@@ -219,7 +218,7 @@ def _assert_tiled(opt, small):
 
 def test_small_parameters_keep_their_state_in_one_buffer_across_full_steps():
     params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], replay=True, steps=2)
-    small = [p for p in params if 2 <= p.numel() <= base._SMALL]  # (one batch, for Kahan)
+    small = [p for p in params if 2 <= p.numel() <= batches._SMALL]  # (one batch, for Kahan)
     assert len(small) == 3
     _assert_tiled(opt, small)
     ptrs = [opt.state[p]["exp_avg"].data_ptr() for p in small]
@@ -238,7 +237,7 @@ def test_a_loaded_checkpoint_is_laid_out_as_the_step_batches_it():
     fresh = [p.detach().clone().requires_grad_() for p in params]
     other = _adamw_kahan(fresh)
     other.load_state_dict(saved)
-    small = [q for q in fresh if 2 <= q.numel() <= base._SMALL]
+    small = [q for q in fresh if 2 <= q.numel() <= batches._SMALL]
     _assert_tiled(other, small)
     ptrs = {name: [other.state[q][name].data_ptr() for q in small]
             for name in ("exp_avg", "compensation")}
@@ -265,7 +264,7 @@ def test_a_loaded_checkpoint_that_the_step_batches_differently_still_steps_the_s
     fresh = [p.detach().clone().requires_grad_() for p in params]
     other = _adamw_kahan(fresh)
     other.load_state_dict(copy.deepcopy(opt.state_dict()))
-    small = [i for i, p in enumerate(params) if 2 <= p.numel() <= base._SMALL]
+    small = [i for i, p in enumerate(params) if 2 <= p.numel() <= batches._SMALL]
     for step in range(3):
         for i, (p, q) in enumerate(zip(params, fresh, strict=True)):
             idle = i == small[step % len(small)]
@@ -315,7 +314,7 @@ def test_replay_under_a_loss_scaler_equals_the_full_step(make, name, counts, mon
     # Every step scaled, one of them skipped for an inf: the step counts and everything else
     # agree with full steps. "device": the counts are read on their device, as on a GPU.
     if counts == "device":
-        monkeypatch.setattr(base, "_host_counts", lambda device: False)
+        monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     params, opt = _same_with_and_without_replay(
         make, CHANGES[name], replays=STEPS - 1 if name in KEPT else 3, scaled=lambda step: True
     )
@@ -418,7 +417,7 @@ def test_a_record_does_not_keep_replaced_parameter_storage_alive():
 
 
 # Several parameters of one kernel variant: a redone step steps them with one compiled call
-# (base._Many). Three of these take the fused step's own call; the small ones batch.
+# (plan._Many). Three of these take the fused step's own call; the small ones batch.
 MANY_SHAPES = [(300, 256), (256, 300), (72000,), (64,), (32, 4), (7,), (1,)]
 MANY_MAKERS = {
     "adamw-kahan": _adamw_kahan,
@@ -433,16 +432,16 @@ MANY_MAKERS = {
 
 def _calls_shared(opt) -> bool:
     """Whether the last record's parameters took one call together (a _Many that ran)."""
-    plan = opt._step_plan
-    runs = [] if plan is None or plan.many is None else plan.many
-    return any(isinstance(r, base._Many) and r.pattern in base._MANY_SEEN.get(r.kernel, ())
+    record = opt._step_plan
+    runs = [] if record is None or record.many is None else record.many
+    return any(isinstance(r, plan._Many) and r.pattern in plan._MANY_SEEN.get(r.kernel, ())
                for r in runs)
 
 
 @pytest.fixture
 def many_shapes(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", MANY_SHAPES)
-    monkeypatch.setattr(base, "_MANY_SEEN", {})  # (a budget of its own for this test)
+    monkeypatch.setattr(plan, "_MANY_SEEN", {})  # (a budget of its own for this test)
 
 
 @pytest.mark.parametrize("name", ["nothing", "step_count_written", "a_grad_missing",
@@ -467,10 +466,10 @@ def test_one_call_for_several_parameters_under_a_loss_scaler(make, many_shapes):
 def test_a_variant_past_its_budget_of_size_patterns_steps_one_call_each(many_shapes, monkeypatch):
     # Dynamo compiles the shared call per number and sizes of parameters; past the budget the
     # parameters take their own calls, with the same results.
-    monkeypatch.setattr(base, "_MANY_PATTERNS", 0)
+    monkeypatch.setattr(plan, "_MANY_PATTERNS", 0)
     _, opt = _same_with_and_without_replay(_adamw_kahan, CHANGES["nothing"])
     assert not _calls_shared(opt)
-    assert any(isinstance(r, base._Many) for r in opt._step_plan.many)
+    assert any(isinstance(r, plan._Many) for r in opt._step_plan.many)
 
 
 def test_a_shared_call_that_fails_to_compile_leaves_each_its_own(many_shapes, monkeypatch):
@@ -483,9 +482,9 @@ def test_a_shared_call_that_fails_to_compile_leaves_each_its_own(many_shapes, mo
         raise RuntimeError("simulated compile failure")
 
     for run in opt._step_plan.many:
-        if isinstance(run, base._Many):
+        if isinstance(run, plan._Many):
             monkeypatch.setattr(run, "kernel", broken)
-    monkeypatch.setattr(base, "_MANY_BROKEN", set())
+    monkeypatch.setattr(plan, "_MANY_BROKEN", set())
     for _ in range(2):
         for p, q in zip(params, ref_params, strict=True):
             p.grad = torch.full_like(p, 0.5)
@@ -495,15 +494,15 @@ def test_a_shared_call_that_fails_to_compile_leaves_each_its_own(many_shapes, mo
             opt.step()
         ref.step()
         assert_same(params, opt, ref_params, ref)
-    assert base._MANY_BROKEN and not getattr(opt, "_fused_broken", False)
+    assert plan._MANY_BROKEN and not getattr(opt, "_fused_broken", False)
 
 
 def test_shared_calls_hold_at_most_many_max_parameters_each(many_shapes, monkeypatch):
     # Sorted by size and cut into calls of _MANY_MAX: with 2, the three large parameters take a
     # shared call of two and a call of their own, with the same results as the full step.
-    monkeypatch.setattr(base, "_MANY_MAX", 2)
+    monkeypatch.setattr(plan, "_MANY_MAX", 2)
     _, opt = _same_with_and_without_replay(_adamw_kahan, CHANGES["nothing"])
-    shared = [r for r in opt._step_plan.many if isinstance(r, base._Many)]
+    shared = [r for r in opt._step_plan.many if isinstance(r, plan._Many)]
     assert [len(r.entries) for r in shared] == [2]
     assert [r.p.numel() for r in shared[0].entries] == [72000, 76800]  # (sorted by size)
     assert _calls_shared(opt)
@@ -514,23 +513,23 @@ def test_shared_calls_of_equal_sizes_compile_once(monkeypatch):
     # of sizes for Dynamo: the second call reuses the first one's compilation.
     shapes = [(300, 256), (300, 256), (72000,), (72000,)]
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", shapes)
-    monkeypatch.setattr(base, "_MANY_SEEN", {})
-    monkeypatch.setattr(base, "_MANY_MAX", 2)
-    monkeypatch.setattr(base, "_KERNELS", {})  # (fresh compiled functions: fresh Dynamo caches)
+    monkeypatch.setattr(plan, "_MANY_SEEN", {})
+    monkeypatch.setattr(plan, "_MANY_MAX", 2)
+    monkeypatch.setattr(compiled, "_KERNELS", {})  # (fresh compiled functions: fresh Dynamo caches)
     torch.manual_seed(0)
     params = [torch.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
     opt = _adamw_kahan(params)
-    def compiled() -> int:
+    def graphs() -> int:
         return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
-        before = compiled()
+        before = graphs()
         opt.step()
         if step == 1:  # (the first step redone from its record compiles the shared calls)
-            assert compiled() - before == 1
-    shared = [r for r in opt._step_plan.many if isinstance(r, base._Many)]
+            assert graphs() - before == 1
+    shared = [r for r in opt._step_plan.many if isinstance(r, plan._Many)]
     assert len(shared) == 2 and len({r.kernel for r in shared}) == 1
     assert {r.pattern for r in shared} == {(0, 0)} and _calls_shared(opt)
 
@@ -540,7 +539,7 @@ def test_lamb_on_fp32_parameters_shares_a_call_with_each_ones_norms(scaled, monk
     # FP32 parameters take the elementwise kernels (no pairs): the shared call runs _param_sums
     # and then _param_update for each parameter in turn, with the bits of the eager step. Under a
     # loss scaler both take the unscaled gradient, and a step with an inf is skipped.
-    monkeypatch.setattr(base, "_MANY_SEEN", {})
+    monkeypatch.setattr(plan, "_MANY_SEEN", {})
     shapes = [(300, 256), (72000,), (999,)]
 
     def run(fused):
@@ -563,5 +562,5 @@ def test_lamb_on_fp32_parameters_shares_a_call_with_each_ones_norms(scaled, monk
     pa, oa = run(False)
     pb, ob = run(True)
     assert_same(pa, oa, pb, ob)
-    shared = [r for r in ob._step_plan.many if isinstance(r, base._Many)]
-    assert [r.sums_fn for r in shared] == [base._param_sums] and _calls_shared(ob)
+    shared = [r for r in ob._step_plan.many if isinstance(r, plan._Many)]
+    assert [r.sums_fn for r in shared] == [update._param_sums] and _calls_shared(ob)

@@ -10,7 +10,7 @@ from torch import nn
 
 import lowprec
 from lowprec import LossScaler, NonFiniteLossError
-from lowprec.optim import SGD, AdamW, base
+from lowprec.optim import SGD, AdamW, loss_scale
 from tests._host import no_host_reads
 
 BAD = "inf"
@@ -460,7 +460,7 @@ def test_skipped_iteration_is_invisible(cls, master, dtype):
 def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(monkeypatch):
     # As on a GPU: the optimizer's step counts are read on the device (on the CPU they are read
     # on the host, which is no synchronisation there).
-    monkeypatch.setattr(base, "_host_counts", lambda device: False)
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     model = _model(torch.bfloat16)
     opt = AdamW(model.parameters(), lr=1e-2, master="kahan")
     scaler = LossScaler(init_scale=2.0**8)

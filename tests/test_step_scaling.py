@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, base
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, loss_scale
 from tests._host import no_host_reads
 
 OPTIMIZERS = {
@@ -93,7 +93,7 @@ def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True):
 def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, counts, monkeypatch):
     # "device": step counts and the numbers made from them stay on the device, as on a GPU.
     if counts == "device":
-        monkeypatch.setattr(base, "_host_counts", lambda device: False)
+        monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     ref_params, ref_opt, _ = _run(name, master, fused=False, scaled=False)
     params, opt, found = _run(name, master, fused=False, scaled=True, bad_steps=(2, 5))
     assert found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
@@ -115,7 +115,7 @@ def test_fused_scaled_step_equals_eager(name, master):
 def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, monkeypatch):
     # The GPU's way (numbers made on the device from the count there), compiled, on the CPU.
     eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,))
-    monkeypatch.setattr(base, "_host_counts", lambda device: False)
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,))
     assert f1 == f2
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
@@ -133,7 +133,7 @@ def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, mon
     # here, do not have.)
     assert bool(opt._step_plan.batches) == ((name, master) != ("lamb", "none"))
     with monkeypatch.context() as m:
-        m.setattr(base, "_SMALL", 0)
+        m.setattr(batches, "_SMALL", 0)
         alone_params, alone_opt, alone_found = _run(
             name, master, fused=True, scaled=True, bad_steps=(2, 5)
         )
@@ -238,8 +238,8 @@ def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch)
     # What a GPU step does: step counts read and used on the device, every parameter stepped by
     # its own call. (On the CPU, where a host read is no synchronisation, counts are read on the
     # host and small parameters batched: the tests around this one check they step the same.)
-    monkeypatch.setattr(base, "_host_counts", lambda device: False)
-    monkeypatch.setattr(base, "_SMALL", 0)
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    monkeypatch.setattr(batches, "_SMALL", 0)
     params = _params(torch.bfloat16)
     opt = AdamW(params, master=master, fused=fused)
     for step in range(3):

@@ -36,8 +36,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-import lowprec.optim.base as base
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, compiled
 from tests._same import assert_same, bits
 
 # A fused step that falls back to eager (its compilation failed) fails the test instead of warning.
@@ -789,13 +788,13 @@ def test_fused_equals_eager_for_every_dtype_in_one_process(monkeypatch, caplog):
     # log on a failure, and none of it about the failure)
     caplog.set_level(logging.INFO, logger="torch.__trace")
     calls = []
-    real = base._compiled_kernel
+    real = compiled._compiled_kernel
 
     def spy(*args, **kwargs):
         kernel = real(*args, **kwargs)
         return lambda *a, **k: calls.append(1) or kernel(*a, **k)
 
-    monkeypatch.setattr(base, "_compiled_kernel", spy)
+    monkeypatch.setattr(compiled, "_compiled_kernel", spy)
     failures, ran, index = [], 0, 0
     for cls, kw, master, dtype, state_dtype in MATRIX:
         case = (cls.__name__, master, str(dtype)[6:], str(state_dtype)[6:])

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from lowprec.numerics import sqrt_rn
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative
 
 __all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from lowprec.numerics import sqrt_rn
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
 
 __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from lowprec.numerics import sqrt_rn, sum_squares
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
 
 __all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms", "lamb_update"]
 

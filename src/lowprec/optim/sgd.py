@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from lowprec.optim.base import LowPrecisionOptimizer, _as_float, _check_nonnegative
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative
 
 __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 

@@ -1,0 +1,165 @@
+"""Checkpoints: ``load_state_dict`` (``_Checkpoints``, a mixin of ``LowPrecisionOptimizer``).
+
+torch.optim's ``load_state_dict`` casts floating-point state to the parameter's dtype, which would
+round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dict`` here keeps
+every state tensor's dtype, checks the whole checkpoint against the parameters before changing
+anything, adopts a torch.optim checkpoint (``_adopt_state``), runs torch.optim's load hooks, and
+lays the small parameters' loaded state out as a step batches it (``_lay_out_loaded``, with
+``batches._small_buckets`` and ``plan._flat_state``). ``state_dict`` is torch.optim's; the export
+of the FP32 masters, ``master_state_dict``, is in ``base``, beside ``master_weight``.
+
+A mixin, as every stage (``base`` says why); it does not import ``base``, which imports it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from lowprec.optim.batches import _by_size
+from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
+from lowprec.optim.plan import _flat_state
+from lowprec.optim.shards import check_loaded_state, is_dtensor
+
+
+class _Checkpoints:
+    """``LowPrecisionOptimizer``'s ``load_state_dict``, keeping every state tensor's dtype."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict``, keeping every state tensor's dtype.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
+        dtype, which would round an FP32 master copy, FP32 moments or a compensation buffer kept
+        for a BF16 parameter. Here state tensors keep their saved dtype and move to the
+        parameter's device; the checkpoint is checked against the parameters before anything is
+        changed. The hooks of ``register_load_state_dict_pre_hook`` and ``..._post_hook`` run
+        as torch.optim runs them: the pre-hooks on (a shallow copy of) the state dict first,
+        each able to replace it, the post-hooks once everything is loaded.
+        """
+        state_dict = state_dict.copy()  # (as torch.optim: a pre-hook may edit or replace it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        saved_groups = copy.deepcopy(state_dict["param_groups"])  # (not shared with the caller)
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}."
+            )
+        id_map: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+        loaded_groups = []
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(
+                    f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
+                    f"has {len(sg['params'])}."
+                )
+            # The checkpoint's options win. A torch.optim checkpoint (no "master") brings its
+            # hyperparameters, and lowprec's own options stay as this optimizer's group has
+            # them: its "fused" means torch's kernels, and it has no master or seed.
+            own = {} if "master" in sg else {k: g[k] for k in _COMMON_DEFAULTS}
+            merged = {k: v for k, v in {**g, **sg, **own}.items() if k not in _TORCH_ONLY_OPTIONS}
+            merged["params"] = g["params"]
+            if merged["seed"] is None:
+                merged["seed"] = g["seed"]
+            self._validate_group(merged, gi)
+            loaded_groups.append(merged)  # (with the live parameters, as torch's update_group)
+            for sid, p in zip(sg["params"], g["params"], strict=True):
+                id_map[sid] = (p, merged)
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        for sid, st in saved_state.items():
+            if sid not in id_map:
+                raise ValueError(f"the checkpoint holds state for unknown parameter id {sid!r}.")
+            p, merged = id_map[sid]
+            moved = {
+                k: (v.to(device=v.device if k == "step" else p.device, copy=True)
+                    if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in st.items()
+            }
+            if "step" in moved and not isinstance(moved["step"], torch.Tensor):
+                # A count saved as a number (torch before 1.12, and some third-party code):
+                # a tensor, as torch's own optimizers convert it.
+                moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
+            if moved:
+                storage = self._storage(merged, p)
+                if "master" not in moved:  # torch.optim's state: see _adopt_state
+                    moved = self._adopt_state(moved, merged, p, storage, f"parameter {sid!r}")
+                self._check_state(moved, merged, p, storage, f"parameter {sid!r}")
+                if is_dtensor(p):
+                    check_loaded_state(moved, p, f"parameter {sid!r}")
+            new_state[p] = moved
+        self._step_plan = None
+        self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
+        # What torch's load_state_dict does once it has cast the state, which here keeps its
+        # dtypes: the live parameters in the loaded groups, the state keyed by them.
+        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        state.update(new_state)
+        self.__setstate__({"state": state, "param_groups": loaded_groups})
+        self._lay_out_loaded()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
+        """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
+        no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
+        moments cast to this group's state dtype, the master's own buffers as at a fresh start
+        from the parameter's current value (a zero Kahan compensation or split trail, an FP32
+        copy of the parameter: load the model's weights first), the count kept
+        (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
+        first)."""
+        names = self._math_buffers(group)
+        # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
+        unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
+        if unknown:
+            raise ValueError(
+                f"{where}: the checkpoint's state holds {unknown}, which {type(self).__name__} "
+                f"with these options does not keep (it keeps {['step', *names]}); load a "
+                "checkpoint of the same optimizer."
+            )
+        state = self._init_state(group, p, storage)
+        for name in names:
+            t = st.get(name)
+            if t is None:  # (torch's SGD before its first step: the fresh buffer)
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
+                raise ValueError(
+                    f"{where}: state {name!r} should be a {tuple(p.shape)} tensor, got {got}; "
+                    "the state does not belong to this parameter."
+                )
+            state[name] = t.to(device=p.device, dtype=state[name].dtype, copy=True)
+        step = st.get("step")
+        if step is None:
+            step = 1.0 if any(st.get(name) is not None for name in names) else 0.0
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        return state
+
+    def _lay_out_loaded(self) -> None:
+        """Lay out the small parameters' loaded state as a fused step batches them (one flat
+        tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
+        so that a resumed run steps it in place as a fresh one does, rather than concatenating it
+        and copying it back every step. The tensors were just copied from the checkpoint, so
+        nothing outside the optimizer holds them yet. Where the next step batches differently
+        (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
+        """
+        work, index = [], -1
+        for gi, group in enumerate(self.param_groups):
+            for p, storage in zip(group["params"], self._validate_group(group, gi), strict=True):
+                index += 1
+                if self.state.get(p) and not is_dtensor(p):  # (DTensor state stays as loaded)
+                    work.append((group, p, index, storage))
+        buckets, _ = self._small_buckets(_by_size(work)[1], None)
+        for _step, items in buckets:
+            group, _, _, storage = items[0]
+            states = [self.state[p] for _, p, _, _ in items]
+            sizes = [p.numel() for _, p, _, _ in items]
+            for name in (*storage.buffers(items[0][1]), *self._math_buffers(group)):
+                if all(st.get(name) is not None for st in states) and len(
+                    {(st[name].dtype, st[name].device) for st in states}
+                ) == 1:
+                    _flat_state(states, name, sizes, True)

@@ -1,0 +1,345 @@
+"""The compiled (fused) step: kernels and their cache, and a tensor's compiled step prepared and run
+(``_CompiledStep``, a mixin of ``LowPrecisionOptimizer``).
+
+``_compiled_kernel`` compiles ``update._param_update`` (or another function of ``update``) once
+per variant: optimizer, strategy, flags, loss-scaler mode and the tensors' device type and dtypes
+(``_signature``), with the Inductor settings the step's numerics need; ``_KERNELS`` caches them.
+``_prepare_fused`` gathers what a compiled step of one contiguous tensor needs besides its
+gradient and the step's numbers (``_Fused``: flat views or words of pairs, ``_pairs_plan``, and
+the kernels), which depends on layouts and dtypes alone, so a recorded step keeps it;
+``_run_fused`` runs it (a sums pass first for a rule with norms; the odd last element of pairs
+eagerly). A compilation failure (``_COMPILE_ERRORS``) leaves nothing written: the caller
+falls back to the eager step and ``_disable_fused`` turns the fused step off with a warning.
+``_one_cpp_kernel_per_loop`` is a compile setting of the shared calls (``plan._Many``).
+Tests replace ``_compiled_kernel``; ``plan`` reads it through this module.
+
+A mixin, as every stage (``base`` says why): it calls the other stages' methods through ``self``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lowprec.optim.shards import all_reduce_sums
+from lowprec.optim.storage import MasterStorage
+from lowprec.optim.update import (
+    _pair_words,
+    _param_sums,
+    _param_sums_pairs,
+    _param_update,
+    _param_update_pairs,
+)
+
+# Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
+# unsupported op): the step falls back to eager with a warning.
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
+try:  # the Dynamo/Inductor error classes, where this PyTorch has them
+    from torch._dynamo import exc as _dynamo_exc
+
+    # (FailOnRecompileLimitHit derives from Exception alone)
+    _COMPILE_ERRORS = (*_COMPILE_ERRORS, *(
+        getattr(_dynamo_exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
+        if isinstance(getattr(_dynamo_exc, name, None), type)
+    ))
+except ImportError:  # pragma: no cover
+    pass
+
+_KERNELS: dict[Any, Callable[..., None]] = {}
+_PAIR_DTYPES = (torch.bfloat16, torch.float32)
+_ZERO_KEY = torch.zeros((), dtype=torch.int64)
+
+
+def _key_tensors(lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random key's halves as 0-d tensors for a compiled kernel (a constant zero when unused)."""
+    if isinstance(lo, torch.Tensor):
+        return lo, hi
+    if lo == 0 and hi == 0:
+        return _ZERO_KEY, _ZERO_KEY
+    return torch.tensor(lo), torch.tensor(hi)
+
+
+def _compiled_kernel(
+    cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
+    fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
+    options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (),
+) -> Callable[..., Any]:
+    """A compiled ``_param_update`` (or ``fn``) for one variant: optimizer, storage, flags, and
+    the ``signature`` of its tensors (``_signature``: device type and dtypes).
+
+    Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
+    cache (and recompile budget) per variant instead of one shared by every optimizer. Everything
+    that changes the generated code is in the key: a dtype or device left out made one function
+    recompile for every combination a process stepped, until Dynamo's recompile limit raised.
+    Shapes are dynamic (parameters are passed flattened), so one compilation serves every size.
+    ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``).
+    """
+    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key,
+           tuple(sorted((options or {}).items())), signature)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        code = fn.__code__
+        what = "step" if fn is _param_update else fn.__name__.strip("_")
+        what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
+        name = f"lowprec_{cls.__name__}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
+        variant = types.FunctionType(
+            code.replace(co_name=name, co_qualname=name)
+            if sys.version_info >= (3, 11) else code.replace(co_name=name),
+            fn.__globals__, name, fn.__defaults__, fn.__closure__,
+        )
+        variant.__kwdefaults__ = fn.__kwdefaults__
+        # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
+        # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
+        # cpp.dynamic_threads: the C++ kernel gets its parallel loop whatever the size it is
+        # first compiled for. Otherwise Inductor leaves out the parallel region when that size is
+        # small, and its on-disk cache then hands the single-threaded kernel to every later
+        # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
+        kernel = torch.compile(
+            variant, dynamic=True, fullgraph=True,
+            options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
+                     **(options or {})},
+        )
+        _KERNELS[key] = kernel
+    return kernel
+
+
+def _signature(p, grad, sbufs, mbufs) -> tuple[Any, ...]:
+    """What of a step's tensors besides their sizes decides a compiled kernel's code: the device
+    type and every dtype (``_compiled_kernel``'s key)."""
+    return (p.device.type, p.dtype, grad.dtype,
+            *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
+
+
+def _fused_enabled(opt, group, p) -> bool:
+    fused = group["fused"]
+    if fused is False or getattr(opt, "_fused_broken", False):
+        return False
+    if fused is None:
+        return p.device.type == "cuda"
+    return True
+
+
+def _disable_fused(opt, error: BaseException) -> None:
+    opt._fused_broken = True
+    warnings.warn(
+        f"lowprec: the fused (torch.compile) optimizer step is unavailable here ({type(error).__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}); falling back to the eager step, "
+        "which gives the same results more slowly. Install a C++ compiler (CPU) or Triton (GPU), "
+        "or pass fused=False to silence this warning.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+@contextlib.contextmanager
+def _one_cpp_kernel_per_loop() -> Iterator[None]:
+    """While compiling a shared call (``_Many``), Inductor's C++ backend ends its kernel after each
+    loop instead of gathering every loop of the graph into one C++ function.
+
+    Gathered, a call over 12 parameters is one function with 12 copies of the update (~0.5 MB of
+    C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies come out as
+    a few distinct sources (2-3 there: they differ only in Inductor's buffer numbering), each
+    compiled once and called for its parameters: 7-33 s with a cold cache for calls of 12
+    parameters, 4-13 s for calls of at most 4 (``_MANY_MAX``). The setting is Inductor's class
+    attribute ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a
+    kernel); where a version of torch lacks it, nothing is changed. Only compilation reads it."""
+    try:
+        from torch._inductor.codegen.cpp import CppScheduling
+    except Exception:  # (no Inductor C++ backend here: nothing to set)
+        yield
+        return
+    old = getattr(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", None)
+    if not isinstance(old, int):
+        yield
+        return
+    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = 1
+    try:
+        yield
+    finally:
+        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = old
+
+
+def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
+    """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
+    words of pairs of elements. Always a new view, even of a 1-d ``t``: handed a 1-d parameter
+    itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
+    return t.view(-1) if f.pairs is None else _pair_words(t, f.n)
+
+
+class _Fused:
+    """A compiled step prepared by ``LowPrecisionOptimizer._prepare_fused``."""
+
+    __slots__ = (
+        "base",
+        "flags",
+        "kernel",
+        "mbufs",
+        "n",
+        "p",
+        "pairs",
+        "per_word",
+        "sbufs",
+        "shards",
+        "signature",
+        "start",
+        "storage",
+        "sums_fn",
+        "sums_kernel",
+        "update_fn",
+        "views",
+    )
+
+
+class _CompiledStep:
+    """``LowPrecisionOptimizer``'s compiled step of one tensor: ``_prepare_fused``, then
+    ``_run_fused``."""
+
+    def _prepare_fused(
+        self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
+        keyed: bool = False, per_word: bool = False, start: int = 0, shards: Any = (),
+    ) -> _Fused:
+        """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
+        numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
+        It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
+        (``_replay``).
+
+        ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
+        sums are per parameter of such a batch, for a rule with ``_norm_terms``. ``start``: the
+        index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
+        shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
+        over which a DTensor shard's whole-tensor sums are added (``_norm_terms``).
+        """
+        f = _Fused()
+        f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
+        f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+        f.base, f.start, f.shards = None, start, tuple(shards)
+        if start:
+            # (bfloat16 hashes pairs: the first pair's index; start is even there)
+            f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
+                                  dtype=torch.int64)
+        f.per_word = per_word = per_word and self._norm_terms is not None
+        if per_word and (pairs is None or n != p.numel()):
+            raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
+        if pairs is None:
+            if keyed:
+                raise ValueError("per-word random keys need the fused step on pairs")
+            f.views = ({k: v.view(-1) for k, v in sbufs.items()},
+                       {k: v.view(-1) for k, v in mbufs.items()})
+        else:
+            f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
+                       {k: _pair_words(v, n) for k, v in mbufs.items()})
+        # (The parameter's own view is made by each call, like the gradient's: a view kept here
+        # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
+        # The whole-tensor sums in a compiled pass of their own, so that the update pass
+        # recomputes what it needs instead of keeping full-size temporaries.
+        # The functions the kernels compile (a shared call, _Many, runs the same ones).
+        f.update_fn = _param_update if pairs is None else _param_update_pairs
+        f.sums_fn = None
+        f.sums_kernel = None
+        f.signature = signature = _signature(p, grad, sbufs, mbufs)
+        if self._norm_terms is not None:
+            f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
+            f.sums_kernel = _compiled_kernel(
+                type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
+                extra_key=() if pairs is None
+                else (*pairs, *((("sums", "per_word"),) if per_word else ())),
+                signature=signature,
+            )
+        f.kernel = _compiled_kernel(
+            type(self), storage, flags, scaled=scaled, fn=f.update_fn,
+            extra_key=() if pairs is None
+            else (*pairs, *((("keys", "batched"),) if keyed else ()),
+                  *((("sums", "per_word"),) if per_word else ())),
+            signature=signature,
+        )
+        return f
+
+    def _run_fused(self, f: _Fused, grad, coeffs, c32, lo, hi, extra, segments=None) -> None:
+        """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
+        writing anything).
+
+        ``segments`` (a batch of small parameters on pairs, for a rule with ``_norm_terms``):
+        ``(words, owner)``, the number of words of each parameter (a list) and each word's
+        parameter (int32), so that the sums are each parameter's own.
+        """
+        storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
+        sv, mv = f.views
+        pv, gv = _step_view(f, p), _step_view(f, grad)
+        tail = slice(n, None) if pairs is not None and n < p.numel() else None
+        flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+        if f.sums_kernel is not None:
+            c32 = dict(c32)  # the sums below are this parameter's own
+            kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
+                      inv_scale=extra.get("inv_scale"))
+            if f.per_word:
+                # Each word's squares (FP64; a batch is small, so this temporary is too), summed
+                # per parameter and handed back to every word of the parameter.
+                squares = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, per_word=True, **kw)
+                # ATen's sum along the words of each parameter adds pairwise, as eager's
+                # sum_squares does (a strictly sequential sum, e.g. torch.segment_reduce, can
+                # lose small squares to a large running total that pairwise sums keep).
+                words, owner = segments
+                sums = torch.stack([part.sum(1) for part in squares.split(words, dim=1)], dim=1)
+                c32["sums"] = sums.index_select(1, owner)
+            elif pairs is None:
+                c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
+            else:
+                c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
+                if tail is not None:
+                    c32["sums"] = c32["sums"] + _param_sums(
+                        p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
+                        flat(f.mbufs, tail), coeffs, **kw,
+                    )
+                c32["sums"] = all_reduce_sums(c32["sums"], f.shards)
+            coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
+        if f.base is not None:
+            extra = {**extra, "base": f.base}
+        if pairs is None:
+            f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
+                     storage=storage, math=self._math, flags=flags, **extra)
+            return
+        # 16-bit strategies go through pairs of elements (vectorized); an odd last element
+        # takes the eager step, with its own index for the random bits.
+        f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
+                 flags=flags, dtypes=pairs, **extra)
+        if tail is not None:
+            _param_update(
+                p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
+                coeffs, lo, hi, storage=storage, math=self._math, flags=flags,
+                offset=f.start + n, **{k: v for k, v in extra.items() if k != "base"},
+            )
+
+    def _pairs_plan(
+        self, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
+    ) -> tuple | None:
+        """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
+
+        Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
+        strategy on bfloat16 parameters), elementwise rules or rules whose only reductions are
+        ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views start on
+        a pair boundary.
+        """
+        if (
+            not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
+            or not (self._elementwise or self._norm_terms is not None)
+            or p.device.type != "cpu"
+        ):
+            return None
+        plan = [("grad", grad.dtype)]
+        if grad.dtype not in _PAIR_DTYPES or grad.storage_offset() % 2:
+            return None
+        for k, t in mbufs.items():
+            if t.dtype not in _PAIR_DTYPES or t.storage_offset() % 2:
+                return None
+            plan.append((k, t.dtype))
+        for t in sbufs.values():
+            if t.element_size() not in (2, 4) or t.storage_offset() % 2:
+                return None
+        return tuple(plan)

@@ -1,0 +1,129 @@
+"""The optimizer's side of the loss-scaler contract: ``step(grad_scale=..., found_inf=...)``.
+
+``_Scaling.prepare`` checks every gradient for inf/NaN before the first write (a skipped step
+leaves every parameter as it was), adds its finding to ``found_inf`` and takes ``1 / grad_scale``
+as GradScaler does; the kernels then take ``kernel_args``: the inverse scale, which multiplies
+the gradient inside the update (``update._param_update``), and the skip flag, which selects the
+old value for every write. ``_mode`` is the part of a compiled kernel's key this decides;
+``_advance_counts`` advances the step counts of parameters stepped together by ``1 - skip``.
+``_host_counts`` says where a step under a scaler reads its counts on the host (the CPU) or
+computes its numbers on the device (``driver._scaled_numbers``); tests replace it, so the modules
+that read it read it through this one (``loss_scale._host_counts``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.optim.options import _as_float
+
+
+class _Scaling:
+    """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag.
+
+    The inf/NaN check is a read-only pass over the gradients (a min and a max per tensor, which
+    propagate inf and NaN) done before the first write, since a skipped step must leave every
+    parameter unchanged, including those updated before the bad gradient would be met. The
+    unscaling happens inside the update itself; ``p.grad`` is never rewritten.
+    """
+
+    def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
+        self._inv = {} if inv_scale is None else {inv_scale.device: inv_scale}
+        self._skip = {skip.device: skip}
+        self._taken: dict[torch.device, torch.Tensor] = {}
+        #: What the kernels do: "unscale" (divide the gradients by the scale, write them back
+        #: unscaled, skip on inf/NaN) or "skip" (gradients already unscaled, e.g. by the scaler's
+        #: unscale_: skip only). Part of a compiled kernel's key.
+        self.mode = "skip" if inv_scale is None else "unscale"
+
+    @classmethod
+    def prepare(cls, work, grad_scale, found_inf, reduce=None) -> _Scaling:
+        """``reduce``: process groups over which the inf/NaN finding is combined (the ranks
+        holding the shards of DTensor parameters: lowprec.optim.shards), so that all skip alike."""
+        devices = list(dict.fromkeys(p.device for _, p, _, _ in work))
+        home = found_inf.device if isinstance(found_inf, torch.Tensor) else (
+            devices[0] if devices else torch.device("cpu"))
+        if found_inf is not None and (
+            not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1
+            or not found_inf.is_floating_point()
+        ):
+            raise TypeError(
+                "found_inf must be a one-element floating-point tensor (e.g. "
+                "torch.zeros((), device=...)), which the step increments when it finds inf/NaN."
+            )
+        if grad_scale is None:
+            inv = None
+        elif isinstance(grad_scale, torch.Tensor):
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise TypeError(
+                    f"grad_scale must be a one-element floating-point tensor or a positive number,"
+                    f" got a {tuple(grad_scale.shape)} {grad_scale.dtype} tensor."
+                )
+            # As torch.amp.GradScaler: the reciprocal in FP64, then rounded to FP32.
+            inv = grad_scale.detach().reshape(()).double().reciprocal().float()
+        else:
+            scale = _as_float(grad_scale, "grad_scale")
+            if not (scale > 0 and scale < float("inf")):
+                raise ValueError(f"grad_scale must be positive and finite, got {grad_scale}.")
+            inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=home)
+        bad = torch.zeros((), dtype=torch.float32, device=home)
+        for device in devices:
+            grads = [p.grad for _, p, _, _ in work if p.device == device and p.grad.numel()]
+            if not grads:
+                continue
+            # min + max of every gradient, summed in FP64 (no overflow from finite values): the
+            # total is finite exactly when every gradient is.
+            ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).double()
+            bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
+        if found_inf is None:
+            found = bad
+        else:
+            found = found_inf
+            found.add_(bad.to(found.device, found.dtype))
+        for group in reduce or ():  # (the caller's finding too: e.g. a scaler's unscale_)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+        return cls(inv, found.reshape(()) != 0)
+
+    def inv_scale_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv:
+            self._inv[device] = next(iter(self._inv.values())).to(device, non_blocking=True)
+        return self._inv[device]
+
+    def skip_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._skip:
+            self._skip[device] = next(iter(self._skip.values())).to(device, non_blocking=True)
+        return self._skip[device]
+
+    def kernel_args(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The keyword arguments a step's kernel takes on ``device``: the skip flag, and the
+        inverse scale where the gradients carry one (``mode``)."""
+        if not self._inv:
+            return {"skip": self.skip_on(device)}
+        return {"inv_scale": self.inv_scale_on(device), "skip": self.skip_on(device)}
+
+    def taken_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._taken:
+            self._taken[device] = (~self.skip_on(device)).float()
+        return self._taken[device]
+
+
+def _mode(scaling: _Scaling | None) -> str | bool:
+    """How a step's kernels take a loss scaler's inputs (``_Scaling.mode``); False: none."""
+    return False if scaling is None else scaling.mode
+
+
+def _advance_counts(counts: list[torch.Tensor], scaling: _Scaling | None) -> None:
+    """Advance the step counts of parameters stepped together, in one call. Each holds the whole
+    number read on the host before the step, so adding 1 stores what ``_advance``'s
+    ``fill_(count + 1)`` would, for floating-point or integer counts (a loaded checkpoint keeps
+    its dtype); under a loss scaler, ``1 - skip``, decided on the device (these counts are on the
+    CPU, where the flag costs no synchronisation)."""
+    torch._foreach_add_(counts, 1 if scaling is None else scaling.taken_on(counts[0].device))
+
+
+def _host_counts(device: torch.device) -> bool:
+    """Whether a step under a loss scaler reads the step counts of parameters on ``device`` on the
+    host and takes the group's host numbers, as a plain step does: on the CPU, where that costs
+    no synchronisation and saves each parameter a dozen small tensor operations. Elsewhere the
+    numbers are computed on the device (``_scaled_numbers``)."""
+    return device.type == "cpu"

@@ -1,0 +1,85 @@
+"""Group options: lowprec's own defaults and the checks that the base class, the update rules and
+the loss-scaler inputs share.
+
+``_COMMON_DEFAULTS`` are the options every lowprec group has beside its rule's hyperparameters
+(``base`` adds them to a subclass's defaults); ``_TORCH_ONLY_OPTIONS`` are torch.optim's
+implementation options, accepted and kept out of the groups. The update rules (``sgd.py``, ...)
+check their hyperparameters with ``_as_float``, ``_check_nonnegative`` and ``_validate_betas``;
+``_step_tensor`` turns a step count saved as a number into the tensor lowprec keeps
+(``base.__setstate__``, ``checkpoint``). Imports nothing from the rest of ``lowprec.optim``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
+# Options of torch.optim's implementations (how its step runs), accepted for code written for
+# torch.optim and kept out of lowprec's groups: lowprec chooses its own implementation.
+_TORCH_ONLY_OPTIONS = ("foreach", "capturable", "differentiable")
+
+
+def _as_float(value: Any, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}.")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}.")
+    return float(value)
+
+
+def _check_torch_options(
+    name: str, foreach: bool | None, capturable: bool, differentiable: bool
+) -> None:
+    """Accept torch.optim's implementation options as code written for torch.optim passes them,
+    and refuse the ones lowprec cannot honour, naming the reason."""
+    for option, value in (("foreach", foreach), ("capturable", capturable),
+                          ("differentiable", differentiable)):
+        if value not in (None, True, False):
+            raise TypeError(f"{option} must be a bool or None, got {value!r}.")
+    if differentiable:
+        raise ValueError(
+            f"lowprec.{name} does not support differentiable=True: its step updates the stored "
+            "weights in place without autograd; use torch.optim for differentiating through "
+            "an optimizer step."
+        )
+    if capturable:
+        raise ValueError(
+            f"lowprec.{name} does not support capturable=True: its step decides on the host "
+            "which kernels to run, so it cannot be captured in a CUDA graph; leave capturable "
+            "at False."
+        )
+    # foreach: torch's choice between its loop and multi-tensor kernels; lowprec's step has its
+    # own (fused=), so any value is accepted and changes nothing.
+
+
+def _step_tensor(value: Any, where: str) -> torch.Tensor:
+    """A step count saved as a plain number, as the 0-d FP32 tensor lowprec keeps."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value >= 0 and float(value).is_integer()
+    ):
+        raise ValueError(
+            f"{where}: the checkpoint's step count must be a whole number >= 0 or a tensor, got "
+            f"{value!r}."
+        )
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
+    for name in names:
+        if _as_float(group[name], name) < 0:
+            raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
+
+
+def _validate_betas(betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
+            raise ValueError(f"invalid betas[{i}]={b}: must be in [0, 1).")

@@ -1,0 +1,289 @@
+"""One parameter's update, as the eager and the compiled steps both run it: load the FP32 master,
+apply the rule, store, write.
+
+``_param_update`` is the whole step of one tensor (or a chunk of one): the eager step calls it,
+the compiled step (``compiled``) runs it under ``torch.compile``. ``_param_update_pairs`` is the
+same on words of two elements (the compiled CPU step of 16-bit strategies), ``_param_sums`` and
+``_param_sums_pairs`` the read-only pass of a rule with whole-tensor norms (``_norm_terms``), and
+``_update_many`` several parameters' updates in one compiled call (``plan._Many``). They take
+plain tensors and the rule's pure ``_math``, never the optimizer, and are pure but for their
+writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by the
+element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowprec.numerics import (
+    _pack_f32_pairs,
+    _pack_nearest_bf16_pairs,
+    _unpack_bf16_pairs,
+    _unpack_f32_pairs,
+    hash_bits,
+    sum_squares,
+    sum_squares_pairs,
+)
+from lowprec.optim.storage import MasterStorage
+
+# Indices up to here are int32 (the random bits' hash is cheaper so), past it int64; read here
+# and by the driver's check of a shard's first index (tests lower it).
+_INT32_MAX = 2**31 - 1
+
+
+def _inputs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    storage: MasterStorage,
+    inv_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The update rule's FP32 inputs: the master weight, the (unscaled) gradient, the buffers."""
+    g = grad.float() if inv_scale is None else grad.float() * inv_scale
+    return storage.load(p, sbufs), g, {k: v.float() for k, v in mbufs.items()}
+
+
+def _param_sums(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    storage: MasterStorage,
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
+    flags: dict[str, bool],
+    inv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each)."""
+    terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
+    return torch.stack([sum_squares(t) for t in terms])
+
+
+def _param_sums_pairs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    storage: MasterStorage,
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]],
+    flags: dict[str, bool],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+    inv_scale: torch.Tensor | None = None,
+    per_word: bool = False,
+) -> torch.Tensor:
+    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``). With
+    ``per_word``, each word's share instead: the squares of its two elements' terms added in
+    FP64, one row per term, which a batch of parameters sums per parameter."""
+    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
+    even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
+    if per_word:
+        return torch.stack(
+            [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)]
+        )
+    return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
+
+
+def _param_update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    key_lo: int | torch.Tensor,
+    key_hi: int | torch.Tensor,
+    *,
+    storage: MasterStorage,
+    math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    flags: dict[str, bool],
+    offset: int = 0,
+    inv_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
+) -> None:
+    """The whole step of one parameter: load the master, update in FP32, store, then write.
+
+    ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
+    (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
+    steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss
+    scaler, ``inv_scale`` (0-d FP32) multiplies the gradient, which is written back unscaled (as
+    ``torch.amp.GradScaler`` leaves gradients: for code that reads them after the step), and
+    ``skip`` (0-d bool) selects the old values for every write but the gradient's.
+
+    The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
+    it into one pass over the elements with the writes done in place. Everything is computed
+    before the first write.
+    """
+    w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale)
+    new_w, new_m = math(w, g, m, c, **flags)
+    bits = None
+    if storage.needs_random_bits:
+        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
+        bits = bits.view(p.shape)
+    new_p, new_s = storage.store(new_w, p, sbufs, bits)
+    if skip is not None:  # a skipped step writes back what was there, bit for bit
+        new_p = torch.where(skip, p, new_p)
+        new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
+        new_m = {k: torch.where(skip, mbufs[k].float(), v) for k, v in new_m.items()}
+    for k, v in new_m.items():
+        mbufs[k].copy_(v)
+    for k, v in new_s.items():
+        sbufs[k].copy_(v)
+    p.copy_(new_p)
+    if inv_scale is not None:
+        grad.copy_(g)
+
+
+def _random_bits(
+    offset: int, numel: int, device: torch.device, key_lo: Any, key_hi: Any, dtype: torch.dtype,
+    base: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
+
+    ``base``: a 0-d int64 tensor added to every hashed index (a compiled step of a DTensor's shard
+    passes its first element's index in the whole parameter there, so that one compilation serves
+    every shard): for bfloat16 the index of the first pair (half that element's index, which must
+    be even, with ``offset`` 0), otherwise the first element's index.
+
+    Element ``i`` of a bfloat16 parameter takes 16 bits of the 32-bit hash of ``i // 2``: the low
+    half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements: it is
+    computed once per pair here as in the fused step on pairs (hashing it per element made an
+    eager BF16 stochastic AdamW step ~13% longer). Other dtypes (float16 takes 24 bits) get the
+    hash of ``i`` itself.
+    """
+    # int32 indices where they fit (the hash is then int32 throughout, much cheaper than int64 on
+    # CPUs without 64-bit vector multiplies); the same bits either way.
+    wide = offset + numel > _INT32_MAX
+    itype = torch.int64 if wide else torch.int32
+    if dtype != torch.bfloat16:
+        idx = torch.arange(offset, offset + numel, device=device, dtype=itype)
+        return hash_bits(idx if base is None else idx + base, key_lo, key_hi)
+    if numel == 0:
+        return torch.empty(0, device=device, dtype=torch.int32)
+    # Each pair's hash once: its low half for the even element, its high half (shifted down)
+    # for the odd one, interleaved; elements offset .. offset + numel - 1 are a slice of them.
+    first = offset // 2
+    words = torch.arange(first, (offset + numel - 1) // 2 + 1, device=device, dtype=itype)
+    h = hash_bits(words if base is None else words + base, key_lo, key_hi)
+    halves = torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1).view(-1)
+    start = offset - 2 * first
+    return halves[start:start + numel]
+
+
+def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _unpack_bf16_pairs(t) if dtype == torch.bfloat16 else _unpack_f32_pairs(t)
+
+
+def _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale):
+    """``_inputs`` on words: the rule's FP32 (master, gradient, buffers) of the even elements
+    and of the odd ones; ``kinds`` gives the grad's and each math buffer's real dtype."""
+    g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
+    if inv_scale is not None:
+        g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
+    w_even, w_odd = storage.load_pairs(p, sbufs)
+    halves = {k: _unpack_pairs(v, kinds[k]) for k, v in mbufs.items()}
+    return (
+        (w_even, g_even, {k: h[0] for k, h in halves.items()}),
+        (w_odd, g_odd, {k: h[1] for k, h in halves.items()}),
+    )
+
+
+def _pack_pairs(even: torch.Tensor, odd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` would round them."""
+    if dtype == torch.bfloat16:
+        return _pack_nearest_bf16_pairs(even, odd)
+    return _pack_f32_pairs(even, odd)
+
+
+def _param_update_pairs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    key_lo: int | torch.Tensor,
+    key_hi: int | torch.Tensor,
+    *,
+    storage: MasterStorage,
+    math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    flags: dict[str, bool],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+    inv_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    owner: torch.Tensor | None = None,
+    base: torch.Tensor | None = None,
+) -> None:
+    """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
+
+    Every tensor is a view of one parameter's first ``2 * len(p)`` elements as words holding
+    two elements each (see "Pairs" in ``lowprec.numerics``): int32 for 16-bit tensors, int64 for
+    32-bit ones. ``dtypes`` gives the grad's and each math buffer's real dtype. The update rule
+    runs unchanged on the even and on the odd elements, so each element gets the operations
+    ``_param_update`` gives it; the words are unpacked and packed with exact bit operations.
+    Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
+
+    ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
+    ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's
+    parameter and ``idx`` its index within that parameter, which replaces the word's own index
+    in the random bits' hash (``_batch_layout``). ``base`` (0-d int64) is added to every word's
+    index: a DTensor shard's first word's index in the whole parameter (``_random_bits``).
+    """
+    kinds = dict(dtypes)
+    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
+    unscaled = None if inv_scale is None else _pack_pairs(even[1], odd[1], kinds["grad"])
+    new_we, m_even = math(*even, c, **flags)
+    new_wo, m_odd = math(*odd, c, **flags)
+    bits = None
+    if storage.needs_random_bits:  # one hash per pair: see _random_bits
+        if idx is None:
+            idx = torch.arange(p.numel(), device=p.device,
+                               dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
+        elif owner is not None:
+            key_lo, key_hi = key_lo[owner], key_hi[owner]
+        bits = hash_bits(idx if base is None else idx + base, key_lo, key_hi)
+    new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
+    new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
+    if skip is not None:  # a skipped step writes back what was there, bit for bit
+        new_p = torch.where(skip, p, new_p)
+        new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
+        new_m = {k: torch.where(skip, mbufs[k], v) for k, v in new_m.items()}
+    for k, v in new_m.items():
+        mbufs[k].copy_(v)
+    for k, v in new_s.items():
+        sbufs[k].copy_(v)
+    p.copy_(new_p)
+    if unscaled is not None:  # (the gradient written back unscaled: _param_update)
+        grad.copy_(unscaled)
+
+
+def _update_many(
+    pvs, gvs, svs, mvs, c, los, his, *, fn, sums_fn=None, norm_terms=None, **kw
+) -> None:
+    """``fn`` (``_param_update`` or ``_param_update_pairs``) on each of several parameters, for
+    one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's.
+
+    A rule with whole-tensor norms passes ``sums_fn`` (``_param_sums`` or ``_param_sums_pairs``)
+    and its ``norm_terms``: each parameter's sums, then its update, before the next parameter's,
+    so that the update finds the parameter's tensors still in cache from its own sums pass."""
+    sums_kw = {k: kw[k] for k in ("storage", "flags", "dtypes", "inv_scale") if k in kw}
+    for pv, gv, sv, mv, lo, hi in zip(pvs, gvs, svs, mvs, los, his, strict=True):
+        cp = c
+        if sums_fn is not None:
+            cp = {**c, "sums": sums_fn(pv, gv, sv, mv, c, norm_terms=norm_terms, **sums_kw)}
+        fn(pv, gv, sv, mv, cp, lo, hi, **kw)
+
+
+_WORDS = {2: torch.int32, 4: torch.int64}
+
+
+def _pair_words(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` (even) elements of contiguous ``t`` as words of two elements each."""
+    flat = t.view(-1)
+    return (flat if n == flat.numel() else flat[:n]).view(_WORDS[t.element_size()])
