@@ -17,7 +17,8 @@ from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
         "--batch-size", "4", "--eval-batches", "1", "--monitor-every", "2", "--no-progress"]
 RECORD_FIELDS = {"recipe", "final_loss", "eval_loss", "step_time_s", "bytes_per_param",
-                 "lost_update_fraction", "eval_gap", "speedup", "losses", "skipped_steps"}
+                 "lost_update_fraction", "eval_gap", "speedup", "losses", "skipped_steps",
+                 "speedup_iqr", "step_time_iqr_s", "step_times_s"}
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -36,6 +37,7 @@ def test_compare_end_to_end_in_a_subprocess(tmp_path):
         assert name in proc.stdout
     data = json.loads((out / "compare.json").read_text())
     assert data["interrupted"] is False
+    assert data["background_load"]["rounds"] == 4
     assert data["config"]["steps"] == 4 and data["config"]["recipes"] == names.split(",")
     records = data["records"]
     assert [r["recipe"] for r in records] == names.split(",")
@@ -83,22 +85,86 @@ def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
 
 
 def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
-    real = compare.run_recipe
+    real = compare._Run.step
 
-    def interrupted_second(name, *args, **kwargs):
-        if name == "bf16":
+    def interrupted_at_bf16s_third_step(self, x, y):
+        if self.name == "bf16" and len(self.losses) == 2:
             raise KeyboardInterrupt
-        return real(name, *args, **kwargs)
+        return real(self, x, y)
 
-    monkeypatch.setattr(compare, "run_recipe", interrupted_second)
+    monkeypatch.setattr(compare._Run, "step", interrupted_at_bf16s_third_step)
     code = cli.main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
                      "--out", str(tmp_path)])
     assert code == 130
     out = capsys.readouterr().out
-    assert "Interrupted after 1 of 3 recipes" in out and "fp32" in out
+    assert "Interrupted at step 3 of 4" in out and "fp32" in out
     data = json.loads((tmp_path / "compare.json").read_text())
     assert data["interrupted"] is True
-    assert [r["recipe"] for r in data["records"]] == ["fp32"]
+    # The recipes took their steps in turn, the third round in the order bf16-kahan, fp32, bf16:
+    # both had taken their third step when bf16's was interrupted.
+    steps = {r["recipe"]: len(r["losses"]) for r in data["records"]}
+    assert steps == {"fp32": 3, "bf16": 2, "bf16-kahan": 3}
+    assert all(math.isfinite(r["eval_loss"]) for r in data["records"])
+
+
+def test_recipes_take_their_steps_in_turn_with_the_same_results_as_alone(monkeypatch):
+    cfg = compare.CompareConfig(recipes=("fp32", "bf16-kahan", "bf16-sr"), steps=4,
+                                model=ModelConfig(d_model=32, n_layer=1, n_head=2, context=16),
+                                batch_size=4, eval_batches=1, monitor_every=2,
+                                text_bytes=200_000)
+    order = []
+    real = compare._Run.step
+
+    def spy(self, x, y):
+        order.append(self.name)
+        return real(self, x, y)
+
+    monkeypatch.setattr(compare._Run, "step", spy)
+    load: dict = {}
+    records = compare.compare(cfg, load=load)
+    # One step of each recipe per round, the round's first recipe rotating.
+    a, b, c = cfg.recipes
+    assert order == [a, b, c, b, c, a, c, a, b, a, b, c]
+    # Interleaved, each recipe trains exactly as it does alone.
+    text = load_text(cfg.text_bytes)
+    batches = Batches(text, context=16, batch_size=4, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    initial = CharTransformer(cfg.model).state_dict()
+    for r in records:
+        alone = compare.run_recipe(r["recipe"], cfg, batches, initial)
+        assert r["losses"] == alone["losses"] and r["eval_loss"] == alone["eval_loss"]
+        assert r["lost_update_fraction"] == alone["lost_update_fraction"]
+    # The speed-up is the median of the per-step ratios against fp32 (the first step left out).
+    by = {r["recipe"]: r for r in records}
+    for r in records:
+        ratios = sorted(f / t for f, t in zip(by["fp32"]["step_times_s"][1:],
+                                              r["step_times_s"][1:], strict=True))
+        assert r["speedup"] == pytest.approx((ratios[1] + ratios[2]) / 2 if len(ratios) == 4
+                                             else ratios[len(ratios) // 2])
+        lo, hi = r["speedup_iqr"]
+        assert lo <= r["speedup"] <= hi
+    assert load["rounds"] == 4
+    if load["background_cores"] is not None:  # (Linux: /proc/stat)
+        assert load["background_cores"] >= 0 and 0 <= load["contended_fraction"] <= 1
+
+
+def test_background_load_is_measured_and_reported(capsys):
+    meter = compare._Load()
+    meter.start()
+    sum(range(200_000))  # (this process's own work is not background)
+    meter.stop()
+    summary = meter.summary()
+    assert summary["rounds"] == 1
+    if summary["background_cores"] is not None:
+        assert 0 <= summary["background_cores"] < 4
+    console = cli._console()
+    cli._load_note(console, {"background_cores": 0.9, "max_cores": 1.0,
+                             "contended_fraction": 0.4}, threads=2)
+    cli._load_note(console, {"background_cores": 0.0, "max_cores": 0.1,
+                             "contended_fraction": 0.0}, threads=2)
+    out = capsys.readouterr().out
+    assert "The machine was contended" in out and "40% of the rounds" in out
+    assert "Background load: 0.00 cores" in out
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,7 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
     for name, justify in (
         ("recipe", "left"), ("train loss", "right"), ("eval loss", "right"),
         ("gap vs fp32", "right"), ("step ms", "right"), ("speed-up", "right"),
+        ("speed-up IQR", "right"),
         ("B/param", "right"), ("weights", "right"), ("grads", "right"), ("state", "right"),
         ("master", "right"), ("lost updates", "right"), ("skipped", "right"),
     ):
@@ -274,6 +275,7 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             _fmt(gap, "+.2f", scale=100, unit="%"),
             _fmt(r["step_time_s"], ".1f", scale=1e3),
             _fmt(r.get("speedup"), ".2f", unit="x"),
+            _spread(r.get("speedup_iqr")),
             _fmt(b["total"], ".1f"),
             _fmt(b["weights"], ".1f"),
             _fmt(b["grads"], ".1f"),
@@ -283,6 +285,13 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             str(r["skipped_steps"]),
         )
     return table
+
+
+def _spread(iqr: Sequence[float] | None) -> str:
+    """An interquartile range of speed-ups, e.g. "1.95-2.30x"; "-" where there is none."""
+    if not iqr or not all(math.isfinite(v) for v in iqr):
+        return "-"
+    return f"{iqr[0]:.2f}-{iqr[1]:.2f}x"
 
 
 def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
@@ -362,6 +371,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
              f"layers, batch {cfg.batch_size}x{model.context}, {cfg.threads} threads")
 
     records: list[dict[str, Any]] = []
+    load: dict[str, Any] = {}
     current: dict[str, Any] = {}
     started = time.perf_counter()
     progress = None
@@ -383,18 +393,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     tasks: dict[str, Any] = {}
 
     def on_start(name: str) -> None:
-        current.clear()
-        current.update(recipe=name, step=0, loss=math.nan)
         if progress is not None:
             tasks[name] = progress.add_task(name, total=cfg.steps, loss="-")
 
-    def on_step(step: int, loss: float) -> None:
-        current.update(step=step + 1, loss=loss)
+    def on_step(name: str, step: int, loss: float) -> None:
+        current["step"] = step + 1  # (the recipes take their steps in turn: one round each)
         if progress is not None:
-            progress.update(tasks[current["recipe"]], advance=1, loss=f"{loss:.4f}")
-
-    def on_done(record: dict[str, Any]) -> None:
-        current.clear()
+            progress.update(tasks[name], advance=1, loss=f"{loss:.4f}")
 
     console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(cfg.recipes)}")
     interrupted = False
@@ -402,16 +407,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.start()
         try:
-            compare(cfg, on_start=on_start, on_step=on_step, on_done=on_done, records=records)
+            compare(cfg, on_start=on_start, on_step=on_step, records=records, load=load)
         finally:
             if progress is not None:
                 progress.stop()
     except KeyboardInterrupt:
         interrupted = True
-        where = (f"; {current['recipe']} stopped at step {current['step']}/{cfg.steps}"
-                 if current else "")
-        console.print(f"[yellow]Interrupted[/yellow] after {len(records)} of "
-                      f"{len(cfg.recipes)} recipes{where}.")
+        console.print(f"[yellow]Interrupted[/yellow] at step {current.get('step', 0)} of "
+                      f"{cfg.steps}: the records hold the steps each recipe took.")
 
     payload = {
         "command": "compare",
@@ -419,11 +422,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         "wall_time_s": time.perf_counter() - started,
         "config": config_dict(cfg),
         "environment": _environment(),
+        "background_load": load or None,
         "records": records,
     }
     if records:
         console.print(compare_table(records, title=f"lowprec compare: {title}"))
         _notes(console, records)
+        _load_note(console, load, cfg.threads)
     else:
         console.print("No recipe finished: nothing to report.")
     _write_json(json_path, payload)
@@ -435,6 +440,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def _load_note(console: Any, load: dict[str, Any], threads: int) -> None:
+    """Say how busy the machine was while the steps were timed, plainly when it was contended."""
+    from lowprec.compare import CONTENDED_CORES
+
+    bg, share = load.get("background_cores"), load.get("contended_fraction")
+    if bg is None:
+        console.print("Background load: not measured here (no /proc/stat).", style="dim")
+        return
+    if share > 0.1:
+        console.print(
+            f"[yellow]The machine was contended[/yellow]: other processes kept more than "
+            f"{CONTENDED_CORES:g} core busy in {share:.0%} of the rounds (median {bg:.2f} "
+            f"cores, peak {load['max_cores']:.2f}). Step times are slower than on an idle "
+            f"machine ({threads} threads share the cores); the speed-ups compare the recipes "
+            "step by step under the same load, but a busy core slows some kinds of step more "
+            "than others: rerun on an idle machine for figures to quote."
+        )
+    else:
+        console.print(f"Background load: {bg:.2f} cores (median over the rounds; contended in "
+                      f"{share:.0%} of them).", style="dim")
+
+
 def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
     """Reading help under the table, and a warning for each run that diverged."""
     for r in records:
@@ -442,8 +469,9 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
             console.print(f"[yellow]{r['recipe']} diverged[/yellow] (its loss became inf or "
                           "NaN): try a smaller --lr.")
     console.print(
-        "gap: eval loss relative to fp32's; speed-up: fp32's median step time over the "
-        "recipe's; B/param: bytes per parameter measured from the tensors (state = moments, "
+        "gap: eval loss relative to fp32's; speed-up: the median over the steps of fp32's step "
+        "time over the recipe's (the recipes take their steps in turn), IQR its interquartile "
+        "range; B/param: bytes per parameter measured from the tensors (state = moments, "
         "master = FP32 copy / trail / compensation); lost updates: updates that left the "
         "(master) weight unchanged; skipped: steps skipped on inf/NaN by the loss scaler.",
         style="dim",

@@ -2,9 +2,12 @@
 
 ``compare`` runs every recipe with the same seed, the same initial weights and the same batches,
 and returns one record per recipe: final train loss, eval loss and gap to FP32, median step time
-and speed-up over FP32, bytes per parameter by buffer (measured from the tensors), the fraction
-of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. The CLI
-(``lowprec compare``) prints, plots and saves these records; nothing here prints.
+and speed-up over FP32 (with their interquartile ranges), bytes per parameter by buffer
+(measured from the tensors), the fraction of updates lost to rounding
+(``diagnostics.UpdateMonitor``) and the loss curve. The recipes take their steps in turn, so a
+machine whose load changes during the run slows them alike, and the background load is
+measured. The CLI (``lowprec compare``) prints, plots and saves these records; nothing here
+prints.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -136,37 +140,37 @@ def _evaluate(model, recipe, batches) -> float:
         model.train()
 
 
-def run_recipe(
-    name: str,
-    cfg: CompareConfig,
-    batches: Batches,
-    initial: dict[str, torch.Tensor],
-    *,
-    on_step: Callable[[int, float], None] | None = None,
-) -> dict[str, Any]:
-    """Train one recipe from the ``initial`` FP32 weights and return its record."""
-    from lowprec import diagnostics, memory
+class _Run:
+    """One recipe's training run, stepped one batch at a time (``compare`` takes the recipes'
+    steps in turn; ``run_recipe`` runs one alone)."""
 
-    recipe = recipes_mod.get(name)
-    model = CharTransformer(cfg.model)
-    model.load_state_dict(initial)
-    model = recipe.convert(model)
-    hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
-    if cfg.optimizer == "sgd":
-        hp["momentum"] = 0.9
-    if cfg.optimizer in ("adamw", "lamb"):
-        hp["weight_decay"] = 0.01
-    opt = recipe.optimizer(cfg.optimizer, model.parameters(), seed=cfg.seed, **hp)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg))
-    monitor = None
-    if cfg.monitor_every:
-        monitor = diagnostics.UpdateMonitor(
-            model, opt, every=cfg.monitor_every, scaler=recipe.scaler
-        )
-    losses: list[float] = []
-    times: list[float] = []
-    skipped = 0
-    for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+    def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor]) -> None:
+        from lowprec import diagnostics
+
+        self.name, self.cfg = name, cfg
+        self.recipe = recipe = recipes_mod.get(name)
+        model = CharTransformer(cfg.model)
+        model.load_state_dict(initial)
+        self.model = model = recipe.convert(model)
+        hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
+        if cfg.optimizer == "sgd":
+            hp["momentum"] = 0.9
+        if cfg.optimizer in ("adamw", "lamb"):
+            hp["weight_decay"] = 0.01
+        self.opt = recipe.optimizer(cfg.optimizer, model.parameters(), seed=cfg.seed, **hp)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
+        self.monitor = None
+        if cfg.monitor_every:
+            self.monitor = diagnostics.UpdateMonitor(
+                model, self.opt, every=cfg.monitor_every, scaler=recipe.scaler
+            )
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.skipped = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One training step on batch ``(x, y)``; returns its loss (NaN for inf or NaN)."""
+        recipe, model, opt, monitor = self.recipe, self.model, self.opt, self.monitor
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with recipe.autocast():
@@ -175,55 +179,90 @@ def run_recipe(
         with monitor.step() if monitor is not None else contextlib.nullcontext():
             stepped = recipe.step(opt)
         if stepped:
-            sched.step()
+            self.sched.step()
         else:
-            skipped += 1
-        times.append(time.perf_counter() - start)
+            self.skipped += 1
+        self.times.append(time.perf_counter() - start)
         value = float(loss.detach())
-        if not math.isfinite(value):
-            value = float("nan")
-        losses.append(value)
+        value = value if math.isfinite(value) else float("nan")
+        self.losses.append(value)
+        return value
+
+    def record(self, batches: Batches) -> dict[str, Any]:
+        """The run's record (the steps taken so far), with its eval loss and memory."""
+        from lowprec import memory
+
+        cfg, monitor = self.cfg, self.monitor
+        losses, times = self.losses, self.times
+        tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
+        mem = memory.measure(self.model, self.opt)
+        lost = None
+        if monitor is not None:
+            # What the training trajectory loses: updates that left the master value unchanged
+            # (for Kahan, split and an FP32 copy the stored BF16/FP16 weight may lag while the
+            # master keeps the update).
+            lost = monitor.master_lost_fraction
+            if lost is None:
+                lost = monitor.lost_update_fraction
+            monitor.close()
+        steady = times[1:] if len(times) > 1 else times  # (the first pays any compilation)
+        return {
+            "recipe": self.name,
+            "final_loss": statistics.fmean(tail) if tail else float("nan"),
+            "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches)),
+            "step_time_s": statistics.median(steady),
+            "step_time_iqr_s": _quartiles(steady),
+            "step_times_s": times,
+            "bytes_per_param": mem.bytes_per_param,
+            "lost_update_fraction": lost,
+            "stored_unchanged_fraction": (
+                monitor.lost_update_fraction if monitor is not None else None
+            ),
+            "skipped_steps": self.skipped,
+            "losses": losses,
+            "description": self.recipe.description,
+        }
+
+
+def run_recipe(
+    name: str,
+    cfg: CompareConfig,
+    batches: Batches,
+    initial: dict[str, torch.Tensor],
+    *,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Train one recipe alone from the ``initial`` FP32 weights and return its record."""
+    run = _Run(name, cfg, initial)
+    for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+        loss = run.step(x, y)
         if on_step is not None:
-            on_step(step, value)
-    tail = [v for v in losses[-max(1, cfg.steps // 10):] if math.isfinite(v)]
-    mem = memory.measure(model, opt)
-    lost = None
-    if monitor is not None:
-        # What the training trajectory loses: updates that left the master value unchanged
-        # (for Kahan, split and an FP32 copy the stored BF16/FP16 weight may lag while the
-        # master keeps the update).
-        lost = monitor.master_lost_fraction
-        if lost is None:
-            lost = monitor.lost_update_fraction
-        monitor.close()
-    return {
-        "recipe": name,
-        "final_loss": statistics.fmean(tail) if tail else float("nan"),
-        "eval_loss": _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches)),
-        "step_time_s": statistics.median(times[1:] if len(times) > 1 else times),
-        "bytes_per_param": mem.bytes_per_param,
-        "lost_update_fraction": lost,
-        "stored_unchanged_fraction": (
-            monitor.lost_update_fraction if monitor is not None else None
-        ),
-        "skipped_steps": skipped,
-        "losses": losses,
-        "description": recipe.description,
-    }
+            on_step(step, loss)
+    return run.record(batches)
 
 
 def compare(
     cfg: CompareConfig,
     *,
     on_start: Callable[[str], None] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[str, int, float], None] | None = None,
     on_done: Callable[[dict[str, Any]], None] | None = None,
     records: list[dict[str, Any]] | None = None,
+    load: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every recipe of ``cfg`` and return their records, with gaps and speed-ups vs FP32.
+    """Train every recipe of ``cfg`` and return their records, with gaps and speed-ups vs FP32.
 
-    ``records`` (if given) is filled as recipes finish, so a caller interrupted part-way still
-    holds what was measured.
+    The recipes take their steps in turn, one step each per round, on the round's batch (the
+    round's first recipe rotates), so that a load which comes and goes on the machine slows
+    every recipe alike instead of the ones that happened to run meanwhile; a recipe's speed-up
+    is the median over the rounds of FP32's step time over its own in the same round. The
+    background load (cores that other processes kept busy, from ``/proc/stat``) is measured
+    per round and summarised in ``load`` (if given): see ``_Load``.
+
+    ``on_start(name)`` is called for every recipe before the first step, ``on_step(name, step,
+    loss)`` after each step, ``on_done(record)`` for each record at the end. On Ctrl-C
+    (``KeyboardInterrupt``) the records of the steps taken so far are put in ``records`` (if
+    given), then the interrupt is raised again.
     """
     cfg.validate()
     torch.set_num_threads(cfg.threads)
@@ -232,26 +271,113 @@ def compare(
     batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
+    runs = []
     for name in cfg.recipes:
         if on_start is not None:
             on_start(name)
-        record = run_recipe(name, cfg, batches, initial, on_step=on_step)
-        out.append(record)
+        runs.append(_Run(name, cfg, initial))
+    meter = _Load()
+    try:
+        for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+            first = step % len(runs)
+            meter.start()
+            for run in runs[first:] + runs[:first]:
+                loss = run.step(x, y)
+                if on_step is not None:
+                    on_step(run.name, step, loss)
+            meter.stop()
+    except KeyboardInterrupt:
+        out.extend(run.record(batches) for run in runs if run.losses)
         add_relative(out)
-        if on_done is not None:
+        if load is not None:
+            load.update(meter.summary())
+        raise
+    out.extend(run.record(batches) for run in runs)
+    add_relative(out)
+    if load is not None:
+        load.update(meter.summary())
+    if on_done is not None:
+        for record in out:
             on_done(record)
     return out
 
 
+#: Background load (cores other processes kept busy) above which a round counts as contended:
+#: with 2 threads on 2 cores, another process on one core slows a step by several times.
+CONTENDED_CORES = 0.5
+
+
+class _Load:
+    """The machine's background load per round: cores that other processes kept busy (the
+    machine's busy time from ``/proc/stat`` minus this process's CPU time, over the wall time).
+    None where ``/proc/stat`` cannot be read (not Linux)."""
+
+    def __init__(self) -> None:
+        self.rounds: list[float | None] = []
+        self._mark: tuple[float | None, float, float] | None = None
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if not fields or fields[0] != "cpu":
+            return None
+        # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+        ticks = [int(v) for v in fields[1:9]]
+        busy = sum(ticks) - ticks[3] - ticks[4]
+        return busy / os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._mark = (self._busy_s(), time.process_time(), time.perf_counter())
+
+    def stop(self) -> None:
+        busy0, cpu0, wall0 = self._mark
+        busy1, cpu1, wall1 = self._busy_s(), time.process_time(), time.perf_counter()
+        if busy0 is None or busy1 is None or wall1 <= wall0:
+            self.rounds.append(None)
+        else:
+            self.rounds.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (wall1 - wall0))
+
+    def summary(self) -> dict[str, Any]:
+        """``background_cores``: the median over the rounds; ``contended_fraction``: the share
+        of rounds above ``CONTENDED_CORES``; ``max_cores``; None where it was not measured."""
+        known = [b for b in self.rounds if b is not None]
+        if not known:
+            return {"background_cores": None, "max_cores": None, "contended_fraction": None,
+                    "rounds": len(self.rounds)}
+        return {
+            "background_cores": statistics.median(known),
+            "max_cores": max(known),
+            "contended_fraction": sum(b > CONTENDED_CORES for b in known) / len(known),
+            "rounds": len(self.rounds),
+        }
+
+
+def _quartiles(xs: Sequence[float]) -> list[float] | None:
+    """The 25th and 75th percentiles of ``xs`` (None for fewer than two values)."""
+    if len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return [q[0], q[2]]
+
+
 def add_relative(records: list[dict[str, Any]]) -> None:
-    """Fill ``eval_gap`` and ``speedup`` against the FP32 record, where there is one."""
+    """Fill ``eval_gap``, ``speedup`` and its ``speedup_iqr`` against the FP32 record, where there
+    is one. The speed-up is the median over the steps of FP32's step time over the recipe's at
+    the same step (the same round of ``compare``), the first step left out."""
     ref = next((r for r in records if r["recipe"] == "fp32"), None)
     for r in records:
         if ref is None:
-            r["eval_gap"], r["speedup"] = None, None
+            r["eval_gap"], r["speedup"], r["speedup_iqr"] = None, None, None
             continue
         r["eval_gap"] = (r["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-        r["speedup"] = ref["step_time_s"] / r["step_time_s"]
+        pairs = list(zip(ref["step_times_s"], r["step_times_s"], strict=False))
+        ratios = [a / b for a, b in (pairs[1:] if len(pairs) > 1 else pairs)]
+        r["speedup"] = statistics.median(ratios)
+        r["speedup_iqr"] = _quartiles(ratios)
 
 
 def config_dict(cfg: CompareConfig) -> dict[str, Any]:
