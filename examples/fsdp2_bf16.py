@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="MLP width (default: 256)")
     p.add_argument("--strategy", default="kahan", choices=MASTER_CHOICES,
                    help="the optimizer's master= strategy for the BF16 weights (default: kahan)")
-    p.add_argument("--fused", action="store_true",
-                   help="compiled optimizer step (torch.compile; the default on CUDA)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled optimizer step (torch.compile), or --no-fused for the eager one "
+                        "(default: lowprec's, compiled where a compiler is found)")
     p.add_argument("--checkpoint", type=Path, help="save a DCP checkpoint (a directory) at the end")
     p.add_argument("--resume", type=Path, help="resume from this DCP checkpoint")
     p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default: 50)")
@@ -97,7 +98,7 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
             fully_shard(layer)
     fully_shard(model)
     opt = lowprec.optim.AdamW(model.parameters(), lr=args.lr, master=args.strategy,
-                              fused=True if args.fused else None)
+                              fused=args.fused)
     start = 0
     if args.resume is not None:
         model_sd, opt_sd = get_state_dict(model, opt)

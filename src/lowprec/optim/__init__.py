@@ -14,8 +14,16 @@ Every optimizer takes ``master=``, how the FP32 master weight is kept:
 ============== ================================================================ =================
 
 ``fused=True`` compiles each parameter's whole step (load, update, store) into one pass with
-``torch.compile``; the default ``fused=None`` does so on CUDA and stays eager elsewhere. Both run the
-same function and give bit-identical results.
+``torch.compile``; the default ``fused=None`` does so wherever torch.compile has a compiler (a C++
+compiler on CPU, Triton on CUDA) and otherwise steps eagerly, saying so once in a warning.
+``fused=False`` is the eager step. All run the same function and give bit-identical results.
+
+The first step compiles each variant's kernels (seconds each; Inductor keeps them in its on-disk
+cache, so later processes on the machine load them). A failed compilation falls back to the eager
+step with a warning naming the cause, as does any kernel still to compile after a process spent
+``LOWPREC_COMPILE_BUDGET`` seconds (default 300) compiling. The environment variable
+``LOWPREC_FUSED`` sets what ``fused=None`` means: ``auto`` (the default), ``1`` (always compile)
+or ``0`` (eager).
 """
 
 from lowprec.optim.adagrad import Adagrad, adagrad_update

@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 
 from lowprec.optim.batches import _SmallBatches
 from lowprec.optim.checkpoint import _Checkpoints
-from lowprec.optim.compiled import _CompiledStep
+from lowprec.optim.compiled import _CompiledStep, _default_mode
 from lowprec.optim.driver import _FullStep
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
@@ -240,6 +240,8 @@ class LowPrecisionOptimizer(
             )
         if group["fused"] not in (None, True, False):
             raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
+        if group["fused"] is None:
+            _default_mode()  # (LOWPREC_FUSED, which decides what None means, is a valid setting)
         seed = group["seed"]
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")

@@ -19,7 +19,10 @@ A mixin, as every stage (``base`` says why): it calls the other stages' methods 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -100,11 +103,11 @@ def _compiled_kernel(
         # first compiled for. Otherwise Inductor leaves out the parallel region when that size is
         # small, and its on-disk cache then hands the single-threaded kernel to every later
         # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
-        kernel = torch.compile(
+        kernel = _Kernel(torch.compile(
             variant, dynamic=True, fullgraph=True,
             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
                      **(options or {})},
-        )
+        ), name)
         _KERNELS[key] = kernel
     return kernel
 
@@ -117,21 +120,146 @@ def _signature(p, grad, sbufs, mbufs) -> tuple[Any, ...]:
 
 
 def _fused_enabled(opt, group, p) -> bool:
+    """Whether ``p``'s step is compiled: ``fused=True``, or the default (``fused=None``) where a
+    working compiler exists for its device (``_compiler``), unless ``LOWPREC_FUSED`` says
+    otherwise; never after this optimizer's compilation failed (``_disable_fused``)."""
     fused = group["fused"]
     if fused is False or getattr(opt, "_fused_broken", False):
         return False
     if fused is None:
-        return p.device.type == "cuda"
+        default = _default_mode()
+        if default != "auto":
+            return default == "fused"
+        missing = _compiler(p.device.type)
+        if missing:
+            if missing not in _WARNED:
+                _WARNED.add(missing)
+                warnings.warn(f"lowprec: {missing}", RuntimeWarning, stacklevel=4)
+            return False
     return True
+
+
+_WARNED: set[str] = set()
+_FUSED_ENV = "LOWPREC_FUSED"
+_FUSED_VALUES = {"": "auto", "auto": "auto", "1": "fused", "true": "fused", "on": "fused",
+                 "fused": "fused", "0": "eager", "false": "eager", "off": "eager",
+                 "eager": "eager"}
+
+
+def _default_mode() -> str:
+    """What ``fused=None`` means here: "auto" (compile where a compiler exists), "fused" or
+    "eager", from the environment variable ``LOWPREC_FUSED`` (unset: "auto")."""
+    value = os.environ.get(_FUSED_ENV, "")
+    mode = _FUSED_VALUES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(
+            f"{_FUSED_ENV}={value!r} is not a setting of lowprec's default optimizer step: use "
+            "auto (compile where a compiler exists), 1 (always compile) or 0 (eager)."
+        )
+    return mode
+
+
+@functools.cache
+def _compiler(device_type: str) -> str:
+    """Why the default step cannot be compiled on ``device_type`` ("" where it can): the CPU
+    needs the C++ compiler Inductor looks for, CUDA needs Triton; other devices step eagerly."""
+    if device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as e:  # (Inductor's InvalidCxxCompiler, or a torch without it)
+            return (f"no C++ compiler for torch.compile ({type(e).__name__}); the optimizers' "
+                    "default step stays eager, with the same results more slowly. Install a C++ "
+                    "compiler (e.g. g++) for the fused step, or set LOWPREC_FUSED=0 to silence "
+                    "this warning.")
+        return ""
+    if device_type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+
+            found = has_triton()
+        except ImportError:  # pragma: no cover
+            found = False
+        return "" if found else (
+            "Triton is not installed, so torch.compile cannot compile the optimizers' step on "
+            "CUDA; it stays eager, with the same results more slowly. Install triton for the "
+            "fused step, or set LOWPREC_FUSED=0 to silence this warning.")
+    return f"no fused step on {device_type}"
+
+
+class CompileBudgetExceeded(RuntimeError):
+    """Raised (and caught: the step falls back to eager) where a new kernel would be compiled
+    after this process already spent its budget (``LOWPREC_COMPILE_BUDGET``) compiling."""
+
+
+_COMPILE_BUDGET_ENV = "LOWPREC_COMPILE_BUDGET"
+_COMPILE_BUDGET_S = 300.0
+#: Seconds this process spent in kernels' first calls (their compilation, and one run).
+_COMPILE_SPENT = [0.0]
+
+
+def _compile_budget() -> float:
+    value = os.environ.get(_COMPILE_BUDGET_ENV)
+    if value is None:
+        return _COMPILE_BUDGET_S
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{_COMPILE_BUDGET_ENV}={value!r} must be a number of seconds "
+                         "(e.g. 300, or inf for no budget).") from None
+
+
+class _Kernel:
+    """A compiled kernel that keeps count of its first call, the one that compiles it: once this
+    process has spent more than its budget in first calls (``_compile_budget``), a kernel not yet
+    called raises ``CompileBudgetExceeded`` instead of compiling, before anything is written, and
+    the optimizer steps eagerly from then on (``_disable_fused``). A compilation cannot be
+    interrupted, so the bound is the budget plus one compilation; Inductor's on-disk cache makes
+    a machine's later processes pay a fraction of it."""
+
+    __slots__ = ("fn", "name", "warm")
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        self.fn, self.name, self.warm = fn, name, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.warm:
+            return self.fn(*args, **kwargs)
+        try:
+            budget = _compile_budget()
+        except ValueError as e:  # (raised mid-step, it would leave the step half taken)
+            raise CompileBudgetExceeded(str(e)) from None
+        if _COMPILE_SPENT[0] > budget:
+            raise CompileBudgetExceeded(
+                f"this process spent {_COMPILE_SPENT[0]:.0f} s compiling optimizer steps, past "
+                f"{_COMPILE_BUDGET_ENV}={budget:g} s, so {self.name} is not compiled"
+            )
+        start = time.perf_counter()
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            _COMPILE_SPENT[0] += time.perf_counter() - start
+        self.warm = True
+        return out
 
 
 def _disable_fused(opt, error: BaseException) -> None:
     opt._fused_broken = True
+    if isinstance(error, CompileBudgetExceeded):
+        how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
+               "pass fused=False to silence this warning.")
+    else:
+        how = ("Install a C++ compiler (CPU) or Triton (GPU), or pass fused=False to silence "
+               "this warning.")
+    # (The cause: the first line, and the next where the first only introduces it, as
+    # BackendCompilerFailed's "backend='inductor' raised:" does.)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    cause = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
     warnings.warn(
         f"lowprec: the fused (torch.compile) optimizer step is unavailable here ({type(error).__name__}: "
-        f"{str(error).splitlines()[0] if str(error) else ''}); falling back to the eager step, "
-        "which gives the same results more slowly. Install a C++ compiler (CPU) or Triton (GPU), "
-        "or pass fused=False to silence this warning.",
+        f"{cause}); falling back to the eager step, "
+        f"which gives the same results more slowly. {how}",
         RuntimeWarning,
         stacklevel=4,
     )

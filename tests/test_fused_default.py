@@ -1,0 +1,122 @@
+"""What ``fused=None`` (the optimizers' default) does: compiled where torch.compile has a
+compiler, eager with one warning where it has none, ``LOWPREC_FUSED`` to choose, and a compile
+budget past which new kernels are not compiled. Every way gives the eager step's results.
+
+The rest of the suite runs with ``LOWPREC_FUSED=0`` (tests/conftest.py); these tests set it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lowprec.optim import AdamW, Lamb, compiled
+from tests._same import assert_same
+
+pytestmark = pytest.mark.slow
+
+SHAPES = [(300, 256), (64,), (32, 4), (7,)]
+
+
+def _run(cls, fused, steps=3, **kw):
+    torch.manual_seed(0)
+    params = [(torch.randn(s) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+    opt = cls(params, lr=1e-2, master="kahan", seed=3, fused=fused, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16)
+        opt.step()
+    return params, opt
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the compiled kernels called (each call), with every kernel new to this test
+    (an empty cache: a kernel is compiled, or refused by the budget, here)."""
+    calls = []
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    real = compiled._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("cls", [AdamW, Lamb])
+def test_the_default_step_is_compiled_where_a_compiler_exists(monkeypatch, kernel_calls, cls):
+    monkeypatch.delenv("LOWPREC_FUSED", raising=False)
+    assert compiled._compiler("cpu") == ""  # (this machine has the C++ compiler Inductor uses)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "lowprec", RuntimeWarning)  # no fallback
+        pa, oa = _run(cls, None)
+    assert kernel_calls, "the default step ran no compiled kernel"
+    pb, ob = _run(cls, False)
+    assert_same(pa, oa, pb, ob)
+
+
+def test_without_a_compiler_the_default_warns_once_and_steps_eagerly(monkeypatch, kernel_calls):
+    monkeypatch.delenv("LOWPREC_FUSED", raising=False)
+    monkeypatch.setattr(compiled, "_compiler", lambda device: "no C++ compiler (simulated)")
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as caught:
+        pa, oa = _run(AdamW, None)
+        _run(AdamW, None)  # a second optimizer: no second warning
+    assert len([w for w in caught if "lowprec" in str(w.message)]) == 1
+    assert kernel_calls == []
+    pb, ob = _run(AdamW, False)
+    assert_same(pa, oa, pb, ob)
+
+
+@pytest.mark.parametrize("value, compiles", [("0", False), ("eager", False), ("1", True),
+                                             ("auto", True), ("", True)])
+def test_lowprec_fused_sets_what_the_default_means(monkeypatch, kernel_calls, value, compiles):
+    monkeypatch.setenv("LOWPREC_FUSED", value)
+    _run(AdamW, None, steps=2)
+    assert bool(kernel_calls) is compiles
+    kernel_calls.clear()
+    _run(AdamW, False, steps=2)  # an explicit choice is kept whatever the environment says
+    assert kernel_calls == []
+
+
+def test_an_unknown_lowprec_fused_is_refused_when_the_optimizer_is_made(monkeypatch):
+    monkeypatch.setenv("LOWPREC_FUSED", "maybe")
+    p = torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match="LOWPREC_FUSED='maybe'.*auto.*1.*0"):
+        AdamW([p])
+    AdamW([p], fused=False)  # (an explicit choice does not read it)
+
+
+@pytest.mark.parametrize("budget", ["0", "not-a-number"])
+def test_past_the_compile_budget_new_kernels_are_not_compiled(monkeypatch, kernel_calls, budget):
+    """A process that spent its compile budget compiles no new kernel: the step falls back to
+    eager (same results) with a warning naming the budget; a budget that is not a number is
+    named in the warning, and the step is still taken."""
+    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", budget)
+    monkeypatch.setattr(compiled, "_COMPILE_SPENT", [1.0])
+    with pytest.warns(RuntimeWarning, match="CompileBudgetExceeded.*LOWPREC_COMPILE_BUDGET"):
+        pa, oa = _run(AdamW, True)
+    assert kernel_calls and compiled._COMPILE_SPENT == [1.0]  # refused, not compiled
+    pb, ob = _run(AdamW, False)
+    assert_same(pa, oa, pb, ob)
+
+
+def test_compile_time_counts_against_the_budget(monkeypatch, kernel_calls):
+    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", "inf")
+    monkeypatch.setattr(compiled, "_COMPILE_SPENT", [0.0])
+    _run(AdamW, True, steps=2)
+    assert compiled._COMPILE_SPENT[0] > 0
+    warm = [k for k in compiled._KERNELS.values() if k.warm]
+    assert warm
+    # A kernel called once is not timed again, and is run even past the budget.
+    spent = compiled._COMPILE_SPENT[0]
+    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", "0")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "lowprec", RuntimeWarning)
+        _run(AdamW, True, steps=2)
+    assert compiled._COMPILE_SPENT[0] == spent
