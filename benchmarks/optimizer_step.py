@@ -36,7 +36,7 @@ Examples::
     python benchmarks/optimizer_step.py                  # the full table, ~25M parameters
     python benchmarks/optimizer_step.py --quick          # smoke run, ~2M parameters, 3 steps
     python benchmarks/optimizer_step.py --rows adamw-bf16 --json out.json
-    python benchmarks/optimizer_step.py --lowprec-variants eager,fused
+    python benchmarks/optimizer_step.py --lowprec-variants default,eager,fused
     python benchmarks/optimizer_step.py --list           # row names, for --rows
 """
 
@@ -80,10 +80,11 @@ REFERENCE: dict[str, tuple[str, ...]] = {
 #: listed as skipped, so an entry can exist before the path it selects does.
 #: A keyword set to False (an off switch) is left out where the constructor does not take it.
 LOWPREC_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},  # what a user gets: fused=None (compiled where a compiler exists)
     "eager": {"fused": False},  # the per-parameter step
     "fused": {"fused": True},  # the compiled, fused step
 }
-DEFAULT_VARIANTS = ("eager",)
+DEFAULT_VARIANTS = ("default", "eager")
 #: The issue's target for peak memory during a step, over resident params + grads + state.
 PEAK_TARGET = 1.05
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -309,15 +310,26 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
                     return cls(params, **kwargs)
 
                 rows.append(Row(name, fam, "lowprec", dtype, None if skip else make, master,
-                                variant, sd, skip=skip, compiled=vkw.get("fused") is True))
+                                variant, sd, skip=skip, compiled=_compiles(vkw)))
                 if fam == "adamw" and sd is None and (dtype, master) in (
                         (torch.float32, "none"), (torch.bfloat16, "kahan")):
                     # Under a loss scaler: the inf/NaN check and the unscaled gradients written
                     # back cost this much more than the plain step (the comparisons below).
                     rows.append(Row(f"{name}-scaled", fam, "lowprec", dtype,
                                     None if skip else _under_scaler(make), master, variant, sd,
-                                    skip=skip, compiled=vkw.get("fused") is True, scaled=True))
+                                    skip=skip, compiled=_compiles(vkw), scaled=True))
     return rows
+
+
+def _compiles(kwargs: dict[str, Any]) -> bool:
+    """Whether a lowprec row with these keywords compiles its step (its first step's time is
+    the "compile s" column): fused=True, or the default where it compiles here."""
+    if "fused" in kwargs:
+        return kwargs["fused"] is True
+    from lowprec.optim import compiled
+
+    mode = compiled._default_mode()
+    return mode == "fused" or (mode == "auto" and not compiled._compiler("cpu"))
 
 
 # Comparisons printed under the table: (title, numerator rows, denominator rows). Each lowprec
@@ -356,6 +368,15 @@ COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
            scaled=False))
       for v in LOWPREC_VARIANTS
       for dt, d, m in (("fp32", torch.float32, "none"), ("bf16", torch.bfloat16, "kahan"))),
+    # What the default (fused=None) gives a user, against the eager and the fused step.
+    *((f"{fam_title} bf16 kahan default vs {v}",
+       _is(source="lowprec", family=fam, dtype=torch.bfloat16, master="kahan", state_dtype=None,
+           variant="default", scaled=False),
+       _is(source="lowprec", family=fam, dtype=torch.bfloat16, master="kahan", state_dtype=None,
+           variant=v, scaled=False))
+      for fam, fam_title in (("adamw", "AdamW"), ("sgd", "SGD"), ("adagrad", "Adagrad"),
+                             ("lamb", "LAMB"))
+      for v in ("eager", "fused")),
     ("Adagrad fp32 none vs torch Adagrad foreach",
      _is(source="lowprec", family="adagrad", dtype=torch.float32),
      _is(name="torch-adagrad-fp32-foreach")),
