@@ -54,6 +54,12 @@ __all__ = [
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+#: Inductor settings under which lowprec compiles its kernels (the optimizers' fused step, the
+#: 1-bit hook's quantizer) so that they round as the eager code does: Triton otherwise divides
+#: approximately and flushes subnormals to zero, which eager CUDA does not (the C++ backend
+#: rounds as eager either way).
+COMPILED_AS_EAGER = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split FP32 values into a rounded bfloat16 top half and an int16 trail.

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lowprec.distributed.quantize import columns_finite, dequantize_columns, quantize_columns
+from lowprec.numerics import COMPILED_AS_EAGER
 
 __all__ = [
     "COMPILE_ERRORS",
@@ -163,7 +164,7 @@ def compiled(name: str, *variant: Any) -> Callable[..., Any]:
         code = (code.replace(co_name=label, co_qualname=label) if sys.version_info >= (3, 11)
                 else code.replace(co_name=label))
         copy = types.FunctionType(code, fn.__globals__, label, fn.__defaults__, fn.__closure__)
-        kernel = torch.compile(copy, dynamic=True, fullgraph=True)
+        kernel = torch.compile(copy, dynamic=True, fullgraph=True, options=COMPILED_AS_EAGER)
         _COMPILED[key] = kernel
     return kernel
 

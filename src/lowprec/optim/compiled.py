@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import COMPILED_AS_EAGER
 from lowprec.optim.shards import all_reduce_sums
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import (
@@ -106,7 +107,7 @@ def _compiled_kernel(
         kernel = _Kernel(torch.compile(
             variant, dynamic=True, fullgraph=True,
             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
-                     **(options or {})},
+                     **COMPILED_AS_EAGER, **(options or {})},
         ), name)
         _KERNELS[key] = kernel
     return kernel
