@@ -3,6 +3,12 @@
 A scaled step must give the same bits as an unscaled step on the unscaled gradients (the scales
 are powers of two, so unscaling is exact), a step with an inf/NaN anywhere must leave every
 parameter and state tensor bit-identical, and none of it may read a value on the host.
+
+Tests that take ``device`` run there (the CPU, and CUDA where present: the ``device`` fixture),
+with the scaler's tensors on that device too. On the CPU a scaled step reads its step counts on
+the host (``loss_scale._host_counts``); the tests that patch it off run the GPU's way on the CPU,
+which is what CUDA does anyway. Small parameters share compiled calls on the CPU only
+(``batches``), so the test of those stays on the CPU.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ MASTERS = ["none", "fp32", "split", "kahan", "stochastic"]
 SHAPES = [(33, 17), (5,), (0,), (1,)]
 
 
-def _params(dtype):
+def _params(dtype, device="cpu"):
     torch.manual_seed(7)
-    return [torch.randn(s, dtype=torch.float32).to(dtype).requires_grad_() for s in SHAPES]
+    return [torch.randn(s, dtype=torch.float32).to(dtype).to(device).requires_grad_()
+            for s in SHAPES]
 
 
 def _snapshot(params, opt):
@@ -47,20 +54,20 @@ def _assert_same(a, b):
             assert x == y
 
 
-def _grads(step, dtype):
+def _grads(step, dtype, device="cpu"):
     gen = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    return [torch.randn(s, generator=gen).to(dtype).to(device) for s in SHAPES]
 
 
-def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True):
+def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True, device="cpu"):
     cls, hp = OPTIMIZERS[name]
     dtype = torch.float32 if master in ("none",) else torch.bfloat16
-    params = _params(dtype)
+    params = _params(dtype, device)
     opt = cls(params, master=master, fused=fused, seed=3, **hp)
     found_log = []
     for step in range(steps):
         scale = 2.0 ** (4 + step % 5)
-        grads = _grads(step, dtype)
+        grads = _grads(step, dtype, device)
         for p, g in zip(params, grads, strict=True):
             p.grad = (g.float() * scale).to(dtype) if scaled else g
         if not scaled:
@@ -70,11 +77,11 @@ def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True):
         if step in bad_steps:
             params[step % 2].grad.view(-1)[3] = float("nan") if step % 3 else float("inf")
             before = _snapshot(params, opt)
-        found = torch.zeros(())
+        found = torch.zeros((), device=device)
         if as_kwargs:
-            opt.step(grad_scale=torch.tensor(scale), found_inf=found)
+            opt.step(grad_scale=torch.tensor(scale, device=device), found_inf=found)
         else:  # the attributes torch.amp.GradScaler sets
-            opt.grad_scale, opt.found_inf = torch.tensor(scale), found
+            opt.grad_scale, opt.found_inf = torch.tensor(scale, device=device), found
             opt.step()
             del opt.grad_scale, opt.found_inf
         found_log.append(float(found))
@@ -83,19 +90,24 @@ def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True):
             # and the same gradients, clean, are stepped normally below
             for p, g in zip(params, grads, strict=True):
                 p.grad = (g.float() * scale).to(dtype)
-            opt.step(grad_scale=torch.tensor(scale), found_inf=torch.zeros(()))
+            opt.step(grad_scale=torch.tensor(scale, device=device),
+                     found_inf=torch.zeros((), device=device))
     return params, opt, found_log
 
 
 @pytest.mark.parametrize("counts", ["host", "device"])
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, counts, monkeypatch):
+def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, counts, monkeypatch,
+                                                               device):
     # "device": step counts and the numbers made from them stay on the device, as on a GPU.
+    if counts == "host" and not loss_scale._host_counts(torch.device(device)):
+        pytest.skip(f"a step on {device} reads its counts on the device: the 'device' case")
     if counts == "device":
         monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    ref_params, ref_opt, _ = _run(name, master, fused=False, scaled=False)
-    params, opt, found = _run(name, master, fused=False, scaled=True, bad_steps=(2, 5))
+    ref_params, ref_opt, _ = _run(name, master, fused=False, scaled=False, device=device)
+    params, opt, found = _run(name, master, fused=False, scaled=True, bad_steps=(2, 5),
+                              device=device)
     assert found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
     _assert_same(_snapshot(params, opt), _snapshot(ref_params, ref_opt))
 
@@ -103,20 +115,24 @@ def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, cou
 @pytest.mark.slow
 @pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_fused_scaled_step_equals_eager(name, master):
-    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,))
-    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,))
+def test_fused_scaled_step_equals_eager(name, master, device):
+    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,),
+                                       device=device)
+    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,), device=device)
     assert f1 == f2
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
 
 
 @pytest.mark.parametrize("master", ["kahan", "stochastic"])
 @pytest.mark.parametrize("name", ["adamw", "lamb"])
-def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, monkeypatch):
-    # The GPU's way (numbers made on the device from the count there), compiled, on the CPU.
-    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,))
+def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, monkeypatch,
+                                                                 device):
+    # The GPU's way (numbers made on the device from the count there), compiled: on the CPU by
+    # patching _host_counts, on CUDA as it is.
+    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,),
+                                       device=device)
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,))
+    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,), device=device)
     assert f1 == f2
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
 
@@ -124,14 +140,13 @@ def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, 
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch):
+    # (CPU only: batches of small parameters are the CPU fused step's.)
     # On CPU, small parameters share a compiled call under a loss scaler too (parameters of even
-    # length, so that stochastic rounding and LAMB's per-parameter norms batch as well); with
+    # length, so that stochastic rounding batches as well; LAMB's take their own calls); with
     # batching off, each takes its own. Skipped steps included, the bits agree.
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(32, 18), (6,), (4, 4), (0,), (1,)])
     params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5))
-    # (LAMB's per-parameter norms batch on pairs only, which FP32 parameters, master="none"
-    # here, do not have.)
-    assert bool(opt._step_plan.batches) == ((name, master) != ("lamb", "none"))
+    assert bool(opt._step_plan.batches) == (name != "lamb")
     with monkeypatch.context() as m:
         m.setattr(batches, "_SMALL", 0)
         alone_params, alone_opt, alone_found = _run(
@@ -142,20 +157,21 @@ def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, mon
     _assert_same(_snapshot(params, opt), _snapshot(alone_params, alone_opt))
 
 
-def test_attributes_set_by_grad_scaler_work_like_keywords():
-    a, oa, fa = _run("adamw", "kahan", fused=False, scaled=True, bad_steps=(1,))
-    b, ob, fb = _run("adamw", "kahan", fused=False, scaled=True, bad_steps=(1,), as_kwargs=False)
+def test_attributes_set_by_grad_scaler_work_like_keywords(device):
+    a, oa, fa = _run("adamw", "kahan", fused=False, scaled=True, bad_steps=(1,), device=device)
+    b, ob, fb = _run("adamw", "kahan", fused=False, scaled=True, bad_steps=(1,), as_kwargs=False,
+                     device=device)
     assert fa == fb
     _assert_same(_snapshot(a, oa), _snapshot(b, ob))
 
 
-def test_found_inf_already_set_skips_without_looking():
-    params = _params(torch.bfloat16)
+def test_found_inf_already_set_skips_without_looking(device):
+    params = _params(torch.bfloat16, device)
     opt = AdamW(params, master="kahan")
     for p in params:
         p.grad = torch.ones_like(p)
     before = _snapshot(params, opt)
-    found = torch.ones(())
+    found = torch.ones((), device=device)
     opt.step(found_inf=found)
     assert float(found) == 1.0
     after = _snapshot(params, opt)
@@ -164,27 +180,27 @@ def test_found_inf_already_set_skips_without_looking():
     assert all(float(opt.state[p]["step"]) == 0 for p in params)
 
 
-def test_grad_scale_alone_unscales_and_checks():
-    p = torch.zeros(4, requires_grad=True)
+def test_grad_scale_alone_unscales_and_checks(device):
+    p = torch.zeros(4, device=device, requires_grad=True)
     opt = SGD([p], lr=1.0, master="none")
-    p.grad = torch.full((4,), 8.0)
+    p.grad = torch.full((4,), 8.0, device=device)
     opt.step(grad_scale=8.0)
-    assert torch.equal(p.detach(), torch.full((4,), -1.0))
-    p.grad = torch.tensor([1.0, float("-inf"), 0.0, 0.0])
-    opt.step(grad_scale=torch.tensor(2.0))
-    assert torch.equal(p.detach(), torch.full((4,), -1.0))
+    assert torch.equal(p.detach().cpu(), torch.full((4,), -1.0))
+    p.grad = torch.tensor([1.0, float("-inf"), 0.0, 0.0], device=device)
+    opt.step(grad_scale=torch.tensor(2.0, device=device))
+    assert torch.equal(p.detach().cpu(), torch.full((4,), -1.0))
     assert float(opt.state[p]["step"]) == 1
 
 
-def _torch_scaler_run(make_opt, *, unscale_and_clip, dtype=torch.float32):
+def _torch_scaler_run(make_opt, *, unscale_and_clip, dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    model.to(dtype)
+    model.to(dtype).to(device)
     opt = make_opt(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**14, growth_interval=3)
     scales = []
     for i in range(14):
-        x = torch.randn(16, 8, dtype=dtype)
+        x = torch.randn(16, 8, dtype=dtype).to(device)
         loss = model(x).float().pow(2).mean()
         if i in (4, 5, 10):
             loss = loss * float("inf")
@@ -196,34 +212,37 @@ def _torch_scaler_run(make_opt, *, unscale_and_clip, dtype=torch.float32):
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
-    return scales, [p.detach().float() for p in model.parameters()]
+    return scales, [p.detach().float().cpu() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("unscale_and_clip", [False, True])
 @pytest.mark.parametrize(
     "ours, theirs",
     [
-        (lambda ps: AdamW(ps, lr=1e-2, master="none"), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+        (lambda ps: AdamW(ps, lr=1e-2, master="none"),
+         lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)),
         (
             lambda ps: SGD(ps, lr=0.1, momentum=0.9, master="none"),
-            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
         ),
     ],
     ids=["adamw", "sgd"],
 )
-def test_torch_grad_scaler_drives_lowprec_like_torch_optim(ours, theirs, unscale_and_clip):
-    s1, p1 = _torch_scaler_run(theirs, unscale_and_clip=unscale_and_clip)
-    s2, p2 = _torch_scaler_run(ours, unscale_and_clip=unscale_and_clip)
+def test_torch_grad_scaler_drives_lowprec_like_torch_optim(ours, theirs, unscale_and_clip,
+                                                           device):
+    s1, p1 = _torch_scaler_run(theirs, unscale_and_clip=unscale_and_clip, device=device)
+    s2, p2 = _torch_scaler_run(ours, unscale_and_clip=unscale_and_clip, device=device)
     assert s1 == s2  # the same steps were skipped
     for a, b in zip(p1, p2, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_grad_scaler_with_fp16_weights_and_fp32_master():
+def test_torch_grad_scaler_with_fp16_weights_and_fp32_master(device):
     # torch.amp.GradScaler refuses to unscale FP16 gradients for torch optimizers; through the
     # contract the lowprec optimizer unscales inside its FP32 update instead.
     scales, params = _torch_scaler_run(
-        lambda ps: AdamW(ps, lr=1e-2, master="fp32"), unscale_and_clip=False, dtype=torch.float16
+        lambda ps: AdamW(ps, lr=1e-2, master="fp32"), unscale_and_clip=False, dtype=torch.float16,
+        device=device,
     )
     assert scales[4] < scales[3] and all(torch.isfinite(p).all() for p in params)
 
@@ -234,18 +253,18 @@ def test_torch_grad_scaler_with_fp16_weights_and_fp32_master():
     "fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "fused"]
 )
 @pytest.mark.parametrize("master", ["kahan", "stochastic", "split"])
-def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch):
+def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch, device):
     # What a GPU step does: step counts read and used on the device, every parameter stepped by
     # its own call. (On the CPU, where a host read is no synchronisation, counts are read on the
     # host and small parameters batched: the tests around this one check they step the same.)
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     monkeypatch.setattr(batches, "_SMALL", 0)
-    params = _params(torch.bfloat16)
+    params = _params(torch.bfloat16, device)
     opt = AdamW(params, master=master, fused=fused)
     for step in range(3):
-        for p, g in zip(params, _grads(step, torch.bfloat16), strict=True):
+        for p, g in zip(params, _grads(step, torch.bfloat16, device), strict=True):
             p.grad = g * 64
-        scale, found = torch.tensor(64.0), torch.zeros(())
+        scale, found = torch.tensor(64.0, device=device), torch.zeros((), device=device)
         if step == 0:  # warm up: state creation and compilation may read shapes, not values
             opt.step(grad_scale=scale, found_inf=found)
             continue
@@ -266,21 +285,23 @@ def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch)
         (dict(found_inf=torch.zeros(3)), TypeError, "found_inf must be"),
     ],
 )
-def test_bad_scaler_inputs_raise_and_change_nothing(kwargs, error, match):
-    params = _params(torch.bfloat16)
+def test_bad_scaler_inputs_raise_and_change_nothing(kwargs, error, match, device):
+    params = _params(torch.bfloat16, device)
     opt = AdamW(params, master="kahan")
-    for p, g in zip(params, _grads(0, torch.bfloat16), strict=True):
+    for p, g in zip(params, _grads(0, torch.bfloat16, device), strict=True):
         p.grad = g
     opt.step()
     before = _snapshot(params, opt)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=match):
         opt.step(**kwargs)
     _assert_same(_snapshot(params, opt), before)
 
 
-def test_scaled_run_resumes_from_a_checkpoint_bitwise():
-    full_params, full_opt, _ = _run("adamw", "stochastic", fused=False, scaled=True, steps=6)
-    params, opt, _ = _run("adamw", "stochastic", fused=False, scaled=True, steps=3)
+def test_scaled_run_resumes_from_a_checkpoint_bitwise(device):
+    full_params, full_opt, _ = _run("adamw", "stochastic", fused=False, scaled=True, steps=6,
+                                    device=device)
+    params, opt, _ = _run("adamw", "stochastic", fused=False, scaled=True, steps=3, device=device)
     saved_p = [p.detach().clone() for p in params]
     saved = opt.state_dict()
     fresh = [p.clone().detach().requires_grad_() for p in saved_p]
@@ -289,7 +310,8 @@ def test_scaled_run_resumes_from_a_checkpoint_bitwise():
     opt2.load_state_dict(saved)
     for step in range(3, 6):
         scale = 2.0 ** (4 + step % 5)
-        for p, g in zip(fresh, _grads(step, torch.bfloat16), strict=True):
+        for p, g in zip(fresh, _grads(step, torch.bfloat16, device), strict=True):
             p.grad = (g.float() * scale).bfloat16()
-        opt2.step(grad_scale=torch.tensor(scale), found_inf=torch.zeros(()))
+        opt2.step(grad_scale=torch.tensor(scale, device=device),
+                  found_inf=torch.zeros((), device=device))
     _assert_same(_snapshot(fresh, opt2), _snapshot(full_params, full_opt))

@@ -4,9 +4,11 @@
 ``_step_small_fused`` to step them in batches of up to ``_SMALL_BATCH`` elements, one compiled call
 per batch, since the per-call cost of a compiled kernel is most of a small tensor's step.
 ``_small_buckets`` decides the batches (per group, strategy, step number and gradient dtype; on
-pairs where random keys or norms are per parameter), ``plan._Batch`` holds one (its state
-buffers laid out flat, ``plan._flat_state``, where possible), and ``_run_batch`` steps it through
-the compiled step (``compiled``), giving each parameter its own random bits and norms. A
+pairs where random keys are per parameter), ``plan._Batch`` holds one (its state buffers laid
+out flat, ``plan._flat_state``, where possible), and ``_run_batch`` steps it through the compiled
+step (``compiled``), giving each parameter its own random bits. Only elementwise rules batch:
+LAMB's per-parameter norms made its batches slower than a call per parameter
+(``benchmarks/fast_path.py``), so its small parameters take their own calls. A
 recorded step (``replay``) redoes the batches with ``_run_batch``; ``checkpoint`` lays loaded
 state out as ``_small_buckets`` would batch it.
 
@@ -23,7 +25,6 @@ from lowprec.numerics import stream_key
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.plan import _Batch, _Entry, _flat
-from lowprec.optim.shards import reduce_groups
 
 # Fused steps of parameters up to _SMALL elements are batched, up to _SMALL_BATCH elements per
 # compiled call (the concatenated copies are the batch's only temporaries: a few MB at most).
@@ -95,13 +96,10 @@ class _SmallBatches:
         checkpoint being laid out, ``_lay_out_loaded``) parameters without state are left out and
         each gradient is taken to be like its parameter, as ``backward`` makes it.
         """
-        if getattr(self, "_fused_broken", False) or not (
-            self._elementwise or self._norm_terms is not None
-        ):
+        if getattr(self, "_fused_broken", False) or not self._elementwise:
             return [], items
-        # Per-word random keys and per-parameter norms need every word within one parameter:
-        # such batches are on pairs, of parameters of even length.
-        norms = not self._elementwise
+        # Per-word random keys need every word within one parameter: such batches are on pairs,
+        # of parameters of even length.
         rest, buckets, filled_of = [], {}, {}
         names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
         shard_offsets = self.__dict__.get("_shard_offsets")
@@ -110,7 +108,7 @@ class _SmallBatches:
             ck = (id(group), storage.name, p.dtype)
             names = names_of.get(ck, _UNSET)
             if names is _UNSET:
-                pairs_ok = not (norms or storage.needs_random_bits) or storage.pairs_ok(p.dtype)
+                pairs_ok = not storage.needs_random_bits or storage.pairs_ok(p.dtype)
                 names = names_of[ck] = (
                     (*storage.buffers(p), *self._math_buffers(group))
                     if pairs_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
@@ -118,11 +116,10 @@ class _SmallBatches:
                 )
             g = p.grad if fresh is not None else p
             n = p.numel()
-            if names is None or n < 2 or (n % 2 and (norms or storage.needs_random_bits)) or (
+            if names is None or n < 2 or (n % 2 and storage.needs_random_bits) or (
                 storage.needs_random_bits and shard_offsets and shard_offsets.get(id(p))
-            ) or (norms and reduce_groups(self, p)):
-                # (a shard's random bits start at its offset, and its norms add every rank's
-                # shard: _step_param)
+            ):
+                # (a shard's random bits start at its offset: _step_param)
                 rest.append(item)
                 continue
             state = self.state[p]
@@ -177,25 +174,19 @@ class _SmallBatches:
         extra: dict[str, torch.Tensor] = {}
         if scaling is not None:
             extra = scaling.kernel_args(params.device)
-        segments = None
         keyed = storage.needs_random_bits
-        if not self._elementwise or keyed:
+        if keyed:
             if self._pairs_plan(storage, params, grad, sbufs, mbufs) is None:
                 return False
-            owner, idx = self._batch_layout(batch.words)
-            if not self._elementwise:
-                segments = (list(batch.words), owner)
-            if keyed:
-                keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch.items]
-                lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
-                hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
-                extra["owner"], extra["idx"] = owner, idx
+            keys = [stream_key(group["seed"], step, i) for _, _, i, _ in batch.items]
+            lo = torch.tensor([k & 0xFFFFFFFF for k in keys], dtype=torch.int64)
+            hi = torch.tensor([k >> 32 for k in keys], dtype=torch.int64)
+            extra["owner"], extra["idx"] = self._batch_layout(batch.words)
         try:
             fused = self._prepare_fused(
-                storage, flags, params, grad, sbufs, mbufs, scaled=_mode(scaling),
-                keyed=keyed, per_word=segments is not None,
+                storage, flags, params, grad, sbufs, mbufs, scaled=_mode(scaling), keyed=keyed,
             )
-            self._run_fused(fused, grad, coeffs, c32, lo, hi, extra, segments)
+            self._run_fused(fused, grad, coeffs, c32, lo, hi, extra)
         except _COMPILE_ERRORS as e:  # nothing of the parameters was written
             _disable_fused(self, e)
             return False
@@ -211,8 +202,8 @@ class _SmallBatches:
     def _batch_layout(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
         position in the batch) and its index within that parameter (int32 each), for
-        per-parameter norms and ``_param_update_pairs``'s per-word random keys. Kept per batch
-        composition, which stays the same from step to step."""
+        ``_param_update_pairs``'s per-word random keys. Kept per batch composition, which stays
+        the same from step to step."""
         layouts = self.__dict__.setdefault("_batch_layouts", {})
         layout = layouts.get(words)
         if layout is None:

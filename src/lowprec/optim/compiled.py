@@ -312,7 +312,6 @@ class _Fused:
         "n",
         "p",
         "pairs",
-        "per_word",
         "sbufs",
         "shards",
         "signature",
@@ -331,15 +330,14 @@ class _CompiledStep:
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-        keyed: bool = False, per_word: bool = False, start: int = 0, shards: Any = (),
+        keyed: bool = False, start: int = 0, shards: Any = (),
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
         numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
         It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
         (``_replay``).
 
-        ``keyed``: per-word random keys (a batch of small parameters on pairs). ``per_word``: the
-        sums are per parameter of such a batch, for a rule with ``_norm_terms``. ``start``: the
+        ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
         index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
         shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
         over which a DTensor shard's whole-tensor sums are added (``_norm_terms``).
@@ -353,9 +351,6 @@ class _CompiledStep:
             # (bfloat16 hashes pairs: the first pair's index; start is even there)
             f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
                                   dtype=torch.int64)
-        f.per_word = per_word = per_word and self._norm_terms is not None
-        if per_word and (pairs is None or n != p.numel()):
-            raise ValueError("a batch with per-parameter norms needs the fused step on pairs")
         if pairs is None:
             if keyed:
                 raise ValueError("per-word random keys need the fused step on pairs")
@@ -378,26 +373,20 @@ class _CompiledStep:
             f.sums_kernel = _compiled_kernel(
                 type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
                 extra_key=() if pairs is None
-                else (*pairs, *((("sums", "per_word"),) if per_word else ())),
+                else pairs,
                 signature=signature,
             )
         f.kernel = _compiled_kernel(
             type(self), storage, flags, scaled=scaled, fn=f.update_fn,
             extra_key=() if pairs is None
-            else (*pairs, *((("keys", "batched"),) if keyed else ()),
-                  *((("sums", "per_word"),) if per_word else ())),
+            else (*pairs, *((("keys", "batched"),) if keyed else ())),
             signature=signature,
         )
         return f
 
-    def _run_fused(self, f: _Fused, grad, coeffs, c32, lo, hi, extra, segments=None) -> None:
+    def _run_fused(self, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
         """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
-        writing anything).
-
-        ``segments`` (a batch of small parameters on pairs, for a rule with ``_norm_terms``):
-        ``(words, owner)``, the number of words of each parameter (a list) and each word's
-        parameter (int32), so that the sums are each parameter's own.
-        """
+        writing anything)."""
         storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
         sv, mv = f.views
         pv, gv = _step_view(f, p), _step_view(f, grad)
@@ -407,17 +396,7 @@ class _CompiledStep:
             c32 = dict(c32)  # the sums below are this parameter's own
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
                       inv_scale=extra.get("inv_scale"))
-            if f.per_word:
-                # Each word's squares (FP64; a batch is small, so this temporary is too), summed
-                # per parameter and handed back to every word of the parameter.
-                squares = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, per_word=True, **kw)
-                # ATen's sum along the words of each parameter adds pairwise, as eager's
-                # sum_squares does (a strictly sequential sum, e.g. torch.segment_reduce, can
-                # lose small squares to a large running total that pairwise sums keep).
-                words, owner = segments
-                sums = torch.stack([part.sum(1) for part in squares.split(words, dim=1)], dim=1)
-                c32["sums"] = sums.index_select(1, owner)
-            elif pairs is None:
+            if pairs is None:
                 c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
             else:
                 c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)

@@ -95,9 +95,7 @@ def lamb_math(
 
     Elementwise but for the two norms of the trust ratio, which stays a 0-d tensor (no host sync).
     ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
-    (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor; or,
-    for a batch of tensors laid end to end, one column per element of ``w`` holding its own
-    tensor's two sums (shape ``(2, w.numel())``).
+    (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
     u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
     # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
@@ -167,9 +165,8 @@ class Lamb(LowPrecisionOptimizer):
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU), two
-            per parameter, its norms first (on CPU, small parameters of a group share one call;
-            from the second step on, large ones share calls of up to 4), with the same results as
-            the eager step (default: None, meaning compiled wherever torch.compile has a compiler,
+            per parameter, its norms first (from the second step on, large parameters share calls
+            of up to 4), with the same results as the eager step (default: None, meaning compiled wherever torch.compile has a compiler,
             C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).

@@ -76,17 +76,10 @@ def _param_sums_pairs(
     flags: dict[str, bool],
     dtypes: tuple[tuple[str, torch.dtype], ...],
     inv_scale: torch.Tensor | None = None,
-    per_word: bool = False,
 ) -> torch.Tensor:
-    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``). With
-    ``per_word``, each word's share instead: the squares of its two elements' terms added in
-    FP64, one row per term, which a batch of parameters sums per parameter."""
+    """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
     even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
-    if per_word:
-        return torch.stack(
-            [a.double().square() + b.double().square() for a, b in zip(even, odd, strict=True)]
-        )
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
 
 
