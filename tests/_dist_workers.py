@@ -2,7 +2,10 @@
 
 ``launch(fn, world_size, out_dir, *args)`` starts ``world_size`` processes with gloo on 127.0.0.1
 (a port the OS picked), one intra-op thread each, and runs ``fn(rank, world_size, out_dir,
-*args)`` in each; workers save their results with ``torch.save`` under ``out_dir``.
+*args)`` in each; workers save their results with ``torch.save`` under ``out_dir``, their tensors
+moved to the CPU (``to_cpu``). ``launch(..., backend="nccl")`` starts them with NCCL instead, rank
+``r`` on GPU ``r``; the 1-bit SGD workers put their models and data on ``device()``, the rank's
+GPU under NCCL and the CPU under gloo.
 """
 
 from __future__ import annotations
@@ -32,13 +35,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Any, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Any, world_size: int, port: int, out_dir: str, args: tuple,
+           backend: str = "gloo") -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback
+        if backend == "nccl":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -50,10 +58,37 @@ def _entry(rank: int, fn: Any, world_size: int, port: int, out_dir: str, args: t
         dist.destroy_process_group()
 
 
-def launch(fn: Any, world_size: int, out_dir: str | Path, *args: Any) -> None:
-    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` gloo processes; re-raise."""
-    mp.spawn(_entry, args=(fn, world_size, free_port(), str(out_dir), args), nprocs=world_size,
-             join=True)
+def launch(fn: Any, world_size: int, out_dir: str | Path, *args: Any,
+           backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` processes of a ``backend``
+    process group (gloo, or NCCL with one GPU per rank); re-raise."""
+    mp.spawn(_entry, args=(fn, world_size, free_port(), str(out_dir), args, backend),
+             nprocs=world_size, join=True)
+
+
+def device() -> torch.device:
+    """Where this rank's tensors go: its GPU in an NCCL process group, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _ddp(model: nn.Module, **kw: Any) -> DDP:
+    """``DDP(model)`` on ``model``'s device (a GPU needs ``device_ids``)."""
+    dev = next(model.parameters()).device
+    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **kw)
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (in dicts, lists and tuples) on the CPU: what a worker
+    saves for the test process, which compares it with references computed on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 # ------------------------------------------------------------------------ synthetic gradients
@@ -120,8 +155,9 @@ def run_synthetic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Feed synthetic gradients through DDP + onebit_hook; record outputs, layouts, counters."""
     shapes, order = MODELS[cfg.get("model", "synth")]
     dtype = getattr(torch, cfg.get("dtype", "float32"))
-    model = SynthModel(shapes, order).to(dtype)
-    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
+    dev = device()
+    model = SynthModel(shapes, order).to(dtype).to(dev)
+    ddp = _ddp(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 25))
     state = OneBitState(model, **cfg["state"])
     names = _names(model)
     layouts: list[list[list[str]]] = []
@@ -135,7 +171,7 @@ def run_synthetic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ddp.register_comm_hook(state, recording_hook)
     outputs, counters = [], []
     for t in range(cfg["steps"]):
-        grads = {n: g.to(dtype) for n, g in
+        grads = {n: g.to(dtype).to(dev) for n, g in
                  synthetic_grads(shapes, step=t, rank=rank, seed=cfg.get("seed", 0)).items()}
         for step, bad_rank, name, idx in cfg.get("nonfinite", ()):
             if step == t and bad_rank == rank:
@@ -171,18 +207,20 @@ class FakeBucket:
 def direct_edge_buckets(rank: int) -> dict[str, torch.Tensor]:
     """``onebit_hook`` called directly (compressing from the first step) on a bucket of no values
     (DDP folds empty parameters into others) and on a one-value bucket."""
+    dev = device()
     model = nn.ParameterDict({"empty": nn.Parameter(torch.zeros(0)),
-                              "one": nn.Parameter(torch.zeros(1))})
+                              "one": nn.Parameter(torch.zeros(1))}).to(dev)
     state = OneBitState(model, warmup_steps=0)
-    empty = onebit_hook(state, FakeBucket([model["empty"]], torch.zeros(0))).wait()
-    one = onebit_hook(state, FakeBucket([model["one"]], torch.tensor([rank + 1.5]))).wait()
+    empty = onebit_hook(state, FakeBucket([model["empty"]], torch.zeros(0, device=dev))).wait()
+    one = onebit_hook(state, FakeBucket([model["one"]], torch.tensor([rank + 1.5], device=dev)))
+    one = one.wait()
     return {"empty": empty, "one": one, "counters": state.counters()}
 
 
 def worker_synthetic(rank: int, world: int, out: Path, configs: list[dict[str, Any]]) -> None:
     results = [run_synthetic(rank, world, cfg) for cfg in configs]
     results.append(direct_edge_buckets(rank))
-    torch.save(results, out / f"synthetic-{rank}.pt")
+    torch.save(to_cpu(results), out / f"synthetic-{rank}.pt")
 
 
 # ----------------------------------------------------------------------- a real small model
@@ -219,22 +257,23 @@ def train(rank: int, *, hook: dict[str, Any] | None, steps: int, start: int = 0,
     data. Returns the losses, the final parameters, the eval loss and a checkpoint taken after
     step ``save_at`` (bytes), when asked.
     """
+    dev = device()
     torch.manual_seed(seed)  # same init on every rank (DDP also broadcasts rank 0's)
-    model = MLP()
+    model = MLP().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     state = OneBitState(model, **hook) if hook is not None else None
     if checkpoint is not None:
-        ck = torch.load(io.BytesIO(checkpoint), weights_only=False)
+        ck = torch.load(io.BytesIO(checkpoint), weights_only=False, map_location=dev)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         if state is not None:
             state.load_state_dict(ck["onebit"])
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = _ddp(model, bucket_cap_mb=bucket_cap_mb)
     if state is not None:
         ddp.register_comm_hook(state, onebit_hook)
     losses, saved, saved_state = [], None, None
     for t in range(start, steps):
-        x, y = teacher_data(batch, seed=(seed * 7919 + t) * 131 + rank)
+        x, y = (v.to(dev) for v in teacher_data(batch, seed=(seed * 7919 + t) * 131 + rank))
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -246,7 +285,7 @@ def train(rank: int, *, hook: dict[str, Any] | None, steps: int, start: int = 0,
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "onebit": onebit},
                        buf)
             saved, saved_state = buf.getvalue(), onebit
-    x, y = teacher_data(4096, seed=999_999)
+    x, y = (v.to(dev) for v in teacher_data(4096, seed=999_999))
     with torch.no_grad():
         eval_loss = nn.functional.mse_loss(model(x), y).item()
     return {"losses": losses, "eval_loss": eval_loss, "checkpoint": saved,
@@ -259,7 +298,7 @@ def worker_converge(rank: int, world: int, out: Path, runs: dict[str, dict[str, 
     results = {name: train(rank, **kw) for name, kw in runs.items()}
     for r in results.values():
         r.pop("params")
-    torch.save(results, out / f"converge-{rank}.pt")
+    torch.save(to_cpu(results), out / f"converge-{rank}.pt")
 
 
 # ---------------------------------------------------------------- checkpoints and bad loads
@@ -271,8 +310,9 @@ def _bad_loads(sd: dict[str, Any]) -> dict[str, Any]:
         return {**sd, **kw}
 
     first = next(iter(sd["ranks"][0]["local"]))
-    other_model = {**sd["ranks"][0], "local": {"not.a.param": torch.zeros(3)}}
-    wrong_size = {**sd["ranks"][0], "local": {first: torch.zeros(3)}}
+    zeros = sd["ranks"][0]["local"][first].new_zeros(3)  # (on the residuals' device)
+    other_model = {**sd["ranks"][0], "local": {"not.a.param": zeros}}
+    wrong_size = {**sd["ranks"][0], "local": {first: zeros}}
     return {
         "world_size": changed(world_size=4, ranks=sd["ranks"] * 2),
         "bits": changed(config={**sd["config"], "bits": 2, "rule": "range"}),
@@ -297,7 +337,7 @@ def worker_trained(rank: int, world: int, out: Path, hooks: dict[str, dict[str, 
     # Bad loads, each on every rank (the checks are the same everywhere, so no rank is left
     # waiting in a collective).
     first = next(iter(hooks))
-    state = OneBitState(MLP(), **hooks[first])
+    state = OneBitState(MLP().to(device()), **hooks[first])
     errors: dict[str, Any] = {}
     cases = _bad_loads(resume[first]["state_dict"])
     for case, bad in [*cases.items(), ("unknown_name_not_strict", cases["unknown_name"])]:
@@ -311,7 +351,7 @@ def worker_trained(rank: int, world: int, out: Path, hooks: dict[str, dict[str, 
         r.pop("params")
         r.pop("checkpoint")
     scaled = train_with_scaler(rank, **scaler_run)
-    torch.save({"resume": resume, "errors": errors, "converge": results, "scaler": scaled},
+    torch.save(to_cpu({"resume": resume, "errors": errors, "converge": results, "scaler": scaled}),
                out / f"trained-{rank}.pt")
 
 
@@ -327,12 +367,13 @@ def train_with_scaler(rank: int, *, steps: int, poison_step: int, poison_rank: i
     residuals (from ``state_dict()``) after the step, and the final counters."""
     from lowprec import LossScaler
 
+    dev = device()
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = LossScaler(init_scale=2.0**10)
     state = OneBitState(model, warmup_steps=warmup_steps)
-    ddp = DDP(model, bucket_cap_mb=0.03)  # several buckets: the poisoned one falls back alone
+    ddp = _ddp(model, bucket_cap_mb=0.03)  # several buckets: the poisoned one falls back alone
     ddp.register_comm_hook(state, onebit_hook)
     step_now = [0]
 
@@ -345,7 +386,7 @@ def train_with_scaler(rank: int, *, steps: int, poison_step: int, poison_rank: i
     stepped, scales, params, residuals = [], [], [], []
     for t in range(steps):
         step_now[0] = t
-        x, y = teacher_data(16, seed=t * 131 + rank)
+        x, y = (v.to(dev) for v in teacher_data(16, seed=t * 131 + rank))
         opt.zero_grad(set_to_none=True)
         scaler.scale(nn.functional.mse_loss(ddp(x), y)).backward()
         stepped.append(bool(scaler.step(opt)))

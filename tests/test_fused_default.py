@@ -87,7 +87,7 @@ def test_lowprec_fused_sets_what_the_default_means(monkeypatch, kernel_calls, va
 def test_an_unknown_lowprec_fused_is_refused_when_the_optimizer_is_made(monkeypatch):
     monkeypatch.setenv("LOWPREC_FUSED", "maybe")
     p = torch.zeros(4, requires_grad=True)
-    with pytest.raises(ValueError, match="LOWPREC_FUSED='maybe'.*auto.*1.*0"):
+    with pytest.raises(ValueError, match=r"LOWPREC_FUSED='maybe'.*auto.*1.*0"):
         AdamW([p])
     AdamW([p], fused=False)  # (an explicit choice does not read it)
 

@@ -12,6 +12,11 @@ gradients in ``unscale_`` before it knows of the overflow, so after a skipped st
 the unscaled gradients, the inf/NaN elements still inf/NaN. (torch's own fused optimizers, which
 skip inside their kernel, leave them scaled.) lowprec's optimizers are held to the plain optimizer's
 behaviour, under either scaler.
+
+Every test runs on each device present (the CPU, and CUDA where present: the ``device`` fixture),
+model, batches and scalers alike (batches are drawn on the CPU and moved); the references run on
+the same device, ``torch.optim`` with ``foreach=False`` (its for-loop implementation, the CPU's
+default).
 """
 
 from __future__ import annotations
@@ -34,21 +39,26 @@ SCALERS = ["grad_scaler", "loss_scaler"]
 FUSED = [False, pytest.param(True, marks=pytest.mark.slow)]
 
 
-def _scaler(kind, **kw):
+def _scaler(kind, device="cpu", **kw):
     if kind == "grad_scaler":
-        return torch.amp.GradScaler("cpu", **kw)
+        return torch.amp.GradScaler(device, **kw)
     return LossScaler(**kw)
 
 
-def _model(dtype=torch.float32, seed=0):
+def _model(dtype=torch.float32, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype).to(device)
+
+
+def _device_of(model):
+    return next(model.parameters()).device
 
 
 def _loss(model, i, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1000 + i)
     x, y = torch.randn(8, 6, generator=gen).to(dtype), torch.randn(8, 3, generator=gen)
-    return (model(x).float() - y).pow(2).mean()
+    device = _device_of(model)
+    return (model(x.to(device)).float() - y.to(device)).pow(2).mean()
 
 
 def _poison(params, i, which=None):
@@ -109,13 +119,14 @@ PATTERN_NAMES = ["isolated", "burst", "below one", "alternating", "random", "cli
 _LARGE_LOSS = 2.0**20
 
 
-def _scale_run(kind, opt_kind, steps, bad, init_scale, growth_interval, factor=1.0):
-    model = _model()
+def _scale_run(kind, opt_kind, steps, bad, init_scale, growth_interval, factor=1.0,
+               device="cpu"):
+    model = _model(device=device)
     params = list(model.parameters())
     lr = 0.01 / factor  # (a large loss, the same steps)
     opt = (lowprec.SGD(params, lr=lr, master="none") if opt_kind == "lowprec"
-           else torch.optim.SGD(params, lr=lr))
-    scaler = _scaler(kind, init_scale=init_scale, growth_interval=growth_interval)
+           else torch.optim.SGD(params, lr=lr, foreach=False))
+    scaler = _scaler(kind, device, init_scale=init_scale, growth_interval=growth_interval)
     scales, skipped, returned = [], [], []
     for i in range(steps):
         opt.zero_grad()
@@ -134,11 +145,11 @@ def _scale_run(kind, opt_kind, steps, bad, init_scale, growth_interval, factor=1
 
 @pytest.mark.parametrize("growth_interval", [1, 2, 3, 7])
 @pytest.mark.parametrize("pattern", PATTERN_NAMES, ids=lambda n: n.replace(" ", "-"))
-def test_scale_sequence_and_skips_equal_grad_scalers(pattern, growth_interval):
+def test_scale_sequence_and_skips_equal_grad_scalers(pattern, growth_interval, device):
     steps, bad, init_scale = _pattern(pattern)
     factor = _LARGE_LOSS if pattern == "climb to overflow" else 1.0
     ref_scales, ref_skipped, _ = _scale_run("grad_scaler", "torch", steps, bad, init_scale,
-                                            growth_interval, factor)
+                                            growth_interval, factor, device)
     # (the pattern does what it is named for)
     assert [i for i, s in enumerate(ref_skipped) if s] == sorted(bad) or not bad
     if pattern == "below one":
@@ -149,7 +160,7 @@ def test_scale_sequence_and_skips_equal_grad_scalers(pattern, growth_interval):
     for kind, opt_kind in [("loss_scaler", "torch"), ("loss_scaler", "lowprec"),
                            ("grad_scaler", "lowprec")]:
         scales, skipped, returned = _scale_run(kind, opt_kind, steps, bad, init_scale,
-                                               growth_interval, factor)
+                                               growth_interval, factor, device)
         assert scales == ref_scales, (kind, opt_kind)
         assert skipped == ref_skipped, (kind, opt_kind)
         if returned:
@@ -174,7 +185,7 @@ def _reference_from(model, dtype, i, bad):
     """What GradScaler leaves in ``p.grad`` after ``step`` with a plain torch.optim optimizer, for
     iteration ``i`` of ``model`` (and the scaled gradients it came from)."""
     params = list(model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    scaler = torch.amp.GradScaler(_device_of(model).type, init_scale=INIT_SCALE)
     scaler.scale(_loss(model, i, dtype)).backward()
     if bad:
         _poison(params, i)
@@ -182,7 +193,7 @@ def _reference_from(model, dtype, i, bad):
     if dtype == torch.float16:
         # GradScaler refuses to unscale FP16 gradients for a plain optimizer ("Attempting to
         # unscale FP16 gradients"); what its unscale_ would do is this op with its inverse scale.
-        found = torch.zeros(())
+        found = torch.zeros((), device=_device_of(model))
         inv = scaler._scale.double().reciprocal().float()
         torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found, inv)
     else:
@@ -195,14 +206,15 @@ def _reference_from(model, dtype, i, bad):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("kind", SCALERS)
-def test_step_leaves_the_unscaled_gradients(kind, name, dtype, bad, fused):
-    model = _model(dtype)
+def test_step_leaves_the_unscaled_gradients(kind, name, dtype, bad, fused, device):
+    model = _model(dtype, device=device)
     params = list(model.parameters())
     opt = OPTIMIZERS[name](params, master=MASTER_OF[dtype], fused=fused)
-    scaler = _scaler(kind, init_scale=INIT_SCALE)
+    scaler = _scaler(kind, device, init_scale=INIT_SCALE)
     for i in range(2):  # a clean step, then a clean or an overflowing one
         poison = bad and i == 1
-        ref_model = _model(dtype)  # the reference starts from this model's current weights
+        # the reference starts from this model's current weights
+        ref_model = _model(dtype, device=device)
         for r, p in zip(ref_model.parameters(), params, strict=True):
             r.data.copy_(p.detach())
         scaled, expected = _reference_from(ref_model, dtype, i, poison)
@@ -221,22 +233,22 @@ def test_step_leaves_the_unscaled_gradients(kind, name, dtype, bad, fused):
     assert scaler.get_scale() == (INIT_SCALE / 2 if bad else INIT_SCALE)
 
 
-def test_the_fp16_reference_is_what_grad_scaler_does():
+def test_the_fp16_reference_is_what_grad_scaler_does(device):
     # (the FP16 reference above uses GradScaler's unscale op directly: on FP32 and BF16, where
     # GradScaler runs it itself, the two agree bit for bit)
     for dtype in (torch.float32, torch.bfloat16):
         for bad in (False, True):
-            model = _model(dtype)
+            model = _model(dtype, device=device)
             _, by_step = _reference_from(model, dtype, 0, bad)
-            model = _model(dtype)
+            model = _model(dtype, device=device)
             params = list(model.parameters())
-            scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+            scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE)
             scaler.scale(_loss(model, 0, dtype)).backward()
             if bad:
                 _poison(params, 0)
             inv = scaler._scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(
-                [p.grad for p in params], torch.zeros(()), inv)
+                [p.grad for p in params], torch.zeros((), device=device), inv)
             assert all(_same_grads(p.grad, e) for p, e in zip(params, by_step, strict=True))
 
 
@@ -253,11 +265,11 @@ CLIP_PAIRS = {
 CLIP_BAD = {3, 7, 8}
 
 
-def _clipped_run(make_opt, kind, steps=12, max_norm=0.05):
-    model = _model()
+def _clipped_run(make_opt, kind, steps=12, max_norm=0.05, device="cpu"):
+    model = _model(device=device)
     params = list(model.parameters())
     opt = make_opt(params)
-    scaler = _scaler(kind, init_scale=2.0**12, growth_interval=2)
+    scaler = _scaler(kind, device, init_scale=2.0**12, growth_interval=2)
     trace = []
     for i in range(steps):
         opt.zero_grad()
@@ -277,10 +289,10 @@ def _clipped_run(make_opt, kind, steps=12, max_norm=0.05):
 @pytest.mark.parametrize("fused", FUSED, ids=["eager", "fused"])
 @pytest.mark.parametrize("kind", SCALERS)
 @pytest.mark.parametrize("name", list(CLIP_PAIRS))
-def test_clipping_after_unscale_matches_torch(name, kind, fused):
+def test_clipping_after_unscale_matches_torch(name, kind, fused, device):
     ours, theirs = CLIP_PAIRS[name]
-    ref = _clipped_run(theirs, "grad_scaler")
-    got = _clipped_run(lambda ps: ours(ps, master="none", fused=fused), kind)
+    ref = _clipped_run(theirs, "grad_scaler", device=device)
+    got = _clipped_run(lambda ps: ours(ps, master="none", fused=fused), kind, device=device)
     assert any(n > 0.05 for _, _, n, _ in ref if math.isfinite(n))  # clipping did act
     assert [t[0] for t in got] == [t[0] for t in ref] == [i in CLIP_BAD for i in range(12)]
     assert [t[1] for t in got] == [t[1] for t in ref]
@@ -296,11 +308,11 @@ def test_clipping_after_unscale_matches_torch(name, kind, fused):
 BAD_FIRST, BAD_SECOND = {2, 5, 6}, {5, 9}
 
 
-def _two_optimizer_run(make_opts, kind, unscale_first, steps=12):
-    model = _model()
+def _two_optimizer_run(make_opts, kind, unscale_first, steps=12, device="cpu"):
+    model = _model(device=device)
     params = list(model.parameters())
     opts = make_opts(params[:2], params[2:])
-    scaler = _scaler(kind, init_scale=2.0**10, growth_interval=2)
+    scaler = _scaler(kind, device, init_scale=2.0**10, growth_interval=2)
     scales, skipped = [], []
     for i in range(steps):
         for o in opts:
@@ -344,11 +356,12 @@ TWO_OPTS = {
 @pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale-first"])
 @pytest.mark.parametrize("kind", SCALERS)
 @pytest.mark.parametrize("pair", list(TWO_OPTS))
-def test_two_optimizers_on_one_scaler(pair, kind, unscale_first, fused):
+def test_two_optimizers_on_one_scaler(pair, kind, unscale_first, fused, device):
     ref_scales, ref_skipped, ref_params = _two_optimizer_run(_torch_pair, "grad_scaler",
-                                                             unscale_first)
+                                                             unscale_first, device=device)
     assert ref_skipped == [i in bad for i in range(12) for bad in (BAD_FIRST, BAD_SECOND)]
-    scales, skipped, params = _two_optimizer_run(TWO_OPTS[pair](fused), kind, unscale_first)
+    scales, skipped, params = _two_optimizer_run(TWO_OPTS[pair](fused), kind, unscale_first,
+                                                 device=device)
     assert skipped == ref_skipped
     assert scales == ref_scales
     for a, b in zip(params, ref_params, strict=True):
@@ -356,10 +369,10 @@ def test_two_optimizers_on_one_scaler(pair, kind, unscale_first, fused):
 
 
 @pytest.mark.parametrize("kind", SCALERS)
-def test_loss_scaler_and_grad_scaler_agree_with_two_torch_optimizers(kind):
+def test_loss_scaler_and_grad_scaler_agree_with_two_torch_optimizers(kind, device):
     # LossScaler itself (no lowprec optimizer) with two torch.optim optimizers, bit for bit
-    ref = _two_optimizer_run(_torch_pair, "grad_scaler", unscale_first=True)
-    got = _two_optimizer_run(_torch_pair, kind, unscale_first=True)
+    ref = _two_optimizer_run(_torch_pair, "grad_scaler", unscale_first=True, device=device)
+    got = _two_optimizer_run(_torch_pair, kind, unscale_first=True, device=device)
     assert got[0] == ref[0] and got[1] == ref[1]
     assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2], strict=True))
 
@@ -370,15 +383,16 @@ RESUME_BAD = {3, 4, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19}
 RESUME_STEPS = 40
 
 
-def _resumed_run(first, second, split, *, opt_kind="torch", warm_target=False, via_disk=False):
+def _resumed_run(first, second, split, *, opt_kind="torch", warm_target=False, via_disk=False,
+                 device="cpu"):
     """A run whose scaler is ``first`` for iterations ``0 .. split - 1``, then ``second`` loaded
     from its state dict (``first == second`` and ``split == RESUME_STEPS``: uninterrupted)."""
-    model = _model()
+    model = _model(device=device)
     params = list(model.parameters())
     opt = (lowprec.SGD(params, lr=0.01, master="none") if opt_kind == "lowprec"
-           else torch.optim.SGD(params, lr=0.01))
+           else torch.optim.SGD(params, lr=0.01, foreach=False))
     kw = dict(init_scale=2.0**8, growth_interval=3)
-    scaler = _scaler(first, **kw)
+    scaler = _scaler(first, device, **kw)
     scales, skipped = [], []
     for i in range(RESUME_STEPS):
         if i == split:
@@ -388,9 +402,10 @@ def _resumed_run(first, second, split, *, opt_kind="torch", warm_target=False, v
                 torch.save(sd, buf)
                 buf.seek(0)
                 sd = torch.load(buf, weights_only=True)
-            scaler = _scaler(second)  # (its own defaults: everything comes from the state dict)
+            # (its own defaults: everything comes from the state dict)
+            scaler = _scaler(second, device)
             if warm_target:  # a scaler that has already scaled a loss (its state is allocated)
-                scaler.scale(torch.ones(()))
+                scaler.scale(torch.ones((), device=device))
             scaler.load_state_dict(copy.deepcopy(sd))
             assert scaler.get_scale() == sd["scale"]
         opt.zero_grad()
@@ -410,10 +425,12 @@ def _resumed_run(first, second, split, *, opt_kind="torch", warm_target=False, v
 @pytest.mark.parametrize(("first", "second"), [("grad_scaler", "loss_scaler"),
                                                ("loss_scaler", "grad_scaler")],
                          ids=["grad-to-loss", "loss-to-grad"])
-def test_resuming_across_scalers_continues_identically(first, second, split, warm_target):
-    ref = _resumed_run("grad_scaler", "grad_scaler", RESUME_STEPS)
+def test_resuming_across_scalers_continues_identically(first, second, split, warm_target,
+                                                       device):
+    ref = _resumed_run("grad_scaler", "grad_scaler", RESUME_STEPS, device=device)
     assert min(ref[0]) < 2.0**8 < max(ref[0])  # it backed off and grew
-    got = _resumed_run(first, second, split, warm_target=warm_target, via_disk=split == 9)
+    got = _resumed_run(first, second, split, warm_target=warm_target, via_disk=split == 9,
+                       device=device)
     assert got[0] == ref[0]
     assert got[1] == ref[1]
     assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2], strict=True))
@@ -421,17 +438,17 @@ def test_resuming_across_scalers_continues_identically(first, second, split, war
     assert {k: got[3][k] for k in shared} == {k: ref[3][k] for k in shared}
 
 
-def test_state_dict_keys_and_values_match_grad_scalers_mid_run():
+def test_state_dict_keys_and_values_match_grad_scalers_mid_run(device):
     # After backing off below the initial scale, with the growth tracker part way through its
     # interval: LossScaler's state dict holds GradScaler's keys with GradScaler's values (and
     # types), and each loads the other's.
     for split in (0, 7, 21):
         states = []
         for kind in SCALERS:
-            model = _model()
+            model = _model(device=device)
             params = list(model.parameters())
             opt = torch.optim.SGD(params, lr=0.01)
-            scaler = _scaler(kind, init_scale=2.0**8, growth_interval=3)
+            scaler = _scaler(kind, device, init_scale=2.0**8, growth_interval=3)
             for i in range(split):
                 opt.zero_grad()
                 scaler.scale(_loss(model, i)).backward()
@@ -444,7 +461,7 @@ def test_state_dict_keys_and_values_match_grad_scalers_mid_run():
         assert set(theirs) <= set(ours)
         assert {k: (type(ours[k]), ours[k]) for k in theirs} == {
             k: (type(v), v) for k, v in theirs.items()}
-        into_grad = torch.amp.GradScaler("cpu")
+        into_grad = torch.amp.GradScaler(device)
         into_grad.load_state_dict(ours)
         assert into_grad.state_dict() == theirs
         into_loss = LossScaler()
@@ -452,9 +469,10 @@ def test_state_dict_keys_and_values_match_grad_scalers_mid_run():
         assert {k: into_loss.state_dict()[k] for k in theirs} == theirs
 
 
-def test_resuming_with_lowprec_optimizers_under_either_scaler():
-    ref = _resumed_run("grad_scaler", "grad_scaler", RESUME_STEPS, opt_kind="lowprec")
+def test_resuming_with_lowprec_optimizers_under_either_scaler(device):
+    ref = _resumed_run("grad_scaler", "grad_scaler", RESUME_STEPS, opt_kind="lowprec",
+                       device=device)
     for first, second in (("grad_scaler", "loss_scaler"), ("loss_scaler", "grad_scaler")):
-        got = _resumed_run(first, second, 13, opt_kind="lowprec")
+        got = _resumed_run(first, second, 13, opt_kind="lowprec", device=device)
         assert got[0] == ref[0] and got[1] == ref[1]
         assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2], strict=True))

@@ -3,6 +3,12 @@
 References: torch's own casts (``x.to(torch.bfloat16)`` rounds to nearest even) and
 ``torch.nextafter``, brute-force Python integer arithmetic on bit patterns, and statistics (means
 of many stochastic draws compared with the input, with the standard error in the message).
+
+Tests that take ``device`` run lowprec's functions there (the CPU, and CUDA where present: the
+``device`` fixture) and compare the results, moved to the CPU, with references computed on the
+CPU; rounding, splitting and the counter-based hash are elementwise, so they are exact on every
+device. The helpers of the pairs of elements are the CPU fused step's (``compiled._pairs_plan``
+takes pairs on the CPU only), so their tests stay on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from lowprec.numerics import (
     stream_key,
     ulp,
 )
+from tests._devices import DEVICES
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 INF = math.inf
@@ -115,24 +122,26 @@ def assert_top_as_documented(x: torch.Tensor, top: torch.Tensor) -> None:
     assert torch.equal(tb[stays_nan] >> 15, sign[stays_nan])
 
 
-def assert_roundtrip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    top, trail = split(x)
+def assert_roundtrip(x: torch.Tensor, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """split and join ``x`` (a CPU tensor) on ``device``; returns the halves, on the CPU."""
+    top, trail = split(x.to(device))
     assert top.dtype == BF16 and trail.dtype == torch.int16
     assert top.shape == x.shape == trail.shape
-    back = join(top, trail)
+    back = join(top, trail).cpu()
     assert back.dtype == FP32 and back.shape == x.shape
     assert torch.equal(back.view(torch.int32), x.view(torch.int32)), "join(*split(x)) != x"
-    return top, trail
+    return top.cpu(), trail.cpu()
 
 
 # ------------------------------------------------------------------------------- split / join
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(deadline=None, max_examples=200)
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=500))
-def test_split_join_roundtrip_every_pattern(patterns):
+def test_split_join_roundtrip_every_pattern(device, patterns):
     x = torch.tensor(patterns, dtype=torch.int32).view(FP32)  # includes NaN payloads, subnormals
-    top, _ = assert_roundtrip(x)
+    top, _ = assert_roundtrip(x, device)
     assert_top_as_documented(x, top)
 
 
@@ -175,6 +184,7 @@ EVEN_PATTERNS = st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=
 )
 
 
+# (The pairs' helpers and storages serve the CPU fused step only: these tests stay on the CPU.)
 @settings(deadline=None, max_examples=200)
 @given(EVEN_PATTERNS)
 def test_pairs_unpack_and_pack_exactly_for_every_pattern(patterns):
@@ -273,9 +283,9 @@ def test_stochastic_storage_on_pairs_equals_elementwise_rounding(patterns, seed)
 
 
 @pytest.mark.parametrize(("name", "bits", "top_bits"), EDGES, ids=[e[0] for e in EDGES])
-def test_split_edges(name, bits, top_bits):
+def test_split_edges(name, bits, top_bits, device):
     x = u32_to_f32([bits])
-    top, trail = assert_roundtrip(x)
+    top, trail = assert_roundtrip(x, device)
     assert h16_to_u16(top).item() == top_bits, f"{name}: top {h16_to_u16(top).item():#06x}"
     low = bits & 0xFFFF
     assert trail.item() == (low - 65536 if low >= 32768 else low)
@@ -284,13 +294,13 @@ def test_split_edges(name, bits, top_bits):
         assert torch.isnan(top).all()
 
 
-def test_top_matches_torch_cast_on_random_finite_values():
+def test_top_matches_torch_cast_on_random_finite_values(device):
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31, (1_000_000,), dtype=torch.int64, generator=g)
     x = bits.to(torch.int32).view(FP32)
     x = x[torch.isfinite(x)]
-    top, _ = assert_roundtrip(x)
-    assert torch.equal(top, round_nearest_split(x))
+    top, _ = assert_roundtrip(x, device)
+    assert torch.equal(top, round_nearest_split(x.to(device)).cpu())
     tie = (f32_to_u32(x) & 0xFFFF) == 0x8000
     cast = x.to(BF16)
     assert torch.equal(h16_to_u16(top[~tie]), h16_to_u16(cast[~tie]))
@@ -303,11 +313,11 @@ def test_top_matches_torch_cast_on_random_finite_values():
     assert ok.all()
 
 
-def test_trail_is_low_half_as_int16_bruteforce():
+def test_trail_is_low_half_as_int16_bruteforce(device):
     g = torch.Generator().manual_seed(1)
     bits = torch.randint(-(2**31), 2**31, (20_000,), dtype=torch.int64, generator=g)
     x = bits.to(torch.int32).view(FP32)
-    _, trail = split(x)
+    _, trail = split(x.to(device))
     expected = []
     for b in bits.tolist():
         low = (b % 2**32) & 0xFFFF
@@ -316,10 +326,10 @@ def test_trail_is_low_half_as_int16_bruteforce():
 
 
 @pytest.mark.parametrize("low", [0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF])
-def test_split_exhaustive_upper_halves(low):
+def test_split_exhaustive_upper_halves(low, device):
     upper = torch.arange(65536, dtype=torch.int64)
     x = u32_to_f32((upper << 16) | low)
-    top, trail = assert_roundtrip(x)
+    top, trail = assert_roundtrip(x, device)
     assert_top_as_documented(x, top)
     assert (trail == (low - 65536 if low >= 32768 else low)).all()
     # Brute force: top's pattern is the upper half plus bit 15 of x, modulo 2**16.
@@ -327,9 +337,9 @@ def test_split_exhaustive_upper_halves(low):
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16, torch.float64, torch.int32])
-def test_split_rejects_non_float32(dtype):
+def test_split_rejects_non_float32(dtype, device):
     with pytest.raises(TypeError):
-        split(torch.zeros(4, dtype=dtype))
+        split(torch.zeros(4, dtype=dtype, device=device))
 
 
 JOIN_BAD_DTYPES = [
@@ -342,21 +352,23 @@ JOIN_BAD_DTYPES = [
 
 
 @pytest.mark.parametrize(("top_dtype", "trail_dtype"), JOIN_BAD_DTYPES)
-def test_join_rejects_wrong_dtypes(top_dtype, trail_dtype):
+def test_join_rejects_wrong_dtypes(top_dtype, trail_dtype, device):
     with pytest.raises(TypeError):
-        join(torch.zeros(4, dtype=top_dtype), torch.zeros(4, dtype=trail_dtype))
+        join(torch.zeros(4, dtype=top_dtype, device=device),
+             torch.zeros(4, dtype=trail_dtype, device=device))
 
 
 @pytest.mark.parametrize(
     ("top_shape", "trail_shape"), [((3,), (4,)), ((2, 3), (3, 2)), ((6,), (2, 3))]
 )
-def test_join_rejects_shape_mismatch(top_shape, trail_shape):
+def test_join_rejects_shape_mismatch(top_shape, trail_shape, device):
     with pytest.raises(ValueError):
-        join(torch.zeros(top_shape, dtype=BF16), torch.zeros(trail_shape, dtype=torch.int16))
+        join(torch.zeros(top_shape, dtype=BF16, device=device),
+             torch.zeros(trail_shape, dtype=torch.int16, device=device))
 
 
-def test_split_join_non_contiguous():
-    x = torch.randn(7, 5).t()
+def test_split_join_non_contiguous(device):
+    x = torch.randn(7, 5).to(device).t()
     assert not x.is_contiguous()
     top, trail = split(x)
     assert top.shape == trail.shape == (5, 7)
@@ -366,9 +378,9 @@ def test_split_join_non_contiguous():
     assert torch.equal(back.view(torch.int32), x.contiguous().view(torch.int32))
 
 
-def test_split_join_scalar_and_empty():
+def test_split_join_scalar_and_empty(device):
     for x in (torch.tensor(1.25), torch.empty(0, 3)):
-        assert_roundtrip(x)
+        assert_roundtrip(x, device)
 
 
 # ------------------------------------------------------------------------ stochastic rounding
@@ -385,18 +397,22 @@ def neighbours(x: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
-def sr_draws(x: float, dtype, n: int, source: str, seed: int) -> torch.Tensor:
-    xs = torch.full((n,), x, dtype=FP32)
+def sr_draws(x: float, dtype, n: int, source: str, seed: int, device="cpu") -> torch.Tensor:
+    """``n`` stochastic roundings of ``x`` made on ``device`` (a generator of that device's, or
+    the counter-based bits), returned on the CPU."""
+    xs = torch.full((n,), x, dtype=FP32, device=device)
     if source == "generator":
-        return round_stochastic(xs, dtype, generator=torch.Generator().manual_seed(seed))
-    return round_stochastic_with_bits(xs, counter_bits(n, stream_key(seed, 7)), dtype)
+        gen = torch.Generator(device).manual_seed(seed)
+        return round_stochastic(xs, dtype, generator=gen).cpu()
+    bits = counter_bits(n, stream_key(seed, 7), device=device)
+    return round_stochastic_with_bits(xs, bits, dtype).cpu()
 
 
-def check_unbiased(x32: float, dtype, n: int, source: str, seed: int) -> None:
+def check_unbiased(x32: float, dtype, n: int, source: str, seed: int, device="cpu") -> None:
     x = torch.tensor([x32], dtype=FP32)
     lo, hi = neighbours(x, dtype)
     lo64, hi64, xv = lo.double().item(), hi.double().item(), x.double().item()
-    r = sr_draws(xv, dtype, n, source, seed)
+    r = sr_draws(xv, dtype, n, source, seed, device)
     assert ((r == lo) | (r == hi)).all(), "a draw is not one of the two neighbours"
     mean = r.double().mean().item()
     if lo64 == hi64:
@@ -438,10 +454,10 @@ MEAN_CASES = [
 
 @pytest.mark.parametrize("source", ["generator", "counter"])
 @pytest.mark.parametrize(("dtype", "x"), MEAN_CASES)
-def test_stochastic_rounding_is_unbiased(dtype, x, source):
+def test_stochastic_rounding_is_unbiased(dtype, x, source, device):
     lo, hi = neighbours(torch.tensor([x], dtype=FP32), dtype)
     assert lo.item() != hi.item(), "table values must not be representable"
-    check_unbiased(x, dtype, 200_000, source, seed=11)
+    check_unbiased(x, dtype, 200_000, source, seed=11, device=device)
 
 
 # (dtype, x, exact number of the 2**24 low-bit patterns that must round x up, to the ceiling):
@@ -455,7 +471,7 @@ EXACT_COUNT_CASES = [
 
 
 @pytest.mark.parametrize(("dtype", "x", "count"), EXACT_COUNT_CASES, ids=["bf16", "fp16"])
-def test_stochastic_exactly_unbiased_over_all_bit_patterns(dtype, x, count):
+def test_stochastic_exactly_unbiased_over_all_bit_patterns(dtype, x, count, device):
     """Over every value of the 24 low random bits, x rounds up exactly p * 2**24 times."""
     n = 2**24
     xs = torch.full((n,), x, dtype=FP32)
@@ -463,7 +479,8 @@ def test_stochastic_exactly_unbiased_over_all_bit_patterns(dtype, x, count):
     lo, hi = neighbours(xs[:1], dtype)
     p = (x - lo.double().item()) / (hi.double().item() - lo.double().item())
     assert p * n == count  # the table is consistent with the neighbours
-    r = round_stochastic_with_bits(xs, torch.arange(n, dtype=torch.int32), dtype)
+    bits = torch.arange(n, dtype=torch.int32, device=device)
+    r = round_stochastic_with_bits(xs.to(device), bits, dtype).cpu()
     ups = (r == hi).sum().item()
     assert ups == count and (r == lo).sum().item() == n - count, f"{ups} of 2**24 up, want {count}"
 
@@ -476,11 +493,12 @@ def float_and_dtype(draw):
     return dtype, x
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @settings(deadline=None, max_examples=30, derandomize=True)
 @given(float_and_dtype(), st.integers(0, 2**16))
-def test_stochastic_rounding_unbiased_random_floats(case, seed):
+def test_stochastic_rounding_unbiased_random_floats(device, case, seed):
     dtype, x = case
-    check_unbiased(x, dtype, 20_000, "generator", seed)
+    check_unbiased(x, dtype, 20_000, "generator", seed, device)
 
 
 def log_uniform_sample(dtype, n=50_000, seed=3) -> torch.Tensor:
@@ -495,14 +513,16 @@ def log_uniform_sample(dtype, n=50_000, seed=3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_stochastic_result_is_a_neighbour(dtype):
+def test_stochastic_result_is_a_neighbour(dtype, device):
     x = log_uniform_sample(dtype)
     lo, hi = neighbours(x, dtype)
-    g = torch.Generator().manual_seed(5)
+    xd = x.to(device)
+    g = torch.Generator(device).manual_seed(5)
     for k in range(4):
+        bits = counter_bits(x.numel(), stream_key(5, k), device=device)
         for r in (
-            round_stochastic(x, dtype, generator=g),
-            round_stochastic_with_bits(x, counter_bits(x.numel(), stream_key(5, k)), dtype),
+            round_stochastic(xd, dtype, generator=g).cpu(),
+            round_stochastic_with_bits(xd, bits, dtype).cpu(),
         ):
             assert r.dtype == dtype and r.shape == x.shape
             bad = (r != lo) & (r != hi)
@@ -511,11 +531,11 @@ def test_stochastic_result_is_a_neighbour(dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_stochastic_keeps_every_representable_value(dtype):
+def test_stochastic_keeps_every_representable_value(dtype, device):
     exact = u16_to_h16(torch.arange(65536), dtype)
     x = exact.float()  # exact widening
     finite_or_inf = ~torch.isnan(exact)
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator(device).manual_seed(9)
     for bits in (
         torch.zeros(65536, dtype=torch.int64),
         torch.full((65536,), 2**32 - 1, dtype=torch.int64),
@@ -523,9 +543,9 @@ def test_stochastic_keeps_every_representable_value(dtype):
         None,
     ):
         if bits is None:
-            r = round_stochastic(x, dtype, generator=g)
+            r = round_stochastic(x.to(device), dtype, generator=g).cpu()
         else:
-            r = round_stochastic_with_bits(x, bits, dtype)
+            r = round_stochastic_with_bits(x.to(device), bits.to(device), dtype).cpu()
         assert torch.equal(h16_to_u16(r)[finite_or_inf], h16_to_u16(exact)[finite_or_inf])
         assert torch.isnan(r[~finite_or_inf]).all()
 
@@ -534,12 +554,12 @@ def test_stochastic_keeps_every_representable_value(dtype):
 @pytest.mark.parametrize(
     "value", [INF, -INF, math.nan, 0.0, -0.0], ids=["inf", "-inf", "nan", "+0", "-0"]
 )
-def test_stochastic_special_values_pass_through(dtype, value):
-    x = torch.full((1000,), value, dtype=FP32)
+def test_stochastic_special_values_pass_through(dtype, value, device):
+    x = torch.full((1000,), value, dtype=FP32, device=device)
     for r in (
-        round_stochastic(x, dtype, generator=torch.Generator().manual_seed(0)),
-        round_stochastic_with_bits(x, torch.full((1000,), 2**32 - 1), dtype),
-        round_stochastic_with_bits(x, torch.zeros(1000, dtype=torch.int64), dtype),
+        round_stochastic(x, dtype, generator=torch.Generator(device).manual_seed(0)),
+        round_stochastic_with_bits(x, torch.full((1000,), 2**32 - 1, device=device), dtype),
+        round_stochastic_with_bits(x, torch.zeros(1000, dtype=torch.int64, device=device), dtype),
     ):
         if math.isnan(value):
             assert torch.isnan(r).all()
@@ -568,13 +588,13 @@ NEAR_MAX = [
 
 @pytest.mark.parametrize(("dtype", "values"), NEAR_MAX, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_stochastic_never_overflows_within_range(dtype, values, sign):
+def test_stochastic_never_overflows_within_range(dtype, values, sign, device):
     n = 20_000
-    x = (sign * torch.tensor(values, dtype=FP32)).repeat_interleave(n)
+    x = (sign * torch.tensor(values, dtype=FP32)).repeat_interleave(n).to(device)
     assert (x.abs() <= torch.finfo(dtype).max).all()
     outs = [
-        round_stochastic(x, dtype, generator=torch.Generator().manual_seed(2)),
-        round_stochastic_with_bits(x, counter_bits(x.numel(), 3), dtype),
+        round_stochastic(x, dtype, generator=torch.Generator(device).manual_seed(2)),
+        round_stochastic_with_bits(x, counter_bits(x.numel(), 3, device=device), dtype),
         # The extreme bit patterns force rounding up (bfloat16: all ones; float16: zero).
         round_stochastic_with_bits(x, torch.full_like(x, 2**32 - 1, dtype=torch.int64), dtype),
         round_stochastic_with_bits(x, torch.zeros_like(x, dtype=torch.int64), dtype),
@@ -585,11 +605,11 @@ def test_stochastic_never_overflows_within_range(dtype, values, sign):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_stochastic_reproducible_with_seed(dtype):
-    x = torch.randn(10_000) * 3
-    a = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(42))
-    b = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(42))
-    c = round_stochastic(x, dtype, generator=torch.Generator().manual_seed(43))
+def test_stochastic_reproducible_with_seed(dtype, device):
+    x = (torch.randn(10_000) * 3).to(device)
+    a = round_stochastic(x, dtype, generator=torch.Generator(device).manual_seed(42))
+    b = round_stochastic(x, dtype, generator=torch.Generator(device).manual_seed(42))
+    c = round_stochastic(x, dtype, generator=torch.Generator(device).manual_seed(43))
     assert torch.equal(h16_to_u16(a), h16_to_u16(b))
     assert not torch.equal(a, c)
     # Disagreements are common: most values are inexact, each an independent coin.
@@ -597,28 +617,30 @@ def test_stochastic_reproducible_with_seed(dtype):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_stochastic_non_contiguous_input(dtype):
-    x = (torch.randn(30, 20) * 10).t()
+def test_stochastic_non_contiguous_input(dtype, device):
+    x = (torch.randn(30, 20) * 10).to(device).t()
     assert not x.is_contiguous()
-    bits = counter_bits(x.numel(), stream_key(4)).reshape(x.shape)
+    bits = counter_bits(x.numel(), stream_key(4), device=device).reshape(x.shape)
     r = round_stochastic_with_bits(x, bits, dtype)
     assert r.shape == (20, 30)
     assert torch.equal(
         h16_to_u16(r), h16_to_u16(round_stochastic_with_bits(x.contiguous(), bits, dtype))
     )
+    x, r = x.cpu(), r.cpu()
     lo, hi = neighbours(x, dtype)
     assert ((r == lo) | (r == hi)).all()
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_stochastic_with_bits_deterministic(dtype):
-    x = torch.randn(4, 2500) * 100
-    bits = counter_bits(x.numel(), stream_key(1, 2, 3))
+def test_stochastic_with_bits_deterministic(dtype, device):
+    x = (torch.randn(4, 2500) * 100).to(device)
+    bits = counter_bits(x.numel(), stream_key(1, 2, 3), device=device)
     a = round_stochastic_with_bits(x, bits, dtype)  # flat bits of x's numel are accepted
     b = round_stochastic_with_bits(x, bits.reshape(4, 2500).clone(), dtype)
     assert a.shape == x.shape
     assert torch.equal(h16_to_u16(a), h16_to_u16(b))
-    other = round_stochastic_with_bits(x, counter_bits(x.numel(), stream_key(1, 2, 4)), dtype)
+    other_bits = counter_bits(x.numel(), stream_key(1, 2, 4), device=device)
+    other = round_stochastic_with_bits(x, other_bits, dtype)
     assert (a != other).float().mean() > 0.1
 
 
@@ -636,10 +658,10 @@ def lowbias32(v: int) -> int:
 
 
 @pytest.mark.parametrize("key", [0, 1, 2**32 - 1, 2**32, 2**64 - 1, 0x0123456789ABCDEF])
-def test_counter_bits_matches_integer_reference(key):
+def test_counter_bits_matches_integer_reference(key, device):
     # The stream is part of what a checkpoint depends on: pin it against exact integer arithmetic.
     offset = 2**32 - 300  # index + key wraps modulo 2**32 inside this range for some keys
-    got = counter_bits(600, key, offset=offset).tolist()
+    got = counter_bits(600, key, offset=offset, device=device).tolist()
     lo, hi = key & 0xFFFFFFFF, key >> 32 & 0xFFFFFFFF
     want = [lowbias32(lowbias32(i + lo) ^ hi) for i in range(offset, offset + 600)]
     assert got == want
@@ -648,14 +670,16 @@ def test_counter_bits_matches_integer_reference(key):
 @pytest.mark.parametrize("key", [0, 2**32 - 1, 0x0123456789ABCDEF, 0xFFFFFFFF00000001])
 @pytest.mark.parametrize("start", [0, 2**31 - 300, 2**32 - 300, 5 * 2**32 + 7])
 @pytest.mark.parametrize("as_tensor", [False, True])
-def test_hash_bits_int32_and_int64_indices_match_the_reference(key, start, as_tensor):
+def test_hash_bits_int32_and_int64_indices_match_the_reference(key, start, as_tensor, device):
     # The compiled step hashes int32 indices in int32 arithmetic (wrapping multiplies, masked
     # arithmetic shifts); int64 indices are reduced to their low 32 bits first. Both must give
-    # lowbias32's bits exactly, with the key as ints or as 0-d int64 tensors.
+    # lowbias32's bits exactly, with the key as ints or as 0-d int64 tensors (on the device, as
+    # a step keeps them).
     lo, hi = key & 0xFFFFFFFF, key >> 32
-    k = (torch.tensor(lo), torch.tensor(hi)) if as_tensor else (lo, hi)
+    k = (torch.tensor(lo, device=device), torch.tensor(hi, device=device)) if as_tensor else (
+        lo, hi)
     want = [lowbias32(lowbias32(i + lo) ^ hi) for i in range(start, start + 600)]
-    idx64 = torch.arange(start, start + 600, dtype=torch.int64)
+    idx64 = torch.arange(start, start + 600, dtype=torch.int64, device=device)
     got64 = hash_bits(idx64, *k)
     assert got64.dtype == torch.int32
     assert (got64.to(torch.int64) & 0xFFFFFFFF).tolist() == want
@@ -664,27 +688,29 @@ def test_hash_bits_int32_and_int64_indices_match_the_reference(key, start, as_te
         assert got32.dtype == torch.int32 and torch.equal(got32, got64)
 
 
-def test_counter_bits_deterministic_and_in_range():
+def test_counter_bits_deterministic_and_in_range(device):
     k = stream_key(123, 4, 5)
-    a, b = counter_bits(10_000, k), counter_bits(10_000, k)
+    a, b = counter_bits(10_000, k, device=device), counter_bits(10_000, k, device=device)
     assert a.dtype == torch.int64 and a.shape == (10_000,)
     assert torch.equal(a, b)
+    assert torch.equal(a.cpu(), counter_bits(10_000, k))  # the same bits on every device
     assert a.min() >= 0 and a.max() < 2**32
-    c = counter_bits(10_000, k + 1)
-    d = counter_bits(10_000, k ^ (1 << 40))  # differs only in the high word
+    c = counter_bits(10_000, k + 1, device=device)
+    d = counter_bits(10_000, k ^ (1 << 40), device=device)  # differs only in the high word
     for other in (c, d):
         assert (a == other).sum() <= 2  # chance agreement ~ 2**-32 per element
 
 
 @pytest.mark.parametrize(("numel", "offset", "total"), [(10, 5, 15), (1, 0, 1), (100, 900, 1000)])
-def test_counter_bits_offset_is_a_slice(numel, offset, total):
+def test_counter_bits_offset_is_a_slice(numel, offset, total, device):
     k = stream_key(8, 9)
-    assert torch.equal(counter_bits(numel, k, offset=offset), counter_bits(total, k)[offset:])
+    assert torch.equal(counter_bits(numel, k, offset=offset, device=device),
+                       counter_bits(total, k, device=device)[offset:])
 
 
-def test_counter_bits_uniform():
+def test_counter_bits_uniform(device):
     n = 1_000_000
-    raw = counter_bits(n, stream_key(2024, 1))
+    raw = counter_bits(n, stream_key(2024, 1), device=device).cpu()
     se = math.sqrt((2**64 - 1) / 12 / n)  # uniform on {0, ..., 2**32 - 1}
     mean, want = raw.double().mean().item(), 2**31 - 0.5
     assert abs(mean - want) <= Z * se, f"mean {mean} vs {want}, bound {Z} SE = {Z * se:.4g}"
@@ -730,21 +756,21 @@ SR_BAD_INPUT = [FP16, BF16, torch.float64, torch.int32]
 
 
 @pytest.mark.parametrize("in_dtype", SR_BAD_INPUT)
-def test_stochastic_rejects_non_float32(in_dtype):
-    x = torch.zeros(8, dtype=in_dtype)
+def test_stochastic_rejects_non_float32(in_dtype, device):
+    x = torch.zeros(8, dtype=in_dtype, device=device)
     with pytest.raises(TypeError):
         round_stochastic(x, BF16)
     with pytest.raises(TypeError):
-        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64), FP16)
+        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64, device=device), FP16)
 
 
 @pytest.mark.parametrize("target", [FP32, torch.float64, torch.int16])
-def test_stochastic_rejects_bad_target(target):
-    x = torch.zeros(8)
+def test_stochastic_rejects_bad_target(target, device):
+    x = torch.zeros(8, device=device)
     with pytest.raises(ValueError):
         round_stochastic(x, target)
     with pytest.raises(ValueError):
-        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64), target)
+        round_stochastic_with_bits(x, torch.zeros(8, dtype=torch.int64, device=device), target)
 
 
 # ------------------------------------------------------------------------------- format facts
@@ -803,6 +829,8 @@ ULP_EXTRA = {
 ULP_CASES = [(d, v) for d in (BF16, FP16, FP32) for v in ULP_VALUES + ULP_EXTRA[d]]
 
 
+# (ulp of a Python float computes on the CPU; test_ulp_tensor_shape_and_non_finite takes tensors
+# on each device.)
 @pytest.mark.parametrize(("dtype", "x"), ULP_CASES)
 def test_ulp_matches_bruteforce(dtype, x):
     got = ulp(x, dtype)
@@ -831,10 +859,10 @@ def test_ulp_known_values(dtype, x, want):
     assert ulp(x, dtype).item() == want
 
 
-def test_ulp_tensor_shape_and_non_finite():
-    x = torch.tensor([[1.0, INF], [-INF, math.nan]], dtype=FP32)
+def test_ulp_tensor_shape_and_non_finite(device):
+    x = torch.tensor([[1.0, INF], [-INF, math.nan]], dtype=FP32, device=device)
     u = ulp(x, BF16)
-    assert u.shape == (2, 2) and u.dtype == torch.float64
+    assert u.shape == (2, 2) and u.dtype == torch.float64 and u.device == x.device
     assert u[0, 0].item() == 2.0**-7
     assert torch.isnan(u.flatten()[1:]).all()
     assert ulp(1.0).item() == 2.0**-7  # default dtype is bfloat16
@@ -843,39 +871,41 @@ def test_ulp_tensor_shape_and_non_finite():
 
 
 @pytest.mark.parametrize("v", [1.0, 3.0, -5.5, 256.0, 1e-3, -1e30, 7e-39])
-def test_swamping_below_half_ulp(v):
+def test_swamping_below_half_ulp(v, device):
     """An update under half an ulp vanishes when added to a bfloat16 value; just over it does not."""
-    w = torch.tensor([v], dtype=FP32).to(BF16)  # a bfloat16 value
+    w = torch.tensor([v], dtype=FP32).to(BF16).to(device)  # a bfloat16 value
     u = ulp(w.float(), BF16).item()
     s = math.copysign(1.0, v)  # move away from zero: the ulp above |w| is the one that counts
-    small = torch.tensor([s * 0.49 * u], dtype=FP32)
-    big = torch.tensor([s * 0.51 * u], dtype=FP32)
+    small = torch.tensor([s * 0.49 * u], dtype=FP32, device=device)
+    big = torch.tensor([s * 0.51 * u], dtype=FP32, device=device)
     assert torch.equal((w.float() + small).to(BF16), w), "sub-half-ulp update was not lost"
     moved = (w.float() + big).to(BF16)
     assert moved.double().item() == w.double().item() + s * u, "over-half-ulp update was lost"
     # The same in native bfloat16 arithmetic (updates chosen representable in bfloat16).
-    small16 = torch.tensor([s * 0.375 * u], dtype=torch.float64).to(BF16)
-    big16 = torch.tensor([s * (0.5 + 2**-6) * u], dtype=torch.float64).to(BF16)
+    small16 = torch.tensor([s * 0.375 * u], dtype=torch.float64).to(BF16).to(device)
+    big16 = torch.tensor([s * (0.5 + 2**-6) * u], dtype=torch.float64).to(BF16).to(device)
     assert torch.equal(w + small16, w)
     assert not torch.equal(w + big16, w)
     # Stochastic rounding keeps the small update in expectation (it is not always lost).
     xs = (w.float() + small).expand(4000).contiguous()
-    r = round_stochastic(xs, BF16, generator=torch.Generator().manual_seed(0))
+    r = round_stochastic(xs, BF16, generator=torch.Generator(device).manual_seed(0))
     assert (r != w).any()
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 3 * 65536 + 777])
-def test_sum_squares_is_exact_squares_summed_in_fp64_in_any_order(n):
+def test_sum_squares_is_exact_squares_summed_in_fp64_in_any_order(n, device):
     """sum_squares against the correctly rounded sum of the exact squares (math.fsum): whole, in
-    chunks, on pairs and compiled, to FP64's rounding, and the same FP32 norm every way."""
+    chunks, on pairs and compiled, to FP64's rounding, and the same FP32 norm every way (the
+    claim covers any order of the sum, so CUDA's, and Triton's, too)."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
     ref = math.fsum(v * v for v in x.double().tolist())  # FP32 squares are exact in FP64
-    chunks = math.fsum(numerics.sum_squares(x[i:i + 4096]).item() for i in range(0, n, 4096))
-    values = [numerics.sum_squares(x).item(), chunks]
+    xd = x.to(device)
+    chunks = math.fsum(numerics.sum_squares(xd[i:i + 4096]).item() for i in range(0, n, 4096))
+    values = [numerics.sum_squares(xd).item(), chunks]
     if n % 2 == 0:
-        values.append(numerics.sum_squares_pairs(x[0::2], x[1::2]).item())
+        values.append(numerics.sum_squares_pairs(xd[0::2], xd[1::2]).item())
     if n > 1:
-        values.append(torch.compile(numerics.sum_squares, dynamic=True)(x).item())
+        values.append(torch.compile(numerics.sum_squares, dynamic=True)(xd).item())
     for value in values:
         assert value == pytest.approx(ref, rel=1e-12, abs=0)
         assert torch.tensor(value).sqrt().float() == torch.tensor(ref).sqrt().float()
@@ -885,12 +915,12 @@ def test_sum_squares_is_exact_squares_summed_in_fp64_in_any_order(n):
         assert abs(fp32 - ref) / ref > 1e-12
 
 
-def test_round_stochastic_inside_torch_compile_draws_what_eager_draws():
+def test_round_stochastic_inside_torch_compile_draws_what_eager_draws(device):
     # torch.randint(..., generator=None) failed to trace; without a generator the compiled call
-    # draws from the default one, the same bits as eager under fallback_random.
+    # draws from the default one (the device's), the same bits as eager under fallback_random.
     import torch._inductor.config
 
-    x = torch.randn(1000) * 3
+    x = (torch.randn(1000) * 3).to(device)
     compiled = torch.compile(numerics.round_stochastic, dynamic=True)
 
     @torch._inductor.config.patch(fallback_random=True)

@@ -1,4 +1,12 @@
-"""lowprec.optim against trusted references: torch.optim, FP32 runs, the split encoding."""
+"""lowprec.optim against trusted references: torch.optim, FP32 runs, the split encoding.
+
+Tests that take ``device`` make their parameters there (the CPU, and CUDA where present: the
+``device`` fixture); gradients and initial values are drawn on the CPU and moved, so every device
+sees the same numbers. A reference runs on the same device as the run it is compared with
+(``torch.optim`` with ``foreach=False``, its for-loop implementation, as on the CPU); the
+bit-for-bit claims (split == FP32, resumed == uninterrupted, chunked == one pass) compare two runs
+on one device.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +26,8 @@ from tests.reference.lamb import ReferenceLamb
 SHAPES = [(33, 17), (64,), (5, 3, 4), (1,)]
 
 
-def make_params(dtype=torch.float32, shapes=SHAPES, scale=1.0):
-    return [(torch.randn(s) * scale).to(dtype).requires_grad_() for s in shapes]
+def make_params(dtype=torch.float32, shapes=SHAPES, scale=1.0, device="cpu"):
+    return [(torch.randn(s) * scale).to(dtype).to(device).requires_grad_() for s in shapes]
 
 
 def grad_sequence(shapes, steps, seed=0, dtype=torch.float32):
@@ -29,7 +37,7 @@ def grad_sequence(shapes, steps, seed=0, dtype=torch.float32):
 
 def feed(params, grads):
     for p, g in zip(params, grads, strict=True):
-        p.grad = g.to(p.dtype).clone()
+        p.grad = g.to(p.dtype).to(p.device).clone()
 
 
 def run(opt, params, seq):
@@ -42,7 +50,7 @@ def assert_rel_close(actual, expected, rel=1e-6):
     """Relative closeness at the tensor's scale: the norm-wise relative error and every element's
     error measured against the largest magnitude (an element near zero after a random walk has no
     meaningful relative error of its own)."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
     scale = expected.abs().max().clamp_min(1e-30)
     norm_err = ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
     max_err = ((actual - expected).abs().max() / scale).item()
@@ -94,8 +102,8 @@ CASES = (
 
 
 @pytest.mark.parametrize(("ours", "ref", "kw"), CASES, ids=lambda v: getattr(v, "__name__", v))
-def test_none_on_fp32_matches_torch(ours, ref, kw):
-    params = make_params()
+def test_none_on_fp32_matches_torch(ours, ref, kw, device):
+    params = make_params(device=device)
     ref_params = [p.detach().clone().requires_grad_() for p in params]
     opt = ours(params, master="none", **kw)
     ref_opt = ref(ref_params, foreach=False, **kw)
@@ -116,37 +124,38 @@ LAMB_CASES = [
 
 
 @pytest.mark.parametrize("kw", LAMB_CASES)
-def test_lamb_none_on_fp32_matches_the_paper(kw):
-    params = make_params()
-    ref = ReferenceLamb(params, **kw)
+def test_lamb_none_on_fp32_matches_the_paper(kw, device):
+    params = make_params(device=device)
+    ref = ReferenceLamb([p.cpu() for p in params], **kw)  # (FP64, on the CPU)
     opt = Lamb(params, master="none", **kw)
     for grads in grad_sequence(SHAPES, 100):
         feed(params, grads)
         opt.step()
         ref.step(grads)
     for p, w in zip(params, ref.w, strict=True):
-        torch.testing.assert_close(p.detach().double(), w, rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().cpu().double(), w, rtol=2e-5, atol=1e-6)
 
 
-def test_lamb_trust_ratio_is_one_for_zero_norms():
-    w = torch.zeros(10, requires_grad=True)  # ||w|| = 0: the step is lr * u
+def test_lamb_trust_ratio_is_one_for_zero_norms(device):
+    w = torch.zeros(10, device=device, requires_grad=True)  # ||w|| = 0: the step is lr * u
     opt = Lamb([w], lr=0.1)
-    w.grad = torch.ones(10)
+    w.grad = torch.ones(10, device=device)
     opt.step()  # m_hat = 1, v_hat = 1: u = 1 / (1 + eps)
-    torch.testing.assert_close(w.detach(), torch.full((10,), -0.1 / (1 + 1e-6)))
-    z = torch.ones(4, requires_grad=True)  # ||u|| = 0 (zero gradient, no decay): nothing moves
+    torch.testing.assert_close(w.detach().cpu(), torch.full((10,), -0.1 / (1 + 1e-6)))
+    # ||u|| = 0 (zero gradient, no decay): nothing moves
+    z = torch.ones(4, device=device, requires_grad=True)
     opt = Lamb([z], lr=0.1)
-    z.grad = torch.zeros(4)
+    z.grad = torch.zeros(4, device=device)
     opt.step()
-    assert torch.equal(z.detach(), torch.ones(4))
+    assert torch.equal(z.detach().cpu(), torch.ones(4))
 
 
 @pytest.mark.parametrize(
     ("ours", "ref", "kw"), [CASES[1], CASES[len(SGD_CASES) + 4], CASES[-3]],
     ids=["sgd", "adamw", "adagrad"],
 )
-def test_param_groups_and_scheduler_match_torch(ours, ref, kw):
-    a, b = make_params(shapes=[(10, 10)]), make_params(shapes=[(7,)])
+def test_param_groups_and_scheduler_match_torch(ours, ref, kw, device):
+    a, b = make_params(shapes=[(10, 10)], device=device), make_params(shapes=[(7,)], device=device)
     ra, rb = ([p.detach().clone().requires_grad_() for p in ps] for ps in (a, b))
     opt = ours([{"params": a}, {"params": b, "lr": 0.01}], **kw)
     ref_opt = ref([{"params": ra}, {"params": rb, "lr": 0.01}], foreach=False, **kw)
@@ -164,8 +173,8 @@ def test_param_groups_and_scheduler_match_torch(ours, ref, kw):
         assert_rel_close(p, q)
 
 
-def test_closure_zero_grad_add_param_group():
-    w = torch.randn(8, requires_grad=True)
+def test_closure_zero_grad_add_param_group(device):
+    w = torch.randn(8).to(device).requires_grad_()
     opt = SGD([w], lr=0.1)
 
     def closure():
@@ -180,21 +189,21 @@ def test_closure_zero_grad_add_param_group():
     torch.testing.assert_close(w.detach(), before * 0.8)
     opt.zero_grad()
     assert w.grad is None
-    extra = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
+    extra = torch.randn(3, dtype=torch.bfloat16).to(device).requires_grad_()
     opt.add_param_group({"params": [extra], "lr": 1.0})
-    extra.grad = torch.ones(3, dtype=torch.bfloat16)
+    extra.grad = torch.ones(3, dtype=torch.bfloat16, device=device)
     opt.step()
     assert "compensation" in opt.state[extra]  # "auto" on bf16 -> kahan
     assert opt.param_groups[1]["master"] == "auto"
 
 
-def test_params_without_grad_are_skipped_and_zero_size_works():
-    a, b, empty = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True), (
-        torch.randn(0, dtype=torch.bfloat16, requires_grad=True)
-    )
+def test_params_without_grad_are_skipped_and_zero_size_works(device):
+    a, b, empty = (torch.randn(4).to(device).requires_grad_(),
+                   torch.randn(4).to(device).requires_grad_(),
+                   torch.randn(0, dtype=torch.bfloat16).to(device).requires_grad_())
     opt = AdamW([a, b, empty])
-    a.grad = torch.ones(4)
-    empty.grad = torch.zeros(0, dtype=torch.bfloat16)
+    a.grad = torch.ones(4, device=device)
+    empty.grad = torch.zeros(0, dtype=torch.bfloat16, device=device)
     b0 = b.detach().clone()
     opt.step()
     assert torch.equal(b, b0) and not opt.state[b]
@@ -215,9 +224,9 @@ SPLIT_CASES = [
 
 
 @pytest.mark.parametrize(("cls", "kw"), SPLIT_CASES)
-def test_split_equals_fp32_bit_for_bit(cls, kw):
+def test_split_equals_fp32_bit_for_bit(cls, kw, device):
     shapes = [(40, 30), (30,)]
-    bf = make_params(torch.bfloat16, shapes)
+    bf = make_params(torch.bfloat16, shapes, device=device)
     fp = [p.detach().float().requires_grad_() for p in bf]  # same starting values
     opt_bf = cls(bf, master="split", **kw)
     opt_fp = cls(fp, master="none", **kw)
@@ -243,13 +252,13 @@ def test_split_equals_fp32_bit_for_bit(cls, kw):
 STRATEGIES = ["none", "kahan", "stochastic", "fp32", "split"]
 
 
-def _small_update_errors(cls, kw, steps=1000):
+def _small_update_errors(cls, kw, steps=1000, device="cpu"):
     """Relative error of each strategy's final master weights against an FP32 run, where every
     update is far below half a BF16 ulp: |w| in [1, 2] (half-ulp 2**-8 ~ 4e-3) and
     lr * |g| ~ 1e-4, with gradients drifting one way (mean 1) so the weights move steadily."""
     shape = (256, 64)
     sign = torch.randint(0, 2, shape) * 2 - 1
-    init = [((torch.rand(shape) + 1) * sign).to(torch.bfloat16).requires_grad_()]
+    init = [((torch.rand(shape) + 1) * sign).to(torch.bfloat16).to(device).requires_grad_()]
     gen = torch.Generator().manual_seed(7)
     seq = [[(1 + 0.5 * torch.randn(shape, generator=gen)).to(torch.bfloat16)]
            for _ in range(steps)]
@@ -271,8 +280,8 @@ def _small_update_errors(cls, kw, steps=1000):
      (Adagrad, dict(lr=1e-3)), (Lamb, dict(lr=1e-4))],
     ids=["sgd", "adamw", "adagrad", "lamb"],
 )
-def test_compensated_strategies_follow_fp32_where_nearest_loses_updates(cls, kw):
-    err = _small_update_errors(cls, kw)
+def test_compensated_strategies_follow_fp32_where_nearest_loses_updates(cls, kw, device):
+    err = _small_update_errors(cls, kw, device=device)
     # Measured (SGD / AdamW / Adagrad / LAMB): none 1.0 for all (every update rounded away);
     # fp32 and split 0.0 (bit-exact masters); kahan 0.001 / 0.022 / 0.034 / 0.006; stochastic
     # 0.28 / 0.30 / 0.38 / 0.23 (unbiased, but every step adds rounding noise that averages out
@@ -292,10 +301,10 @@ DECAY_CASES = [  # (optimizer, options, decay factor per step with zero gradient
 
 @pytest.mark.parametrize(("cls", "kw", "factor"), DECAY_CASES, ids=["sgd", "adamw", "lamb"])
 @pytest.mark.parametrize("master", ["kahan", "fp32", "split", "stochastic"])
-def test_weight_decay_below_half_ulp_still_acts(cls, kw, factor, master):
+def test_weight_decay_below_half_ulp_still_acts(cls, kw, factor, master, device):
     # Decay alone: 1e-4 of the weight per step, far below a BF16 half-ulp (2**-9 relative).
     steps = 1000
-    w = (torch.rand(4096) + 1.0).to(torch.bfloat16).requires_grad_()  # |w| in [1, 2]
+    w = (torch.rand(4096) + 1.0).to(torch.bfloat16).to(device).requires_grad_()  # |w| in [1, 2]
     w0 = w.detach().float().clone()
     opt = cls([w], master=master, seed=11, **kw)
     naive = w.detach().clone().requires_grad_()
@@ -332,8 +341,8 @@ def test_weight_decay_below_half_ulp_still_acts(cls, kw, factor, master):
     ],
 )
 @pytest.mark.parametrize("cls", [AdamW, Lamb])
-def test_adam_family_bytes_per_param(cls, dtype, master, state_dtype, expected):
-    params = make_params(dtype, [(128, 64), (64,)])
+def test_adam_family_bytes_per_param(cls, dtype, master, state_dtype, expected, device):
+    params = make_params(dtype, [(128, 64), (64,)], device=device)
     opt = cls(params, master=master, state_dtype=state_dtype)
     feed(params, grad_sequence([(128, 64), (64,)], 1)[0])
     opt.step()
@@ -343,8 +352,8 @@ def test_adam_family_bytes_per_param(cls, dtype, master, state_dtype, expected):
 @pytest.mark.parametrize(
     ("cls", "kw"), [(SGD, dict(lr=0.1, momentum=0.9)), (Adagrad, dict())], ids=["sgd", "adagrad"]
 )
-def test_one_buffer_optimizers_bytes_per_param(cls, kw):
-    params = make_params(torch.bfloat16, [(128, 64)])
+def test_one_buffer_optimizers_bytes_per_param(cls, kw, device):
+    params = make_params(torch.bfloat16, [(128, 64)], device=device)
     cases = {"none": 6, "kahan": 8, "split": 10, "fp32": 12, "stochastic": 6}
     for master, expected in cases.items():
         ps = [p.detach().clone().requires_grad_() for p in params]
@@ -354,8 +363,8 @@ def test_one_buffer_optimizers_bytes_per_param(cls, kw):
         assert state_bytes(opt, ps) == expected, master
 
 
-def test_auto_resolution_and_mixed_dtypes_in_one_group():
-    w16, w32 = torch.randn(8, dtype=torch.bfloat16), torch.randn(8)
+def test_auto_resolution_and_mixed_dtypes_in_one_group(device):
+    w16, w32 = torch.randn(8, dtype=torch.bfloat16).to(device), torch.randn(8).to(device)
     w16.requires_grad_(), w32.requires_grad_()
     opt = AdamW([w16, w32], master="kahan")
     w16.grad, w32.grad = torch.ones_like(w16), torch.ones_like(w32)
@@ -370,14 +379,17 @@ def test_auto_resolution_and_mixed_dtypes_in_one_group():
 
 
 @pytest.mark.parametrize("master", STRATEGIES)
-def test_master_weight_and_export(master):
+def test_master_weight_and_export(master, device):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5)).to(torch.bfloat16)
+    model.to(device)
     model[1].float()  # a layer kept in FP32
     # (every strategy, split too, leaves the FP32 layer plain in the same group)
     opt = AdamW(model.parameters(), lr=1e-2, master=master)
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randn(4, 6, dtype=torch.bfloat16)).float().sum().backward()
+        x = torch.randn(4, 6, dtype=torch.bfloat16).to(device)
+        # (the FP32 layer takes FP32 input: CUDA's layer_norm wants one dtype for both)
+        model[1](model[0](x).float()).sum().backward()
         opt.step()
     w = model[0].weight
     mw = opt.master_weight(w)
@@ -386,7 +398,7 @@ def test_master_weight_and_export(master):
     expected = {
         "none": w.detach().float(),
         "stochastic": w.detach().float(),
-        "kahan": w.detach().float() + st.get("compensation", torch.zeros(())).float(),
+        "kahan": w.detach().float() + st.get("compensation", torch.zeros((), device=device)).float(),
         "fp32": st.get("master_weight"),
         "split": join(w.detach(), st["trail"]) if "trail" in st else None,
     }[master]
@@ -397,11 +409,11 @@ def test_master_weight_and_export(master):
     assert torch.equal(exported["0.weight"], mw)
     assert torch.equal(exported["1.weight"], model[1].weight.detach())
     # Before any step the master is the parameter itself.
-    fresh = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
+    fresh = torch.randn(3, dtype=torch.bfloat16).to(device).requires_grad_()
     assert torch.equal(AdamW([fresh]).master_weight(fresh), fresh.detach().float())
 
 
-def test_export_names_every_tie_of_a_tied_weight():
+def test_export_names_every_tie_of_a_tied_weight(device):
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -412,11 +424,11 @@ def test_export_names_every_tie_of_a_tied_weight():
         def forward(self, ids):
             return self.head(self.emb(ids))
 
-    model = Tied().to(torch.bfloat16)
+    model = Tied().to(torch.bfloat16).to(device)
     opt = AdamW(model.parameters(), lr=1e-2, master="split")
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randint(0, 11, (4, 5))).float().sum().backward()
+        model(torch.randint(0, 11, (4, 5)).to(device)).float().sum().backward()
         opt.step()
     master = opt.master_weight(model.emb.weight)
     assert not torch.equal(master, model.emb.weight.detach().float())  # the trail holds bits
@@ -456,10 +468,10 @@ def _bits(t):
 
 
 @pytest.mark.parametrize(("cls", "dtype", "master", "kw"), RESUME_CASES)
-def test_save_load_resumes_bit_for_bit_and_keeps_dtypes(cls, dtype, master, kw):
+def test_save_load_resumes_bit_for_bit_and_keeps_dtypes(cls, dtype, master, kw, device):
     shapes = [(20, 10), (10,)]
     seq = grad_sequence(shapes, 30, seed=5)
-    params = make_params(dtype, shapes)
+    params = make_params(dtype, shapes, device=device)
     init = [p.detach().clone() for p in params]
     opt = cls(params, master=master, seed=99, **kw)
     run(opt, params, seq)  # uninterrupted reference
@@ -486,11 +498,11 @@ def test_save_load_resumes_bit_for_bit_and_keeps_dtypes(cls, dtype, master, kw):
                 assert torch.equal(_bits(v), _bits(opt2.state[q][k])), k
 
 
-def test_torch_default_load_would_round_the_state():
+def test_torch_default_load_would_round_the_state(device):
     """Guards the reason for our override: torch casts state to the param dtype."""
-    p = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
+    p = torch.randn(16, dtype=torch.bfloat16).to(device).requires_grad_()
     opt = AdamW([p], master="fp32")
-    p.grad = torch.randn(16, dtype=torch.bfloat16)
+    p.grad = torch.randn(16, dtype=torch.bfloat16).to(device)
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     q = p.detach().clone().requires_grad_()
@@ -502,7 +514,7 @@ def test_torch_default_load_would_round_the_state():
     assert ours.state[q]["master_weight"].dtype == torch.float32
 
 
-def test_resume_in_a_new_process(tmp_path):
+def test_resume_in_a_new_process(tmp_path, device):
     """A run saved at step N and resumed in a fresh interpreter continues bit for bit."""
     import subprocess
     import sys
@@ -512,14 +524,15 @@ def test_resume_in_a_new_process(tmp_path):
         """
         import sys, torch
         from lowprec.optim import SGD, Adagrad, AdamW, Lamb
-        mode, path = sys.argv[1], sys.argv[2]
+        mode, path, device = sys.argv[1], sys.argv[2], sys.argv[3]
         torch.manual_seed(0)
-        seq = [torch.randn(64, 32) for _ in range(20)]
+        seq = [torch.randn(64, 32).to(device) for _ in range(20)]
         out = {}
         for name, cls in [("sgd", SGD), ("adamw", AdamW), ("adagrad", Adagrad), ("lamb", Lamb)]:
             for master in ["none", "kahan", "split", "stochastic", "fp32"]:
                 key = f"{name}-{master}"
-                w = torch.linspace(-1, 1, 64 * 32).reshape(64, 32).bfloat16().requires_grad_()
+                w = torch.linspace(-1, 1, 64 * 32).reshape(64, 32).bfloat16().to(device)
+                w.requires_grad_()
                 kw = dict(lr=1e-3, master=master, seed=5)
                 if name == "sgd":
                     kw["momentum"] = 0.9
@@ -543,7 +556,7 @@ def test_resume_in_a_new_process(tmp_path):
     f.write_text(script)
     prefix = str(tmp_path / "ck-")
     for mode in ("full", "first", "second"):
-        subprocess.run([sys.executable, str(f), mode, prefix], check=True, timeout=300)
+        subprocess.run([sys.executable, str(f), mode, prefix, device], check=True, timeout=300)
     full = torch.load(prefix + "full", weights_only=True)
     second = torch.load(prefix + "second", weights_only=True)
     assert full.keys() == second.keys() and len(full) == 20
@@ -554,11 +567,11 @@ def test_resume_in_a_new_process(tmp_path):
 # ------------------------------------------------------------------- stochastic determinism
 
 
-def test_stochastic_is_reproducible_and_seeded():
+def test_stochastic_is_reproducible_and_seeded(device):
     def train(seed, manual=None):
         if manual is not None:
             torch.manual_seed(manual)
-        w = torch.linspace(-1, 1, 1000).bfloat16().requires_grad_()
+        w = torch.linspace(-1, 1, 1000).bfloat16().to(device).requires_grad_()
         opt = SGD([w], lr=1e-4, master="stochastic", seed=seed)
         for i in range(20):
             w.grad = torch.full_like(w, 1.0 + i / 20)
@@ -574,71 +587,76 @@ def test_stochastic_is_reproducible_and_seeded():
 
 # ------------------------------------------------------------------------------ bad input
 
+def _z(d, dtype=torch.float32, *, grad=True, n=3):
+    """Zeros on device ``d``: a parameter of the construction table below."""
+    return torch.zeros(n, dtype=dtype, device=d, requires_grad=grad)
+
+
 BAD_CONSTRUCTION = [
-    (lambda: SGD([torch.zeros(3, dtype=torch.int64)]), TypeError, "floating-point"),
-    (lambda: SGD([torch.zeros(3, dtype=torch.complex64)]), TypeError, "floating-point"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], differentiable=True), ValueError,
+    (lambda d: SGD([_z(d, torch.int64, grad=False)]), TypeError, "floating-point"),
+    (lambda d: SGD([_z(d, torch.complex64, grad=False)]), TypeError, "floating-point"),
+    (lambda d: AdamW([_z(d)], differentiable=True), ValueError,
      "does not support differentiable=True"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], capturable=True), ValueError,
+    (lambda d: AdamW([_z(d)], capturable=True), ValueError,
      "does not support capturable=True"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], foreach="yes"), TypeError,
+    (lambda d: SGD([_z(d)], foreach="yes"), TypeError,
      "foreach must be a bool or None"),
-    (lambda: SGD([("w", torch.zeros(3, requires_grad=True)), torch.zeros(2)]), ValueError,
+    (lambda d: SGD([("w", _z(d)), _z(d, n=2, grad=False)]), ValueError,
      "every parameter of a group with its name"),
-    (lambda: AdamW([torch.zeros(3, dtype=torch.float16, requires_grad=True)], master="split"),
+    (lambda d: AdamW([_z(d, torch.float16)], master="split"),
      ValueError, "needs bfloat16.*master='fp32'"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], master="bf16"), ValueError,
+    (lambda d: SGD([_z(d)], master="bf16"), ValueError,
      "unknown master='bf16'; choose one of auto, none"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], lr=-1.0), ValueError, "invalid lr=-1.0"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], momentum=-0.5), ValueError,
+    (lambda d: SGD([_z(d)], lr=-1.0), ValueError, "invalid lr=-1.0"),
+    (lambda d: SGD([_z(d)], momentum=-0.5), ValueError,
      "invalid momentum"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], weight_decay=-1e-4), ValueError,
+    (lambda d: SGD([_z(d)], weight_decay=-1e-4), ValueError,
      "invalid weight_decay"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], nesterov=True), ValueError,
+    (lambda d: SGD([_z(d)], nesterov=True), ValueError,
      "nesterov=True needs momentum > 0"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)], lr="0.1"), TypeError, "lr must be a number"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], betas=(1.0, 0.999)), ValueError,
+    (lambda d: SGD([_z(d)], lr="0.1"), TypeError, "lr must be a number"),
+    (lambda d: AdamW([_z(d)], betas=(1.0, 0.999)), ValueError,
      r"invalid betas\[0\]=1.0"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], betas=(0.9,)), ValueError,
+    (lambda d: AdamW([_z(d)], betas=(0.9,)), ValueError,
      "betas must be a pair"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], eps=-1.0), ValueError, "invalid eps"),
-    (lambda: Lamb([torch.zeros(3, requires_grad=True)], betas=(0.9, -0.1)), ValueError,
+    (lambda d: AdamW([_z(d)], eps=-1.0), ValueError, "invalid eps"),
+    (lambda d: Lamb([_z(d)], betas=(0.9, -0.1)), ValueError,
      r"invalid betas\[1\]"),
-    (lambda: Lamb([torch.zeros(3, dtype=torch.float16, requires_grad=True)], master="split"),
+    (lambda d: Lamb([_z(d, torch.float16)], master="split"),
      ValueError, "needs bfloat16"),
-    (lambda: Adagrad([torch.zeros(3, requires_grad=True)], lr_decay=-1.0), ValueError,
+    (lambda d: Adagrad([_z(d)], lr_decay=-1.0), ValueError,
      "invalid lr_decay"),
-    (lambda: Adagrad([torch.zeros(3, requires_grad=True)], initial_accumulator_value=-1.0),
+    (lambda d: Adagrad([_z(d)], initial_accumulator_value=-1.0),
      ValueError, "invalid initial_accumulator_value"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], state_dtype=torch.int8), ValueError,
+    (lambda d: AdamW([_z(d)], state_dtype=torch.int8), ValueError,
      "state_dtype must be"),
-    (lambda: AdamW([torch.zeros(3, requires_grad=True)], seed=-3), ValueError, "seed must be"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True)] * 2), ValueError, "appears twice"),
-    (lambda: SGD({torch.zeros(3, requires_grad=True)}), TypeError, "not a set"),
-    (lambda: SGD([torch.zeros(3, requires_grad=True), torch.zeros(3, device="meta")]),
+    (lambda d: AdamW([_z(d)], seed=-3), ValueError, "seed must be"),
+    (lambda d: SGD([_z(d)] * 2), ValueError, "appears twice"),
+    (lambda d: SGD({_z(d)}), TypeError, "not a set"),
+    (lambda d: SGD([_z(d), torch.zeros(3, device="meta")]),
      ValueError, "mixes devices"),
 ]
 
 
 @pytest.mark.parametrize(("make", "exc", "match"), BAD_CONSTRUCTION)
-def test_bad_construction(make, exc, match):
+def test_bad_construction(make, exc, match, device):
     with pytest.raises(exc, match=match):
-        make()
+        make(device)
 
 
-def test_same_param_in_two_groups_and_bad_add_param_group_leaves_optimizer_unchanged():
-    p = torch.zeros(3, requires_grad=True)
+def test_same_param_in_two_groups_and_bad_add_param_group_leaves_optimizer_unchanged(device):
+    p = _z(device)
     with pytest.raises(ValueError, match="more than one parameter group"):
         SGD([{"params": [p]}, {"params": [p]}])
     opt = SGD([p])
     with pytest.raises(ValueError, match="invalid lr"):
-        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": -1})
+        opt.add_param_group({"params": [_z(device, n=2)], "lr": -1})
     assert len(opt.param_groups) == 1
 
 
-def _trained_pair(master="kahan"):
-    a = torch.randn(6, dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(6, dtype=torch.bfloat16, requires_grad=True)
+def _trained_pair(master="kahan", device="cpu"):
+    a = torch.randn(6, dtype=torch.bfloat16).to(device).requires_grad_()
+    b = torch.randn(6, dtype=torch.bfloat16).to(device).requires_grad_()
     opt = AdamW([a, b], lr=1e-2, master=master)
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     opt.step()
@@ -659,19 +677,19 @@ def _same(snapshot, opt, params):
 
 
 BAD_STEP = [
-    ("sparse", lambda opt, a, b: setattr(b, "grad", torch.zeros(6, dtype=torch.bfloat16)
-                                         .to_sparse()), ValueError, "sparse gradients"),
+    ("sparse", lambda opt, a, b: setattr(b, "grad", torch.zeros_like(b).to_sparse()), ValueError,
+     "sparse gradients"),
     ("lr", lambda opt, a, b: opt.param_groups[0].update(lr=-0.1), ValueError, "invalid lr"),
     ("master changed", lambda opt, a, b: opt.param_groups[0].update(master="split"),
      ValueError, "state was created with master='kahan'"),
     ("state tampered", lambda opt, a, b: opt.state[b].update(
-        exp_avg=torch.zeros(6, dtype=torch.float32)), ValueError, "state 'exp_avg' should be"),
+        exp_avg=torch.zeros_like(b, dtype=torch.float32)), ValueError, "state 'exp_avg' should be"),
 ]
 
 
 @pytest.mark.parametrize(("name", "spoil", "exc", "match"), BAD_STEP, ids=[c[0] for c in BAD_STEP])
-def test_step_that_raises_changes_nothing(name, spoil, exc, match):
-    opt, a, b = _trained_pair()
+def test_step_that_raises_changes_nothing(name, spoil, exc, match, device):
+    opt, a, b = _trained_pair(device=device)
     a.grad = torch.randn_like(a)
     b.grad = torch.randn_like(b)
     spoil(opt, a, b)
@@ -687,15 +705,16 @@ BAD_LOAD = [
     ("group size", lambda sd: sd["param_groups"][0]["params"].pop(), "has 2 parameters"),
     ("trail for kahan", lambda sd: sd["state"][0].update(master="split"),
      "created with master='split'"),
-    ("wrong dtype", lambda sd: sd["state"][1].update(compensation=torch.zeros(6)),
+    ("wrong dtype", lambda sd: sd["state"][1].update(
+        compensation=sd["state"][1]["compensation"].new_zeros(6, dtype=torch.float32)),
      "should be a"),
     ("bad lr", lambda sd: sd["param_groups"][0].update(lr=-5.0), "invalid lr"),
 ]
 
 
 @pytest.mark.parametrize(("name", "spoil", "match"), BAD_LOAD, ids=[c[0] for c in BAD_LOAD])
-def test_bad_checkpoint_is_rejected_before_anything_changes(name, spoil, match):
-    opt, a, b = _trained_pair()
+def test_bad_checkpoint_is_rejected_before_anything_changes(name, spoil, match, device):
+    opt, a, b = _trained_pair(device=device)
     sd = copy.deepcopy(opt.state_dict())
     spoil(sd)
     snap = _snapshot(opt, [a, b])
@@ -706,8 +725,8 @@ def test_bad_checkpoint_is_rejected_before_anything_changes(name, spoil, match):
     assert opt.param_groups[0]["lr"] == lr
 
 
-def test_pickle_and_setstate_fill_new_options():
-    opt, _, _ = _trained_pair()
+def test_pickle_and_setstate_fill_new_options(device):
+    opt, _, _ = _trained_pair(device=device)
     state = opt.__getstate__()
     for g in state["param_groups"]:
         del g["seed"], g["state_dtype"]
@@ -717,23 +736,24 @@ def test_pickle_and_setstate_fill_new_options():
     assert "seed" in clone.param_groups[0]
 
 
-def test_lr_as_tensor_and_ints_are_accepted():
-    w = torch.ones(4, requires_grad=True)
-    opt = SGD([w], lr=torch.tensor(0.5))
-    w.grad = torch.ones(4)
+def test_lr_as_tensor_and_ints_are_accepted(device):
+    w = torch.ones(4, device=device, requires_grad=True)
+    opt = SGD([w], lr=torch.tensor(0.5))  # (a CPU tensor, as torch.optim's schedulers keep it)
+    w.grad = torch.ones(4, device=device)
     opt.step()
-    assert torch.equal(w.detach(), torch.full((4,), 0.5))
-    assert math.isclose(SGD([torch.ones(1, requires_grad=True)], lr=1).param_groups[0]["lr"], 1)
+    assert torch.equal(w.detach().cpu(), torch.full((4,), 0.5))
+    one = torch.ones(1, device=device, requires_grad=True)
+    assert math.isclose(SGD([one], lr=1).param_groups[0]["lr"], 1)
 
 
 @pytest.mark.parametrize("cls", [SGD, AdamW, Adagrad, Lamb])
 @pytest.mark.parametrize("master", STRATEGIES)
-def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
+def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master, device):
     """Large tensors go through the eager step in chunks; the result must not change."""
     from lowprec.optim import driver
 
     shapes = [(37, 29), (1000,), (3,)]
-    init = make_params(torch.bfloat16, shapes)
+    init = make_params(torch.bfloat16, shapes, device=device)
     seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
     results = []
     for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
@@ -751,13 +771,13 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master):
 
 
 @pytest.mark.parametrize("master", ["none", "split", "stochastic"])
-def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
+def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master, device):
     """LAMB's chunked eager step (sums first, then the update) under grad_scale/found_inf:
     identical to one pass, and a skipped step (inf gradient) changes nothing."""
     from lowprec.optim import driver
 
     shapes = [(37, 29), (300,)]
-    init = make_params(torch.bfloat16, shapes)
+    init = make_params(torch.bfloat16, shapes, device=device)
     seq = grad_sequence(shapes, 4, seed=5, dtype=torch.bfloat16)
     seq[2][0][3, 4] = math.inf  # the third step is skipped
     results = []
@@ -771,7 +791,8 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
         )
         for grads in seq:
             feed(params, [g * 16 for g in grads])
-            opt.step(grad_scale=torch.tensor(16.0), found_inf=torch.zeros(()))
+            opt.step(grad_scale=torch.tensor(16.0, device=device),
+                     found_inf=torch.zeros((), device=device))
         results.append((params, opt))
     assert set(calls) == {64}  # only the chunked run sums in a separate pass
     (pa, oa), (pb, ob) = results
@@ -783,13 +804,13 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master):
                 assert torch.equal(_bits(v), _bits(ob.state[b][k])), k
 
 
-def test_stochastic_int64_indices_give_the_same_stream(monkeypatch):
+def test_stochastic_int64_indices_give_the_same_stream(monkeypatch, device):
     """The random bits use int32 element indices where they fit and int64 ones past 2**31 - 1;
     both give the same stream (forced here with a tiny int32 limit)."""
     from lowprec.optim import driver, update
 
     shapes = [(37, 29), (1000,)]
-    init = make_params(torch.bfloat16, shapes, scale=1e-2)
+    init = make_params(torch.bfloat16, shapes, scale=1e-2, device=device)
     seq = grad_sequence(shapes, 4, seed=6, dtype=torch.bfloat16)
     results = []
     for limit in (update._INT32_MAX, 100):
@@ -812,12 +833,12 @@ RESUME_FROM_TORCH = [
 
 @pytest.mark.parametrize(("ours", "ref", "kw"), RESUME_FROM_TORCH,
                          ids=lambda v: getattr(v, "__name__", None))
-def test_resumes_a_torch_optim_checkpoint(ours, ref, kw):
+def test_resumes_a_torch_optim_checkpoint(ours, ref, kw, device):
     # A run of torch.optim, saved, goes on with lowprec's optimizer of the same family: the
     # checkpoint's hyperparameters and moments are taken, lowprec's own options (fused here)
     # stay, and the steps after go as torch's own would (as test_none_on_fp32_matches_torch).
     grads = grad_sequence(SHAPES, 10)
-    params = make_params()
+    params = make_params(device=device)
     start = [p.detach().clone() for p in params]
     torch_opt = ref(params, foreach=False, **kw)
     for gs in grads[:5]:
@@ -840,10 +861,10 @@ def test_resumes_a_torch_optim_checkpoint(ours, ref, kw):
         assert_rel_close(p, q)
 
 
-def test_resuming_a_torch_optim_checkpoint_on_bf16_makes_the_master_fresh():
+def test_resuming_a_torch_optim_checkpoint_on_bf16_makes_the_master_fresh(device):
     # BF16 parameters under Kahan: the moments are torch's (in the state dtype), the compensation
     # starts at zero as in a fresh run, the count goes on.
-    params = make_params(torch.bfloat16)
+    params = make_params(torch.bfloat16, device=device)
     torch_opt = torch.optim.AdamW(params, lr=1e-2)
     for gs in grad_sequence(SHAPES, 3):
         feed(params, gs)
@@ -860,8 +881,8 @@ def test_resuming_a_torch_optim_checkpoint_on_bf16_makes_the_master_fresh():
     assert all(float(opt.state[p]["step"]) == 4.0 for p in params)
 
 
-def test_a_torch_checkpoint_of_another_family_is_refused_before_anything_changes():
-    params = make_params()
+def test_a_torch_checkpoint_of_another_family_is_refused_before_anything_changes(device):
+    params = make_params(device=device)
     adam = torch.optim.AdamW(params, lr=1e-2)
     feed(params, grad_sequence(SHAPES, 1)[0])
     adam.step()
@@ -872,9 +893,9 @@ def test_a_torch_checkpoint_of_another_family_is_refused_before_anything_changes
     assert opt.state_dict() == before
 
 
-def test_an_empty_momentum_buffer_of_an_older_torch_sgd_checkpoint_loads():
+def test_an_empty_momentum_buffer_of_an_older_torch_sgd_checkpoint_loads(device):
     # Older torch SGD without momentum saved {"momentum_buffer": None} per parameter.
-    params = make_params()
+    params = make_params(device=device)
     sd = torch.optim.SGD(params, lr=0.1).state_dict()
     sd["state"] = {i: {"momentum_buffer": None} for i in range(len(params))}
     opt = SGD(params, lr=0.5)
@@ -883,10 +904,10 @@ def test_an_empty_momentum_buffer_of_an_older_torch_sgd_checkpoint_loads():
     assert all(float(opt.state[p]["step"]) == 0.0 for p in params)
 
 
-def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_by_adamw():
+def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_by_adamw(device):
     # torch.optim.Adam adds its weight decay to the gradient (L2); lowprec.AdamW decays
     # decoupled, so such a checkpoint is refused before anything changes; without decay it loads.
-    params = make_params()
+    params = make_params(device=device)
     for decay, loads in ((0.1, False), (0.0, True)):
         adam = torch.optim.Adam(params, lr=1e-2, weight_decay=decay)
         feed(params, grad_sequence(SHAPES, 1)[0])
@@ -904,7 +925,7 @@ def test_a_torch_adam_checkpoint_with_l2_decay_is_refused_by_adamw():
 
 @pytest.mark.parametrize("offset", [0, 1, 2, 65537])
 @pytest.mark.parametrize("numel", [0, 1, 2, 5, 4096])
-def test_stochastic_bits_of_bf16_elements_are_halves_of_their_pairs_hash(offset, numel):
+def test_stochastic_bits_of_bf16_elements_are_halves_of_their_pairs_hash(offset, numel, device):
     # Element i of a BF16 parameter takes the low 16 bits of the hash of i // 2 when i is even
     # and the high 16 when odd (what the fused step on pairs uses); the eager step hashes each
     # pair once and interleaves, for any chunk offset and length.
@@ -915,5 +936,5 @@ def test_stochastic_bits_of_bf16_elements_are_halves_of_their_pairs_hash(offset,
     idx = torch.arange(offset, offset + numel, dtype=torch.int64)
     h = hash_bits(idx // 2, lo, hi).to(torch.int64) & 0xFFFFFFFF
     expected = torch.where(idx % 2 == 0, h & 0xFFFF, h >> 16)
-    got = _random_bits(offset, numel, torch.device("cpu"), lo, hi, torch.bfloat16)
-    assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), expected)
+    got = _random_bits(offset, numel, torch.device(device), lo, hi, torch.bfloat16)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().to(torch.int64), expected)

@@ -1,4 +1,9 @@
-"""LossScaler: GradScaler's scale sequence, exact control runs, skips, checkpoints, misuse."""
+"""LossScaler: GradScaler's scale sequence, exact control runs, skips, checkpoints, misuse.
+
+Tests that take ``device`` put the model, its batches and the scalers there (the CPU, and CUDA
+where present: the ``device`` fixture); batches are drawn on the CPU and moved, and every
+comparison is between two runs on the same device.
+"""
 
 from __future__ import annotations
 
@@ -16,18 +21,19 @@ from tests._host import no_host_reads
 BAD = "inf"
 
 
-def _model(dtype=torch.float32, seed=0):
+def _model(dtype=torch.float32, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype).to(device)
 
 
-def _batch(i, dtype=torch.float32):
+def _batch(i, dtype=torch.float32, device="cpu"):
     gen = torch.Generator().manual_seed(100 + i)
-    return torch.randn(8, 6, generator=gen).to(dtype), torch.randn(8, 3, generator=gen)
+    x, y = torch.randn(8, 6, generator=gen).to(dtype), torch.randn(8, 3, generator=gen)
+    return x.to(device), y.to(device)
 
 
 def _loss(model, i, dtype=torch.float32, poison=None):
-    x, y = _batch(i, dtype)
+    x, y = _batch(i, dtype, next(model.parameters()).device)  # (on the model's device)
     loss = (model(x).float() - y).pow(2).mean()
     if poison == "inf":
         loss = loss * float("inf")
@@ -62,15 +68,15 @@ PATTERNS = {
 @pytest.mark.parametrize("growth_interval", [1, 3, 5])
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("make_opt", ["lowprec", "torch"])
-def test_scale_sequence_equals_grad_scaler(pattern, growth_interval, make_opt):
+def test_scale_sequence_equals_grad_scaler(pattern, growth_interval, make_opt, device):
     bad = PATTERNS[pattern]
     seqs, stepped = [], []
     for cls in (torch.amp.GradScaler, LossScaler):
-        model = _model()
+        model = _model(device=device)
         opt = (AdamW(model.parameters(), lr=1e-2, master="none") if make_opt == "lowprec"
                else torch.optim.SGD(model.parameters(), lr=0.1))
         # (the defaults of both: neither has a floor)
-        kw = {"device": "cpu"} if cls is torch.amp.GradScaler else {}
+        kw = {"device": device} if cls is torch.amp.GradScaler else {}
         scaler = cls(init_scale=2.0**10, growth_interval=growth_interval, **kw)
         seq, took = [], []
         for i in range(24):
@@ -91,8 +97,8 @@ def test_scale_sequence_equals_grad_scaler(pattern, growth_interval, make_opt):
 
 
 def _train(*, scaled, master="kahan", dtype=torch.bfloat16, clip=False, accumulate=1,
-           two_opts=False, steps=10, bad=()):
-    model = _model(dtype)
+           two_opts=False, steps=10, bad=(), device="cpu"):
+    model = _model(dtype, device=device)
     params = list(model.parameters())
     if two_opts:
         opts = [AdamW(params[:2], lr=1e-2, master=master), SGD(params[2:], lr=0.1,
@@ -136,9 +142,9 @@ def _train(*, scaled, master="kahan", dtype=torch.bfloat16, clip=False, accumula
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain",
 )
-def test_scaled_run_equals_unscaled_run_bitwise(options):
-    ref, ref_opts, _ = _train(scaled=False, **options)
-    got, got_opts, scaler = _train(scaled=True, **options)
+def test_scaled_run_equals_unscaled_run_bitwise(options, device):
+    ref, ref_opts, _ = _train(scaled=False, device=device, **options)
+    got, got_opts, scaler = _train(scaled=True, device=device, **options)
     # the scale grew along the way (powers of two: exact), so this is a real test of unscaling
     assert scaler.get_scale() > 2.0**12
     for a, b in zip(ref.parameters(), got.parameters(), strict=True):
@@ -150,8 +156,8 @@ def test_scaled_run_equals_unscaled_run_bitwise(options):
                     assert torch.equal(pa[k], pb[k]), k
 
 
-def test_skipped_step_is_bit_identical_and_not_counted():
-    model = _model(torch.bfloat16)
+def test_skipped_step_is_bit_identical_and_not_counted(device):
+    model = _model(torch.bfloat16, device=device)
     opt = AdamW(model.parameters(), lr=1e-2, master="split")
     scaler = LossScaler(init_scale=2.0**8)
     for i in range(3):
@@ -169,10 +175,10 @@ def test_skipped_step_is_bit_identical_and_not_counted():
     assert all(float(st["step"]) == 3 for st in opt.state.values())
 
 
-def test_skip_with_other_optimizers_too():
+def test_skip_with_other_optimizers_too(device):
     for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)):
-        model = _model()
+        model = _model(device=device)
         opt = make(model.parameters())
         scaler = LossScaler()
         scaler.scale(_loss(model, 0)).backward()
@@ -186,12 +192,12 @@ def test_skip_with_other_optimizers_too():
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_fp16_gradients_with_a_torch_optimizer_are_unscaled():
+def test_fp16_gradients_with_a_torch_optimizer_are_unscaled(device):
     # GradScaler raises "Attempting to unscale FP16 gradients"; LossScaler unscales them.
-    model = _model(torch.float16)
+    model = _model(torch.float16, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="FP16"):
-        gs = torch.amp.GradScaler("cpu")
+        gs = torch.amp.GradScaler(device)
         gs.scale(_loss(model, 0, torch.float16)).backward()
         gs.step(opt)
     opt.zero_grad()
@@ -201,9 +207,9 @@ def test_fp16_gradients_with_a_torch_optimizer_are_unscaled():
     scaler.update()
 
 
-def test_state_dict_round_trip_resumes_exactly():
+def test_state_dict_round_trip_resumes_exactly(device):
     def run(steps, resume_from=None):
-        model = _model(torch.bfloat16)
+        model = _model(torch.bfloat16, device=device)
         opt = AdamW(model.parameters(), lr=1e-2, master="kahan")
         scaler = LossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2)
         start = 0
@@ -230,9 +236,9 @@ def test_state_dict_round_trip_resumes_exactly():
     assert res_s.state_dict() == full_s.state_dict()
 
 
-def test_loads_a_grad_scaler_state_dict():
-    gs = torch.amp.GradScaler("cpu", init_scale=123.0, growth_interval=7)
-    model = _model()
+def test_loads_a_grad_scaler_state_dict(device):
+    gs = torch.amp.GradScaler(device, init_scale=123.0, growth_interval=7)
+    model = _model(device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gs.scale(_loss(model, 0)).backward()
     gs.step(opt)
@@ -246,8 +252,8 @@ def test_loads_a_grad_scaler_state_dict():
 # ------------------------------------------------------------------ limits
 
 
-def test_never_grows_past_max_scale_or_to_inf():
-    model = _model()
+def test_never_grows_past_max_scale_or_to_inf(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=1e-3, master="none")
     scaler = LossScaler(init_scale=2.0**120, growth_interval=1, max_scale=2.0**125)
     for i in range(10):
@@ -266,8 +272,8 @@ def test_never_grows_past_max_scale_or_to_inf():
     assert unlimited.get_scale() == 2.0**127  # 2**128 would be inf: kept
 
 
-def test_min_scale_and_hysteresis():
-    model = _model()
+def test_min_scale_and_hysteresis(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=1e-3, master="none")
     scaler = LossScaler(init_scale=8.0, min_scale=2.0, hysteresis=2, growth_interval=100)
     seq = []
@@ -283,8 +289,8 @@ def test_min_scale_and_hysteresis():
     assert seq == [8.0, 8.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0]
 
 
-def test_a_forward_that_always_overflows_raises_a_clear_error():
-    model = _model()
+def test_a_forward_that_always_overflows_raises_a_clear_error(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=1e-3, master="none")
     scaler = LossScaler(max_consecutive_skips=5)
     with pytest.raises(NonFiniteLossError, match="forward pass or the loss is itself"):
@@ -296,8 +302,8 @@ def test_a_forward_that_always_overflows_raises_a_clear_error():
     assert i == 4
 
 
-def test_static_scaling_keeps_the_scale_and_still_skips():
-    model = _model()
+def test_static_scaling_keeps_the_scale_and_still_skips(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=1e-3, master="none")
     scaler = LossScaler(init_scale=64.0, dynamic=False)
     took = []
@@ -312,16 +318,16 @@ def test_static_scaling_keeps_the_scale_and_still_skips():
 # ------------------------------------------------------------------ misuse and API
 
 
-def _ready():
-    model = _model()
+def _ready(device="cpu"):
+    model = _model(device=device)
     opt = AdamW(model.parameters(), master="none")
     scaler = LossScaler()
     scaler.scale(_loss(model, 0)).backward()
     return model, opt, scaler
 
 
-def test_misuse_raises_clear_errors():
-    _, opt, scaler = _ready()
+def test_misuse_raises_clear_errors(device):
+    _, opt, scaler = _ready(device)
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="already called on this optimizer"):
         scaler.unscale_(opt)
@@ -355,8 +361,8 @@ def test_bad_options(kwargs, match):
         LossScaler(**kwargs)
 
 
-def test_disabled_scaler_is_a_pass_through():
-    model = _model()
+def test_disabled_scaler_is_a_pass_through(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=0.1, master="none")
     scaler = LossScaler(enabled=False)
     loss = _loss(model, 0)
@@ -368,10 +374,10 @@ def test_disabled_scaler_is_a_pass_through():
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
 
 
-def test_closure_and_several_losses():
-    model = _model()
+def test_closure_and_several_losses(device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=0.1, master="none")
-    ref = _model()
+    ref = _model(device=device)
     ref_opt = SGD(ref.parameters(), lr=0.1, master="none")
     scaler = LossScaler(init_scale=2.0**6)
 
@@ -393,14 +399,14 @@ def test_exported_at_top_level():
     assert lowprec.LossScaler is LossScaler
 
 
-def test_defaults_and_state_dict_keys_match_grad_scaler():
-    ours, theirs = LossScaler(), torch.amp.GradScaler("cpu")
+def test_defaults_and_state_dict_keys_match_grad_scaler(device):
+    ours, theirs = LossScaler(), torch.amp.GradScaler(device)
     assert ours.get_scale() == theirs.get_scale()
     assert ours.get_growth_factor() == theirs.get_growth_factor()
     assert ours.get_backoff_factor() == theirs.get_backoff_factor()
     assert ours.get_growth_interval() == theirs.get_growth_interval()
     assert ours.enabled is theirs.is_enabled() is ours.is_enabled()
-    model = _model()
+    model = _model(device=device)
     for scaler in (ours, theirs):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler.scale(_loss(model, 0)).backward()
@@ -427,9 +433,9 @@ SKIP_CASES = [
     "cls, master, dtype", SKIP_CASES,
     ids=[f"{c.__name__}-{m}-{str(d)[6:]}" for c, m, d in SKIP_CASES],
 )
-def test_skipped_iteration_is_invisible(cls, master, dtype):
+def test_skipped_iteration_is_invisible(cls, master, dtype, device):
     def run(inject):
-        model = _model(dtype)
+        model = _model(dtype, device=device)
         kw = {"momentum": 0.9} if cls is lowprec.SGD else {}
         opt = cls(model.parameters(), lr=1e-2, master=master, seed=1, **kw)
         scaler = LossScaler(init_scale=2.0**10, growth_interval=3)
@@ -457,11 +463,11 @@ def test_skipped_iteration_is_invisible(cls, master, dtype):
 
 
 
-def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(monkeypatch):
+def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(monkeypatch, device):
     # As on a GPU: the optimizer's step counts are read on the device (on the CPU they are read
     # on the host, which is no synchronisation there).
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    model = _model(torch.bfloat16)
+    model = _model(torch.bfloat16, device=device)
     opt = AdamW(model.parameters(), lr=1e-2, master="kahan")
     scaler = LossScaler(init_scale=2.0**8)
     for i in range(3):
@@ -488,8 +494,8 @@ def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(monkeypa
         ({"scale": "big"}, TypeError, "scale must be a number"),
     ],
 )
-def test_bad_state_dict_raises_and_changes_nothing(change, error, match):
-    model = _model()
+def test_bad_state_dict_raises_and_changes_nothing(change, error, match, device):
+    model = _model(device=device)
     opt = SGD(model.parameters(), lr=0.1, master="none")
     scaler = LossScaler(init_scale=2.0**9, growth_interval=3)
     scaler.scale(_loss(model, 0)).backward()
@@ -506,19 +512,19 @@ def test_bad_state_dict_raises_and_changes_nothing(change, error, match):
 
 
 @pytest.mark.parametrize("lowprec_opts", [False, True], ids=["torch-sgd", "lowprec-sgd"])
-def test_two_optimizers_overflowing_separately_match_grad_scaler(lowprec_opts):
+def test_two_optimizers_overflowing_separately_match_grad_scaler(lowprec_opts, device):
     # inf in one optimizer's gradients skips that optimizer only; the scale backs off once per
     # iteration whichever optimizers overflowed, as GradScaler does.
     bad_first, bad_second = {2, 5, 6}, {5, 9}
     results = []
     for cls in (torch.amp.GradScaler, LossScaler):
-        model = _model()
+        model = _model(device=device)
         params = list(model.parameters())
         if lowprec_opts:
             opts = [SGD(params[:2], lr=0.1, master="none"), SGD(params[2:], lr=0.1, master="none")]
         else:
             opts = [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
-        kw = {"device": "cpu"} if cls is torch.amp.GradScaler else {}
+        kw = {"device": device} if cls is torch.amp.GradScaler else {}
         scaler = cls(init_scale=2.0**10, growth_interval=2, **kw)
         scales, took = [], []
         for i in range(12):
@@ -543,12 +549,12 @@ def test_two_optimizers_overflowing_separately_match_grad_scaler(lowprec_opts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_unscale_gives_the_unscaled_gradients_in_every_dtype(dtype):
+def test_unscale_gives_the_unscaled_gradients_in_every_dtype(dtype, device):
     # The reference: the same backward without a scale. Power-of-two scales make unscaling exact
     # wherever the scaled backward neither overflows nor rounds differently in the subnormals.
-    ref = _model(dtype)
+    ref = _model(dtype, device=device)
     _loss(ref, 0, dtype).backward()
-    model = _model(dtype)
+    model = _model(dtype, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler(init_scale=2.0**8)
     scaler.scale(_loss(model, 0, dtype)).backward()
