@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count lost updates every k steps, 0 for never "
                         f"(default: {cfg.monitor_every})")
     c.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the optimizer step with torch.compile (default: the library's "
-                        "choice, compiled on CUDA and eager on CPU)")
+                   help="compile the optimizer step with torch.compile, or --no-fused for the "
+                        "eager step (default: the library's, compiled where a C++ compiler or "
+                        "Triton is found)")
     c.add_argument("--out", type=Path, default=Path("lowprec-out"),
                    help="folder for compare.json and compare.png (default: lowprec-out)")
     c.add_argument("--json", type=Path, default=None,
@@ -469,13 +470,22 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
             console.print(f"[yellow]{r['recipe']} diverged[/yellow] (its loss became inf or "
                           "NaN): try a smaller --lr.")
     console.print(
-        "gap: eval loss relative to fp32's; speed-up: the median over the steps of fp32's step "
-        "time over the recipe's (the recipes take their steps in turn), IQR its interquartile "
-        "range; B/param: bytes per parameter measured from the tensors (state = moments, "
-        "master = FP32 copy / trail / compensation); lost updates: updates that left the "
-        "(master) weight unchanged; skipped: steps skipped on inf/NaN by the loss scaler.",
+        "gap: eval loss relative to fp32's; speed-up: the median over the steps (the first two "
+        "left out) of fp32's step time over the recipe's (the recipes take their steps in "
+        "turn), IQR its interquartile range; B/param: bytes per parameter measured from the "
+        "tensors (state = moments, master = FP32 copy / trail / compensation); lost updates: "
+        "updates that left the (master) weight unchanged; skipped: steps skipped on inf/NaN by "
+        "the loss scaler.",
         style="dim",
     )
+    warmup = sum(r.get("warmup_s") or 0.0 for r in records)
+    if warmup >= 1.0:
+        console.print(
+            f"The first two steps took {warmup:.0f} s beyond steady ones in all recipes together: "
+            "the compiled optimizer step's compilation (Inductor's on-disk cache makes a later "
+            "run's shorter; --no-fused steps eagerly, without it).",
+            style="dim",
+        )
 
 
 # ---------------------------------------------------------------------------------- memory

@@ -64,7 +64,8 @@ class CompareConfig:
         text_bytes: Bytes of training text to read (default: 2,000,000).
         fused: The optimizers' ``fused`` option: True compiles each optimizer variant's step
             with ``torch.compile`` (seconds per variant on the first step, not counted in the
-            median step time), None is the library default (compiled on CUDA, eager on CPU)
+            median step time), None is the library default (compiled where torch.compile has
+            a compiler, C++ or Triton; see ``lowprec.optim``), False the eager step
             (default: None).
     """
 
@@ -205,13 +206,16 @@ class _Run:
             if lost is None:
                 lost = monitor.lost_update_fraction
             monitor.close()
-        steady = times[1:] if len(times) > 1 else times  # (the first pays any compilation)
+        steady = _steady(times)
+        median = statistics.median(steady)
         return {
             "recipe": self.name,
             "final_loss": statistics.fmean(tail) if tail else float("nan"),
             "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches)),
-            "step_time_s": statistics.median(steady),
+            "step_time_s": median,
             "step_time_iqr_s": _quartiles(steady),
+            # What the first steps took beyond two steady ones: the fused step's compilation.
+            "warmup_s": max(0.0, sum(times[:WARMUP_STEPS]) - median * len(times[:WARMUP_STEPS])),
             "step_times_s": times,
             "bytes_per_param": mem.bytes_per_param,
             "lost_update_fraction": lost,
@@ -356,6 +360,16 @@ class _Load:
         }
 
 
+#: Steps left out of the step times: the fused step compiles its kernels in the first step and
+#: the calls a redone step shares between parameters in the second.
+WARMUP_STEPS = 2
+
+
+def _steady(xs: Sequence[Any]) -> list[Any]:
+    """``xs`` without the first ``WARMUP_STEPS`` steps (the last one where no other is left)."""
+    return list(xs[WARMUP_STEPS:]) if len(xs) > WARMUP_STEPS else list(xs[-1:])
+
+
 def _quartiles(xs: Sequence[float]) -> list[float] | None:
     """The 25th and 75th percentiles of ``xs`` (None for fewer than two values)."""
     if len(xs) < 2:
@@ -367,7 +381,7 @@ def _quartiles(xs: Sequence[float]) -> list[float] | None:
 def add_relative(records: list[dict[str, Any]]) -> None:
     """Fill ``eval_gap``, ``speedup`` and its ``speedup_iqr`` against the FP32 record, where there
     is one. The speed-up is the median over the steps of FP32's step time over the recipe's at
-    the same step (the same round of ``compare``), the first step left out."""
+    the same step (the same round of ``compare``), the first ``WARMUP_STEPS`` left out."""
     ref = next((r for r in records if r["recipe"] == "fp32"), None)
     for r in records:
         if ref is None:
@@ -375,7 +389,7 @@ def add_relative(records: list[dict[str, Any]]) -> None:
             continue
         r["eval_gap"] = (r["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
         pairs = list(zip(ref["step_times_s"], r["step_times_s"], strict=False))
-        ratios = [a / b for a, b in (pairs[1:] if len(pairs) > 1 else pairs)]
+        ratios = [a / b for a, b in _steady(pairs)]
         r["speedup"] = statistics.median(ratios)
         r["speedup_iqr"] = _quartiles(ratios)
 
