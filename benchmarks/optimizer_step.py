@@ -504,14 +504,10 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
 def _cpu_busy_s() -> float | None:
     """Seconds of CPU time the whole machine has been busy (all processes), from /proc/stat."""
     try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
+        from lowprec.compare import machine_busy_s
+    except ImportError:  # (the peers' rows run without lowprec)
         return None
-    if not fields or fields[0] != "cpu":
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return machine_busy_s()
 
 
 #: A window shorter than this (in seconds) is too short to tell contention from /proc/stat.

@@ -311,6 +311,21 @@ def compare(
 CONTENDED_CORES = 0.5
 
 
+def machine_busy_s() -> float | None:
+    """Seconds of CPU time the whole machine has been busy (every process), from ``/proc/stat``;
+    None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+    ticks = [int(v) for v in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 class _Load:
     """The machine's background load per round: cores that other processes kept busy (the
     machine's busy time from ``/proc/stat`` minus this process's CPU time, over the wall time).
@@ -320,26 +335,12 @@ class _Load:
         self.rounds: list[float | None] = []
         self._mark: tuple[float | None, float, float] | None = None
 
-    @staticmethod
-    def _busy_s() -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = f.readline().split()
-        except OSError:
-            return None
-        if not fields or fields[0] != "cpu":
-            return None
-        # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
-        ticks = [int(v) for v in fields[1:9]]
-        busy = sum(ticks) - ticks[3] - ticks[4]
-        return busy / os.sysconf("SC_CLK_TCK")
-
     def start(self) -> None:
-        self._mark = (self._busy_s(), time.process_time(), time.perf_counter())
+        self._mark = (machine_busy_s(), time.process_time(), time.perf_counter())
 
     def stop(self) -> None:
         busy0, cpu0, wall0 = self._mark
-        busy1, cpu1, wall1 = self._busy_s(), time.process_time(), time.perf_counter()
+        busy1, cpu1, wall1 = machine_busy_s(), time.process_time(), time.perf_counter()
         if busy0 is None or busy1 is None or wall1 <= wall0:
             self.rounds.append(None)
         else:
