@@ -328,8 +328,7 @@ def _compiles(kwargs: dict[str, Any]) -> bool:
         return kwargs["fused"] is True
     from lowprec.optim import compiled
 
-    mode = compiled._default_mode()
-    return mode == "fused" or (mode == "auto" and not compiled._compiler("cpu"))
+    return compiled._default_compiles("cpu")
 
 
 # Comparisons printed under the table: (title, numerator rows, denominator rows). Each lowprec

@@ -127,17 +127,20 @@ def _fused_enabled(opt, group, p) -> bool:
     fused = group["fused"]
     if fused is False or getattr(opt, "_fused_broken", False):
         return False
-    if fused is None:
-        default = _default_mode()
-        if default != "auto":
-            return default == "fused"
-        missing = _compiler(p.device.type)
-        if missing:
-            if missing not in _WARNED:
-                _WARNED.add(missing)
-                warnings.warn(f"lowprec: {missing}", RuntimeWarning, stacklevel=4)
-            return False
+    if fused is None and not _default_compiles(p.device.type):
+        missing = _default_mode() == "auto" and _compiler(p.device.type)
+        if missing and missing not in _WARNED:
+            _WARNED.add(missing)
+            warnings.warn(f"lowprec: {missing}", RuntimeWarning, stacklevel=4)
+        return False
     return True
+
+
+def _default_compiles(device_type: str) -> bool:
+    """Whether ``fused=None`` compiles the step on ``device_type`` (``LOWPREC_FUSED``, then
+    whether a compiler exists there)."""
+    mode = _default_mode()
+    return mode == "fused" or (mode == "auto" and not _compiler(device_type))
 
 
 _WARNED: set[str] = set()
