@@ -185,7 +185,7 @@ def run_synthetic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chunk_sizes(state: OneBitState) -> list[int]:
-    return sorted(layout.chunk_bytes for layout in state._layouts.values())
+    return sorted(m["chunk_bytes"] for m in state.messages())
 
 
 class FakeBucket:

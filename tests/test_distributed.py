@@ -41,7 +41,7 @@ from lowprec.distributed import (
     quantize_with_feedback_,
     unpack_codes,
 )
-from lowprec.distributed.hook import _Layout
+from lowprec.distributed.layout import _Layout
 from tests import _dist_workers as workers
 from tests._devices import DEVICES, DIST_BACKENDS, cuda_count
 
