@@ -1,6 +1,6 @@
-"""Helpers of ``onebit_allreduce.py``: synthetic buckets, the link check, the DDP step rows, the
-hook's introspection and the statistics. Kept apart so that the benchmark script stays readable;
-nothing here is meant to be imported from elsewhere.
+"""Helpers of ``onebit_allreduce.py``: synthetic buckets, the link check, the DDP step rows and
+the statistics. Kept apart so that the benchmark script stays readable; nothing here is meant to
+be imported from elsewhere.
 """
 
 from __future__ import annotations
@@ -182,30 +182,3 @@ class DDPPair:
         loss = nn.functional.mse_loss(ddp(self.x), self.y)
         loss.backward()
         opt.step()
-
-
-# ----------------------------------------------------------------------- hook introspection
-
-
-def messages(state: OneBitState) -> list[dict[str, Any]]:
-    """``state.messages()``: per bucket layout the hook has seen, what one compressed step sends."""
-    if hasattr(state, "messages"):
-        return state.messages()
-    # Before lowprec's public messages(): the same fields from the private layouts.
-    world = dist.get_world_size()
-    out = []
-    for (keys, dtype, _), layout in state._layouts.items():
-        out.append({"parameters": list(keys), "values": layout.numel, "dtype": str(dtype),
-                    "columns": sum(s.ncols for s in layout.stripes),
-                    "chunk_bytes": layout.chunk_bytes,
-                    "bytes_per_step": 2 * (world - 1) * layout.chunk_bytes,
-                    "uncompressed_bytes_per_step":
-                        2 * (world - 1) * layout.numel * dtype.itemsize // world})
-    return out
-
-
-def compiled(state: OneBitState) -> bool | None:
-    """``state.compiled``: whether the hook runs its compiled quantizer (None: not decided yet)."""
-    if hasattr(state, "compiled"):
-        return state.compiled
-    return getattr(state, "_fused_active", None)  # before lowprec's public attribute

@@ -44,7 +44,9 @@ them all. A row's time per iteration is the slowest rank's; the table gives the 
 interquartile range and the minimum over ``--iters`` iterations after ``--warmup`` untimed ones
 (the hooks and the DDP models also take two untimed steps before those: layouts, compilation,
 DDP's bucket rebuild). Bytes are per rank and iteration: what a ring all-reduce sends
-(``2 (W - 1) / W`` of the buffer) and what the hook's byte counters recorded.
+(``2 (W - 1) / W`` of the buffer) and what the hook's byte counters recorded. The header gives
+each hook's ``state.compiled`` (whether its compiled quantizer ran); the JSON also has each hook's
+``state.messages()`` (per bucket layout: values, columns, chunk bytes, bytes per step).
 
 Loopback moves bytes at memory speed, so there the hook's quantization costs more than the bytes it
 saves; the collectives row shows what the wire would carry. Across a slower link the FP32 rows grow
@@ -82,10 +84,8 @@ from _onebit_rows import (
     Bucket,
     DDPPair,
     buckets,
-    compiled,
     flat_model,
     link_check,
-    messages,
     mlp_width,
     summary,
     timed,
@@ -172,7 +172,7 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         run_hook(st)
         run_hook(st)
         reset()
-    chunks = [m["chunk_bytes"] for m in messages(counted)]
+    chunks = [m["chunk_bytes"] for m in counted.messages()]
     sends = [torch.zeros(world * c, dtype=torch.uint8) for c in chunks]
     recvs = [torch.empty_like(s) for s in sends]
     gathered = [torch.empty_like(s) for s in sends]
@@ -225,8 +225,8 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         "values": n,
         "buckets": [sum(p.numel() for p in g) for g in groups],
         "chunk_bytes": chunks,
-        "messages": messages(counted),
-        "compiled": {row: compiled(st) for row, st in hooks.items()},
+        "messages": counted.messages(),
+        "compiled": {row: st.compiled for row, st in hooks.items()},
         "link_check": link,
         "bytes_per_iteration": {
             "fp32_ring": 2 * (world - 1) * 4 * n // world,
@@ -245,8 +245,8 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             "width": pair.width,
             "params": pair.params,
             "batch": pair.batch,
-            "compiled": compiled(pair.state),
-            "messages": messages(pair.state),
+            "compiled": pair.state.compiled,
+            "messages": pair.state.messages(),
             "bytes_per_step": {
                 "fp32_ring": 2 * (world - 1) * 4 * pair.params // world,
                 "onebit_sent": (ddp_after["bytes_sent"] - ddp_before["bytes_sent"]) // iters,
