@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowprec.distributed import (
+    BITS,
     DEFAULT_RULE,
     OneBitState,
     column_runs,
@@ -210,6 +211,18 @@ def test_pack_round_trip_and_layout(device, bits, n, seed):
         rows = torch.empty(2, padded.numel(), dtype=torch.uint8, device=device)
         unpack(torch.stack([packed, packed]), rows, bits)
         assert torch.equal(rows[0], padded) and torch.equal(rows[1], padded)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_wide_unpacking_of_every_byte(bits):
+    """``unpack_wide`` (1 bit: spreading a byte's bits over 8 bytes with masks and a carry) gives
+    every one of the 256 byte values the codes the byte loop gives."""
+    packed = torch.arange(256, dtype=torch.int64).to(torch.uint8)[None]
+    expected = torch.empty(1, 256 * (8 // bits), dtype=torch.uint8)
+    got = torch.empty_like(expected)
+    kernels.unpack(packed, expected, bits)
+    kernels.unpack_wide(packed, got, bits)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize(
