@@ -59,8 +59,8 @@ Examples::
     python benchmarks/onebit_allreduce.py --quick         # smoke run: tiny sizes, a few seconds
     python benchmarks/onebit_allreduce.py --bits 2 --json /tmp/onebit.json
     bash benchmarks/linksim.sh --rate 1gbit -- --values-millions 2 --iters 5   # shaped link
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
-        benchmarks/onebit_allreduce.py --ifname eth0      # one rank per host
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank N --master-addr HOST0 --master-port 29500 \\
+        benchmarks/onebit_allreduce.py --ifname eth0      # on host N of 2: one rank per host
 """
 
 from __future__ import annotations
