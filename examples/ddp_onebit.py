@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rule", default=DEFAULT_RULE, help=f"quantizer (default: {DEFAULT_RULE!r})")
     p.add_argument("--warmup-steps", type=int, default=10,
                    help="uncompressed steps before 1-bit starts (default: 10)")
-    p.add_argument("--fused", action="store_true",
-                   help="compile the quantizer (torch.compile; the default on CUDA)")
+    p.add_argument("--no-fused", action="store_true",
+                   help="keep the quantizer eager (by default it is compiled by torch.compile "
+                        "wherever a compiler exists; the results are the same bit for bit)")
     p.add_argument("--no-hook", action="store_true",
                    help="plain DDP all-reduce, for comparison")
     p.add_argument("--loss-scaler", action="store_true", help="use lowprec.LossScaler")
@@ -97,7 +98,7 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
     scaler = lowprec.LossScaler() if args.loss_scaler else None
     state = None if args.no_hook else OneBitState(model, bits=args.bits, rule=args.rule,
                                                   warmup_steps=args.warmup_steps,
-                                                  fused=True if args.fused else None)
+                                                  fused=False if args.no_fused else None)
     start = 0
     if args.resume is not None:
         ckpt = torch.load(args.resume, map_location=device, weights_only=False)

@@ -11,6 +11,7 @@ GPU under NCCL and the CPU under gloo.
 from __future__ import annotations
 
 import io
+import math
 import os
 import socket
 import sys
@@ -200,8 +201,10 @@ class FakeBucket:
     def parameters(self) -> list[nn.Parameter]:
         return self._params
 
+    last: bool = True
+
     def is_last(self) -> bool:
-        return True
+        return self.last
 
 
 def direct_edge_buckets(rank: int) -> dict[str, torch.Tensor]:
@@ -214,7 +217,37 @@ def direct_edge_buckets(rank: int) -> dict[str, torch.Tensor]:
     empty = onebit_hook(state, FakeBucket([model["empty"]], torch.zeros(0, device=dev))).wait()
     one = onebit_hook(state, FakeBucket([model["one"]], torch.tensor([rank + 1.5], device=dev)))
     one = one.wait()
-    return {"empty": empty, "one": one, "counters": state.counters()}
+    return {"empty": empty, "one": one, "counters": state.counters(),
+            "pipeline": pipelined_buckets(rank)}
+
+
+def pipelined_buckets(rank: int) -> dict[str, Any]:
+    """Three buckets per step, two steps, ``onebit_hook`` called directly: through the pipeline
+    (only the third bucket is last), and one bucket at a time (each flushed before the next).
+    Records which futures were complete after each call, the results and the residuals."""
+    dev = device()
+    shapes = {"a": (64, 48), "b": (40, 96), "c": (300,)}
+    model = nn.ParameterDict({k: nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}).to(dev)
+    out: dict[str, Any] = {}
+    for mode in ("pipelined", "one-by-one"):
+        state = OneBitState(model, warmup_steps=0)
+        done_after, results = [], []
+        for step in range(2):
+            grads = {k: torch.randn(math.prod(s), generator=torch.Generator().manual_seed(
+                100 * step + 10 * rank + i)).to(dev) for i, (k, s) in enumerate(shapes.items())}
+            futures = []
+            for i, k in enumerate(shapes):
+                bucket = FakeBucket([model[k]], grads[k])
+                bucket.last = i == len(shapes) - 1
+                futures.append(onebit_hook(state, bucket))
+                if mode == "one-by-one":
+                    state.flush()
+                done_after.append([f.done() for f in futures])
+            results.append([f.wait().clone() for f in futures])
+        out[mode] = {"done_after": done_after, "results": results,
+                     "state": state.state_dict(), "counters": state.counters(),
+                     "messages": state.messages(), "compiled": state.compiled}
+    return out
 
 
 def worker_synthetic(rank: int, world: int, out: Path, configs: list[dict[str, Any]]) -> None:

@@ -755,6 +755,43 @@ def test_edge_buckets_exist(synthetic):
 
 
 @pytest.mark.multiprocess
+def test_pipelined_buckets_equal_one_at_a_time(synthetic):
+    """The hook leaves its bucket in flight and moves the older ones on: after the first call of
+    a step no future is complete, after the second none either (bucket 0's all-gather is still in
+    flight), and the last bucket completes all three. Results, residuals and counters equal those
+    of one bucket at a time, bit for bit; ``messages()`` describes the three layouts."""
+    for world in (1, 2, 3):
+        for rank in synthetic.get(f"direct-w{world}", ()):
+            piped, single = rank["pipeline"]["pipelined"], rank["pipeline"]["one-by-one"]
+            assert piped["done_after"] == [[False], [False, False], [True, True, True]] * 2
+            assert single["done_after"] == [[True], [True, True], [True, True, True]] * 2
+            for a, b in zip(piped["results"], single["results"], strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+            _assert_same_state(piped["state"], single["state"])
+            assert piped["counters"] == single["counters"]
+            assert piped["compiled"] is False  # conftest: LOWPREC_FUSED=0
+            messages = piped["messages"]
+            assert [m["parameters"] for m in messages] == [["a"], ["b"], ["c"]]
+            assert [m["values"] for m in messages] == [64 * 48, 40 * 96, 300]
+            for m in messages:
+                assert sum(m["stripes"]) == m["values"] and len(m["stripes"]) == world
+                assert m["bytes_per_step"] == 2 * (world - 1) * m["chunk_bytes"]
+                assert m["uncompressed_bytes_per_step"] == 2 * (world - 1) * 4 * m["values"] // world
+            sent = sum(m["bytes_per_step"] for m in messages)
+            assert piped["counters"]["bytes_sent"] == 2 * sent  # two steps, all compressed
+
+
+def _assert_same_state(a, b):
+    for ra, rb in zip(a["ranks"], b["ranks"], strict=True):
+        assert ra["local"].keys() == rb["local"].keys()
+        assert all(torch.equal(ra["local"][k], rb["local"][k]) for k in ra["local"])
+        assert ra["stripe"].keys() == rb["stripe"].keys()
+        for k in ra["stripe"]:
+            assert ra["stripe"][k]["offset"] == rb["stripe"][k]["offset"]
+            assert torch.equal(ra["stripe"][k]["residual"], rb["stripe"][k]["residual"])
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["w2-1bit-zero", "w2-1bit-range-warmup", "w3-1bit-zero",
                                   "w2-big-2bit", "w3-tiny"])
 def test_telescoping_identity(synthetic, name):

@@ -271,8 +271,9 @@ class OneBitState:
         cache_key = (tuple(keys), buffer.dtype, buffer.device)
         layout = self._layouts.get(cache_key)
         if layout is None:
-            # New buckets take residuals from the old ones: let those finish updating them.
-            self.flush()
+            if any(key in self._home for key in keys):
+                # A rebuilt bucket takes residuals from the old ones: let those finish first.
+                self.flush()
             layout = self._new_layout(tuple(keys), [tuple(p.shape) for p in params], buffer, group)
             self._layouts[cache_key] = layout
         return layout
