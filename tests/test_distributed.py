@@ -215,8 +215,8 @@ def test_pack_round_trip_and_layout(device, bits, n, seed):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_wide_unpacking_of_every_byte(bits):
-    """``unpack_wide`` (1 bit: spreading a byte's bits over 8 bytes with masks and a carry) gives
-    every one of the 256 byte values the codes the byte loop gives."""
+    """``unpack_wide`` (integer shifts and masks) gives every one of the 256 byte values the
+    codes the byte loop gives."""
     packed = torch.arange(256, dtype=torch.int64).to(torch.uint8)[None]
     expected = torch.empty(1, 256 * (8 // bits), dtype=torch.uint8)
     got = torch.empty_like(expected)

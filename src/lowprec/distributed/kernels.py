@@ -127,16 +127,6 @@ def unpack_wide(packed: torch.Tensor, out: torch.Tensor, bits: int) -> None:
     per = 8 // bits
     mask = (1 << bits) - 1
     p = packed.to(_WIDE[per])
-    if bits == 1:  # 3x faster: copy the byte into bytes 0-6, keep bit j in byte j, make it 0/1
-        copies = p
-        for j in range(1, 7):
-            copies = copies | (p << (8 * j))  # < 2**56: no signed overflow
-        spread = copies & 0x0040201008040201  # byte j keeps bit j (a 0 or 2**j)
-        # Adding 0x7F to a byte of 0 or 2**j (j < 7) sets its bit 7 exactly when it is nonzero, with
-        # no carry out of the byte; bit 7 of each byte then moves to bit 0. Byte 7: bit 7 directly.
-        acc = ((spread + 0x007F7F7F7F7F7F7F) >> 7) & 0x0001010101010101
-        out.view(torch.int64).copy_(acc | ((p >> 7) << 56))
-        return
     acc = p & mask
     for j in range(1, per):
         acc = acc | ((p << (8 * j - bits * j)) & (mask << (8 * j)))  # bits*j.. to byte j
