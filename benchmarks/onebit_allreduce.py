@@ -69,8 +69,10 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -93,7 +95,9 @@ from _onebit_rows import (
 from lowprec.distributed import DEFAULT_RULE, OneBitState, onebit_hook
 
 ROWS = ("fp32 all_reduce (1 call)", "fp32 all_reduce (buckets)", "bf16_compress_hook",
-        "1-bit collectives", "1-bit hook, fused", "1-bit hook, eager", "memory floor")
+        "1-bit collectives", "1-bit hook, fused", "1-bit hook, fused, no overlap",
+        "1-bit hook, eager", "memory floor")
+FP32, FP32_BUCKETS, BF16, COLLECTIVES, FUSED, NO_OVERLAP, EAGER, FLOOR = ROWS
 DDP_ROWS = ("ddp step, fp32 all-reduce", "ddp step, 1-bit hook")
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -141,9 +145,10 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     quant = {"bits": opts["bits"], "rule": opts["rule"]}
     hooks: dict[str, OneBitState] = {}  # row -> its state; the first one's counters are reported
     if opts["fused"]:
-        hooks[ROWS[4]] = OneBitState(model, warmup_steps=0, fused=True, **quant)
+        hooks[FUSED] = OneBitState(model, warmup_steps=0, fused=True, **quant)
+        hooks[NO_OVERLAP] = OneBitState(model, warmup_steps=0, fused=True, **quant)
     if not opts["no_eager"]:
-        hooks[ROWS[5]] = OneBitState(model, warmup_steps=0, fused=False, **quant)
+        hooks[EAGER] = OneBitState(model, warmup_steps=0, fused=False, **quant)
     counted = next(iter(hooks.values()))
     floor = [torch.zeros_like(b) for b in buffers]
 
@@ -152,6 +157,11 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
                 for i, (g, b) in enumerate(zip(groups, buffers, strict=True))]
 
     def run_hook(st: OneBitState) -> None:
+        if st is hooks.get(NO_OVERLAP):  # each bucket finished before the next one starts
+            for b in bucket_list():
+                onebit_hook(st, b)
+                st.flush()
+            return
         for f in [onebit_hook(st, b) for b in bucket_list()]:
             f.wait()
 
@@ -191,6 +201,9 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             pair.step(pair.onebit)
 
     samples: dict[str, list[float]] = {r: [] for r in ROWS + DDP_ROWS}
+    # CPU time of this rank's main thread per row (the hook's own work: quantizing, packing,
+    # issuing collectives; not gloo's threads), to set against the memory floor's.
+    cpu: dict[str, list[float]] = {r: [] for r in (*hooks, FLOOR)}
     before = counted.counters()
     ddp_before = pair.state.counters() if pair else None
     for it in range(opts["warmup"] + opts["iters"]):
@@ -198,16 +211,20 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             before = counted.counters()
             ddp_before = pair.state.counters() if pair else None
         copy = flat.clone()
-        times = {ROWS[0]: timed(lambda copy=copy: dist.all_reduce(copy))}
+        times = {FP32: timed(lambda copy=copy: dist.all_reduce(copy))}
         reset()
-        times[ROWS[1]] = timed(lambda: [dist.all_reduce(b) for b in buffers])
+        times[FP32_BUCKETS] = timed(lambda: [dist.all_reduce(b) for b in buffers])
         reset()
-        times[ROWS[2]] = timed(run_bf16)
-        times[ROWS[3]] = timed(collectives)
+        times[BF16] = timed(run_bf16)
+        times[COLLECTIVES] = timed(collectives)
         for row, st in hooks.items():
             reset()
+            cpu0 = time.thread_time()
             times[row] = timed(lambda st=st: run_hook(st))
-        times[ROWS[6]] = timed(run_floor)
+            cpu[row].append(time.thread_time() - cpu0)
+        cpu[FLOOR].append(-time.thread_time())
+        times[FLOOR] = timed(run_floor)
+        cpu[FLOOR][-1] += time.thread_time()
         if pair:
             order = [(DDP_ROWS[0], pair.plain), (DDP_ROWS[1], pair.onebit)]
             for row, ddp in order if it % 2 == 0 else order[::-1]:
@@ -235,6 +252,7 @@ def _bench(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             "onebit_received": (after["bytes_received"] - before["bytes_received"]) // iters,
         },
         "samples_s": {k: v for k, v in samples.items() if v},
+        "cpu_s": {k: v[opts["warmup"]:] for k, v in cpu.items()},
         "fused": opts["fused"],
         "torch": torch.__version__,
         "hostname": socket.gethostname(),
@@ -295,14 +313,22 @@ def _report(result: dict[str, Any]) -> str:
         lines.append(f"link check, rank 0 <-> rank 1: {link['gbit_s']:.2f} Gbit/s one way "
                      f"(median of {link['reps']} round trips of {link['bytes'] / 1e6:.0f} MB each "
                      f"way; IQR {rate / s['q3']:.2f}-{rate / s['q1']:.2f} Gbit/s)")
-    hooks = ", ".join(f"{row.split(', ')[1]} {flag}" for row, flag in result["compiled"].items())
+    hooks = ", ".join(f"{row.removeprefix('1-bit hook, ')} {flag}"
+                      for row, flag in result["compiled"].items())
     lines.append(f"1-bit hook rows, state.compiled: {hooks}"
                  + (f"; ddp hook {result['ddp']['compiled']}" if "ddp" in result else ""))
     samples = result["samples_s"]
-    base = summary(samples[ROWS[0]])["median"]
+    base = summary(samples[FP32])["median"]
     lines += ["", f"{'':28s} {'median ms':>10s} {'IQR ms':>15s} {'min ms':>8s} "
                   f"{'x fp32 1 call':>14s}"]
     lines += [_row_line(row, summary(samples[row]), base) for row in ROWS if row in samples]
+    cpu = {k: statistics.median(v) for k, v in result.get("cpu_s", {}).items() if v}
+    if FLOOR in cpu and len(cpu) > 1:
+        n = result["values"]
+        lines += ["", "CPU time of rank 0's main thread per iteration (the hook's own work, not "
+                      "gloo's threads), median:"]
+        lines += [f"  {row:34s} {1e3 * t:7.1f} ms {1e9 * t / n:6.2f} ns/value "
+                  f"{t / cpu[FLOOR]:5.2f}x the floor" for row, t in cpu.items()]
     lines += [
         "",
         f"bytes sent per rank and iteration: fp32 ring all-reduce {b['fp32_ring']:,}, "

@@ -25,7 +25,7 @@ while bucket ``i``'s all-to-all is on the wire, DDP's backward pass goes on and 
 is quantized. Each call starts its own bucket's stage 1, then moves the older buckets on: every
 all-to-all but the newest to stage 2 (which starts its all-gather), then every all-gather but the
 newest to stage 3 (which completes its future). The iteration's last bucket (``is_last()``)
-finishes everything, oldest first, so every future is complete when the hook returns for it, before
+finishes everything, so every future is complete when the hook returns for it, before
 DDP waits for any. Every stage runs in the hook's own thread, in bucket order, so the collectives
 are issued in the same order on every rank (a collective started from a gloo callback thread could
 interleave differently on different ranks), and no compute competes with the backward pass from a
@@ -379,7 +379,7 @@ class OneBitState:
         self._inflight = [item for item in self._inflight if not item.done]
 
     def flush(self) -> None:
-        """Finish every bucket still in flight, oldest first, completing its future.
+        """Finish every bucket still in flight, completing its future.
 
         ``onebit_hook`` leaves up to two buckets in flight between calls, and finishes them at
         the iteration's last bucket (``bucket.is_last()``), before DDP waits for any future. Call
@@ -387,13 +387,18 @@ class OneBitState:
         ``state_dict()`` and ``load_state_dict()`` call it themselves.
         """
         try:
-            while self._inflight:
-                item = self._inflight[0]
+            # The all-gathers started before this call have had time on the wire: finish them
+            # first; then start every remaining all-gather, then finish those, so that each
+            # wait overlaps the next bucket's compute or its collective.
+            for item in [item for item in self._inflight if item.stage == 2]:
+                stages.finish(self, item)
+            for item in self._inflight:
                 if item.stage == 1:
                     stages.exchange(self, item)
-                else:
+            for item in self._inflight:
+                if not item.done:
                     stages.finish(self, item)
-                    self._inflight.pop(0)
+            self._inflight = []
         except BaseException as error:
             self._abort(error)
             raise
