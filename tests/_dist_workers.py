@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowprec.distributed import OneBitState, onebit_hook
+from lowprec.distributed import OneBitState, kernels, onebit_hook
 
 TIMEOUT_S = 90
 
@@ -182,7 +182,9 @@ def run_synthetic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         outputs.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         counters.append(state.counters())
     return {"outputs": outputs, "layouts": layouts, "counters": counters,
-            "state": state.state_dict(), "chunk_bytes": _chunk_sizes(state)}
+            "state": state.state_dict(), "chunk_bytes": _chunk_sizes(state),
+            "compiled": state.compiled,
+            "kernels": sorted({key[:2] for key in kernels._COMPILED})}  # (name, bits) so far
 
 
 def _chunk_sizes(state: OneBitState) -> list[int]:

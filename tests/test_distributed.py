@@ -755,6 +755,22 @@ def test_edge_buckets_exist(synthetic):
 
 
 @pytest.mark.multiprocess
+def test_fused_scenarios_ran_both_block_kinds(synthetic):
+    """The compiled scenarios (equal to the simulation above) read blocks whose codes fill whole
+    bytes straight from the packed bytes, and unpacked the others: both kinds ran, at 1 and 2
+    bits (columns of 100 values fill whole bytes at 2 bits, not at 1; 35 values at neither)."""
+    for name, bits in (("w2-fused-1bit", 1), ("w2-fused-bf16-2bit", 2)):
+        ran_anywhere = set()
+        for rank in _ranks(synthetic, name):
+            assert rank["compiled"] is True
+            ran = {kernel for kernel, b in rank["kernels"] if b == bits}
+            assert {"encode", "pack_wide", "reaggregate_packed", "decode_packed", "unpack_wide",
+                    "decode"} <= ran, ran
+            ran_anywhere |= ran
+        assert "reaggregate" in ran_anywhere  # a stripe with a block off byte boundaries
+
+
+@pytest.mark.multiprocess
 def test_pipelined_buckets_equal_one_at_a_time(synthetic):
     """The hook leaves its bucket in flight and moves the older ones on: after the first call of
     a step no future is complete, after the second none either (bucket 0's all-gather is still in

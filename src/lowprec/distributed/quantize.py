@@ -134,15 +134,32 @@ def quantize_columns(
         mean_upper = sum_upper / n_upper.clamp_min(1)
         mean_lower = sum_lower / (x.shape[1] - n_upper).clamp_min(1)
         return codes, torch.stack([mean_lower, mean_upper], dim=1)
-    lo, hi = x.amin(dim=1), x.amax(dim=1)  # both propagate NaN
+    return quantize_range(x, bits)
+
+
+def quantize_range(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"range"`` rule on rows of any shape: row ``i`` is ``x[i]``, all of it (the compiled
+    hook passes ``[columns, bytes, codes per byte]``, the packed layout). No checks: the public
+    ``quantize_columns`` makes them."""
+    dims = tuple(range(1, x.dim()))
+    lo, hi = x.amin(dim=dims), x.amax(dim=dims)  # both propagate NaN
     step = (hi - lo) / (1 << bits)
     # A constant column has step 0: dividing by 1 instead gives code 0, which reconstructs to
     # lo + 0.5 * 0 == lo exactly. (A step that underflows to 0 for a tiny nonzero range is treated
     # the same; the small remainder goes to the residual.)
-    safe = torch.where(step > 0, step, 1.0)
-    q = torch.sub(x, lo[:, None]).div_(safe[:, None]).floor_().clamp_(0, (1 << bits) - 1)
+    safe = torch.where(step > 0, step, 1.0).view(-1, *[1] * len(dims))
+    q = torch.sub(x, lo.view_as(safe)).div_(safe).floor_().clamp_(0, (1 << bits) - 1)
     # Through int32: PyTorch's direct float -> uint8 cast is not vectorized on CPU (3x slower).
     return q.to(torch.int32).to(torch.uint8), torch.stack([lo, hi], dim=1)
+
+
+def dequantize_range(codes: torch.Tensor, stats: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``"range"`` rule's reconstruction for rows of any shape (as ``quantize_range``):
+    ``lo + (code + 0.5) * step``, FP32. No checks."""
+    shape = (-1, *[1] * (codes.dim() - 1))
+    lo, hi = stats[:, 0].view(shape), stats[:, 1].view(shape)
+    step = (hi - lo) / (1 << bits)
+    return codes.to(torch.float32).add_(0.5).mul_(step).add_(lo)
 
 
 def dequantize_columns(
@@ -181,10 +198,8 @@ def dequantize_columns(
         # are hi * 1 and lo * 0 (a zero), for code 0 hi * 0 and lo * 1, and x + 0 == x.
         up = codes.to(torch.float32)
         value = (up * hi).add_(up.neg_().add_(1).mul_(lo))
-    else:
-        step = (hi - lo) / (1 << bits)
-        # lo + (code + 0.5) * step: the centre of bin `code`.
-        value = codes.to(torch.float32).add_(0.5).mul_(step).add_(lo)
+    else:  # lo + (code + 0.5) * step: the centre of bin `code`
+        value = dequantize_range(codes, stats, bits)
     if out is None:
         return value
     return out.copy_(value)

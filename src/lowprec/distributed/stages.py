@@ -67,26 +67,44 @@ def run(state: OneBitState, name: str, *args: Any, fused_name: str | None = None
     return getattr(kernels, name)(*args)
 
 
+def _packed(state: OneBitState, stripe: _Stripe) -> list[bool]:
+    """Per block of ``stripe``, whether stages 2 and 3 read its codes straight from the packed
+    bytes (``kernels.reaggregate_packed``, ``decode_packed``): on the compiled path, for blocks
+    whose codes start and end on byte boundaries (columns a multiple of ``8 // bits`` long)."""
+    per = 8 // state.bits
+    return [bool(state._fused_active) and b.start % per == 0 and b.length % per == 0
+            for b in stripe.blocks]
+
+
 def _encode_stripe(state: OneBitState, kernel: str, stripe: _Stripe, layout: _Layout,
                    chunk: torch.Tensor, inputs: tuple[torch.Tensor, ...],
                    res_out: torch.Tensor) -> list[torch.Tensor]:
     """Quantize a stripe block by block with ``kernel`` into ``chunk`` (stats, packed codes) and
-    ``res_out`` (new residual); ``inputs[i]`` are flat over the stripe (the senders' codes and
-    stats for ``"reaggregate"``: ``[W, values]`` and ``[W, columns, 2]``). Returns the blocks'
-    "all columns finite" flags."""
-    codes, bits = layout.codes, state.bits
+    ``res_out`` (new residual); ``inputs[i]`` are flat over the stripe (for ``"reaggregate"``: the
+    senders' unpacked codes ``[W, values]``, their packed bytes ``[W, bytes]``, their stats ``[W,
+    columns, 2]`` and the stripe residual). Returns the blocks' "all columns finite" flags."""
+    codes, bits, per = layout.codes, state.bits, 8 // state.bits
     stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
     flags = []
-    for b in stripe.blocks:
-        n, shape = b.ncols * b.length, (b.ncols, b.length)
+    packed = _packed(state, stripe) if kernel == "reaggregate" else [False] * len(stripe.blocks)
+    for b, from_bytes in zip(stripe.blocks, packed, strict=True):
+        n = b.ncols * b.length
+        shape = (b.ncols, b.length // per, per) if from_bytes else (b.ncols, b.length)
         if kernel == "encode":
             g, res = inputs
             args = (g[b.start : b.start + n].view(shape), res[b.start : b.start + n].view(shape))
+            name = kernel
+        elif from_bytes:
+            _, all_bytes, all_stats, res = inputs
+            args = (all_bytes[:, b.start // per : (b.start + n) // per].view(-1, *shape[:2]),
+                    all_stats[:, b.col : b.col + b.ncols], res[b.start : b.start + n].view(shape))
+            name = "reaggregate_packed"
         else:
-            all_codes, all_stats, res = inputs
+            all_codes, _, all_stats, res = inputs
             args = (all_codes[:, b.start : b.start + n].view(-1, *shape),
                     all_stats[:, b.col : b.col + b.ncols], res[b.start : b.start + n].view(shape))
-        flags.append(run(state, kernel, *args, res_out[b.start : b.start + n].view(shape),
+            name = kernel
+        flags.append(run(state, name, *args, res_out[b.start : b.start + n].view(shape),
                          codes[b.start : b.start + n].view(shape),
                          stats[b.col : b.col + b.ncols], bits, state.rule))
     m = packed_size(stripe.numel, bits)
@@ -99,16 +117,23 @@ def _encode_stripe(state: OneBitState, kernel: str, stripe: _Stripe, layout: _La
 def _decode_stripe(state: OneBitState, chunk: torch.Tensor, stripe: _Stripe, layout: _Layout,
                    out: torch.Tensor) -> None:
     """Dequantize ``chunk`` (a stripe's stats and packed codes) into ``out``, block by block."""
-    codes, bits = layout.codes, state.bits
+    codes, bits, per = layout.codes, state.bits, 8 // state.bits
     m = packed_size(stripe.numel, bits)
-    run(state, "unpack", chunk[None, layout.codes_at : layout.codes_at + m],
-        codes[None, : m * (8 // bits)], bits, fused_name="unpack_wide")
+    data = chunk[layout.codes_at : layout.codes_at + m]
+    packed = _packed(state, stripe)
+    if not all(packed):
+        run(state, "unpack", data[None], codes[None, : m * per], bits, fused_name="unpack_wide")
     stats = chunk[: 8 * stripe.ncols].view(torch.float32).view(stripe.ncols, 2)
-    for b in stripe.blocks:
+    for b, from_bytes in zip(stripe.blocks, packed, strict=True):
         n = b.ncols * b.length
-        run(state, "decode", codes[b.start : b.start + n].view(b.ncols, b.length),
-            stats[b.col : b.col + b.ncols], out[b.start : b.start + n].view(b.ncols, b.length),
-            bits, state.rule)
+        if from_bytes:
+            run(state, "decode_packed", data[b.start // per : (b.start + n) // per].view(
+                b.ncols, -1), stats[b.col : b.col + b.ncols],
+                out[b.start : b.start + n].view(b.ncols, -1, per), bits, state.rule)
+        else:
+            run(state, "decode", codes[b.start : b.start + n].view(b.ncols, b.length),
+                stats[b.col : b.col + b.ncols], out[b.start : b.start + n].view(b.ncols, b.length),
+                bits, state.rule)
 
 
 def _scratch(state: OneBitState, layout: _Layout, world: int, device: torch.device) -> None:
@@ -173,14 +198,15 @@ def exchange(state: OneBitState, item: InFlight) -> None:
     send2 = torch.zeros(size, dtype=torch.uint8, device=device)
     if own.ncols:
         m = packed_size(own.numel, state.bits)
-        all_codes = layout.all_codes
-        for k in range(world):  # one contiguous row at a time: the fast form of the kernel
-            run(state, "unpack", recv[k : k + 1, layout.codes_at : layout.codes_at + m],
-                all_codes[k : k + 1], state.bits, fused_name="unpack_wide")
+        all_codes, all_bytes = layout.all_codes, recv[:, layout.codes_at : layout.codes_at + m]
+        if not all(_packed(state, own)):
+            for k in range(world):  # one contiguous row at a time: the fast form of the kernel
+                run(state, "unpack", all_bytes[k : k + 1], all_codes[k : k + 1], state.bits,
+                    fused_name="unpack_wide")
         all_stats = recv[:, : 8 * own.ncols].view(torch.float32).view(world, own.ncols, 2)
         residual = state._spare(own.numel, device)
         flags = _encode_stripe(state, "reaggregate", own, layout, send2,
-                               (all_codes, all_stats, layout.stripe_residual), residual)
+                               (all_codes, all_bytes, all_stats, layout.stripe_residual), residual)
         if bool(torch.stack(flags).all()):
             state._give_back(layout.stripe_residual)
             layout.stripe_residual = residual
