@@ -134,13 +134,17 @@ def quantize_columns(
         mean_upper = sum_upper / n_upper.clamp_min(1)
         mean_lower = sum_lower / (x.shape[1] - n_upper).clamp_min(1)
         return codes, torch.stack([mean_lower, mean_upper], dim=1)
-    return quantize_range(x, bits)
+    codes, lo, hi = range_parts(x, bits)
+    return codes, torch.stack([lo, hi], dim=1)
 
 
-def quantize_range(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def range_parts(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``"range"`` rule on rows of any shape: row ``i`` is ``x[i]``, all of it (the compiled
-    hook passes ``[columns, bytes, codes per byte]``, the packed layout). No checks: the public
-    ``quantize_columns`` makes them."""
+    hook passes ``[columns, bytes, codes per byte]``, the packed layout). Returns ``uint8`` codes
+    shaped like ``x`` and each row's min and max (1-D). No checks: ``quantize_columns`` makes them.
+    Kept apart from the stacked stats so that a compiled caller reconstructs from ``lo`` and ``hi``
+    directly, which lets Inductor run the quantizing pass in the same loop over rows as the min/max
+    (a row then is read from memory once, not twice)."""
     dims = tuple(range(1, x.dim()))
     lo, hi = x.amin(dim=dims), x.amax(dim=dims)  # both propagate NaN
     step = (hi - lo) / (1 << bits)
@@ -150,14 +154,15 @@ def quantize_range(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     safe = torch.where(step > 0, step, 1.0).view(-1, *[1] * len(dims))
     q = torch.sub(x, lo.view_as(safe)).div_(safe).floor_().clamp_(0, (1 << bits) - 1)
     # Through int32: PyTorch's direct float -> uint8 cast is not vectorized on CPU (3x slower).
-    return q.to(torch.int32).to(torch.uint8), torch.stack([lo, hi], dim=1)
+    return q.to(torch.int32).to(torch.uint8), lo, hi
 
 
-def dequantize_range(codes: torch.Tensor, stats: torch.Tensor, bits: int) -> torch.Tensor:
-    """The ``"range"`` rule's reconstruction for rows of any shape (as ``quantize_range``):
-    ``lo + (code + 0.5) * step``, FP32. No checks."""
+def range_values(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    """The ``"range"`` rule's reconstruction for rows of any shape (as ``range_parts``), from each
+    row's ``lo`` and ``hi`` (1-D): ``lo + (code + 0.5) * step``, FP32. No checks."""
     shape = (-1, *[1] * (codes.dim() - 1))
-    lo, hi = stats[:, 0].view(shape), stats[:, 1].view(shape)
+    lo, hi = lo.view(shape), hi.view(shape)
     step = (hi - lo) / (1 << bits)
     return codes.to(torch.float32).add_(0.5).mul_(step).add_(lo)
 
@@ -199,7 +204,7 @@ def dequantize_columns(
         up = codes.to(torch.float32)
         value = (up * hi).add_(up.neg_().add_(1).mul_(lo))
     else:  # lo + (code + 0.5) * step: the centre of bin `code`
-        value = dequantize_range(codes, stats, bits)
+        value = range_values(codes, stats[:, 0], stats[:, 1], bits)
     if out is None:
         return value
     return out.copy_(value)
