@@ -50,8 +50,14 @@ each hook's ``state.compiled`` (whether its compiled quantizer ran); the JSON al
 
 Loopback moves bytes at memory speed, so there the hook's quantization costs more than the bytes it
 saves; the collectives row shows what the wire would carry. Across a slower link the FP32 rows grow
-with the bytes (25M values are 100 MB: about 0.16 s at 10 Gbit/s for a ring of two) and the
-collectives row with 1/30 of them.
+with the bytes (a ring all-reduce sends and receives ``2 (W - 1) / W`` of the buffer at once on
+each full-duplex link: 25M values are 100 MB, about 0.8 s at 1 Gbit/s and 80 ms at 10 Gbit/s for a
+ring of two) and the collectives row with 1/30 of them.
+
+The ``1-bit hook, fused, no overlap`` row runs the compiled hook one bucket at a time
+(``state.flush()`` after each call), to show what the hook's overlap of buckets buys. Below the
+table, rank 0's main-thread CPU time per iteration (``time.thread_time``) for each hook row and the
+memory floor: the quantizer's own work per value, without gloo's threads or waiting.
 
 Examples::
 
