@@ -72,6 +72,10 @@ def test_two_ranks_started_separately_fill_every_row(tmp_path):
     for row, samples in result["samples_s"].items():
         assert len(samples) == 2 and all(t > 0 for t in samples), row
     assert result["link_check"]["gbit_s"] > 0 and len(result["link_check"]["samples_s"]) == 2
+    # Rank 0's main-thread CPU time per timed iteration, for the hook and the floor it is set against.
+    assert set(result["cpu_s"]) == {"1-bit hook, eager", "memory floor"}
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in result["cpu_s"].values())
+    assert "x the floor" in log0
     b = result["bytes_per_iteration"]
     assert b["fp32_ring"] / b["onebit_sent"] >= 25  # 1024-value columns: about 30x
     assert sum(m["bytes_per_step"] for m in result["messages"]) == b["onebit_sent"]
