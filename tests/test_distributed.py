@@ -792,7 +792,8 @@ def test_pipelined_buckets_equal_one_at_a_time(synthetic):
             for m in messages:
                 assert sum(m["stripes"]) == m["values"] and len(m["stripes"]) == world
                 assert m["bytes_per_step"] == 2 * (world - 1) * m["chunk_bytes"]
-                assert m["uncompressed_bytes_per_step"] == 2 * (world - 1) * 4 * m["values"] // world
+                ring = 2 * (world - 1) * 4 * m["values"] // world
+                assert m["uncompressed_bytes_per_step"] == ring
             sent = sum(m["bytes_per_step"] for m in messages)
             assert piped["counters"]["bytes_sent"] == 2 * sent  # two steps, all compressed
 

@@ -57,30 +57,18 @@ def _own_residuals(state: OneBitState) -> dict[str, Any]:
                            "residual": piece[1].detach().to("cpu", torch.float32, copy=True)}
     return {"local": local, "stripe": stripe, "counters": state.counters()}
 
+
 def _comm_device(group: dist.ProcessGroup) -> torch.device:
     """Where the checkpoint collectives' tensors live: CUDA for an NCCL-only group, else CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+
 def state_dict(state: OneBitState) -> dict[str, Any]:
-    """Every rank's residuals and counters, the settings and the iteration, on every rank.
-
-    A collective over the state's process group: call it on **every** rank (then save the
-    result on one). The process group itself is not saved. Only tensor collectives are used
-    (no pickling through ``all_gather_object``): an int64 header per rank (counters, and per
-    parameter the length of its local residual and the offset and length of its stripe
-    piece), then every rank's residuals as one flat FP32 tensor, padded to the longest.
-
-    Returns:
-        ``{"format", "version", "world_size", "iter", "config", "ranks"}``; ``ranks[r]`` holds
-        rank ``r``'s ``"local"`` residuals (name -> FP32 CPU tensor of the parameter's size),
-        ``"stripe"`` residuals (name -> ``{"offset", "residual"}``, the values of the stripe
-        it aggregates) and ``"counters"``.
-
-    Raises:
-        RuntimeError: The ranks' states were built on models with different parameters.
-    """
+    """``OneBitState.state_dict``: every rank's residuals and counters, on every rank (a
+    collective), in the format of the module docstring; raises ``RuntimeError`` where the ranks'
+    states were built on different models."""
     group = state._group()
     world = group.size()
     device = _comm_device(group)
@@ -135,6 +123,7 @@ def state_dict(state: OneBitState) -> dict[str, Any]:
         "ranks": ranks,
     }
 
+
 def _decode_rank(names: list[str], header: list[int], payload: torch.Tensor) -> dict[str, Any]:
     """One rank's part of ``state_dict()`` from its header and payload (see there)."""
     counters = {"iter": header[0], **dict(zip(COUNTERS, header[1 : 1 + len(COUNTERS)],
@@ -154,25 +143,12 @@ def _decode_rank(names: list[str], header: list[int], payload: torch.Tensor) -> 
     return {"local": dict(sorted(local.items())), "stripe": dict(sorted(stripe.items())),
             "counters": counters}
 
-def load_state_dict(state: OneBitState, state_dict: dict[str, Any], *, strict: bool = True) -> None:
-    """Restore residuals, counters and the iteration from ``state_dict()``; call on every rank.
 
-    Each rank takes its own part; residuals are placed when their parameters' buckets next
-    appear. Loading replaces all residuals this state holds.
-
-    Args:
-        state_dict: A dict from ``state_dict()``, saved with the same world size.
-        strict: Also require the same ``bits``, ``rule``, ``column_size`` and
-            ``min_column_size``, and only names of this module's parameters (default: True).
-            With ``strict=False`` residuals of unknown names are dropped and other settings
-            accepted (residuals are per value, so they still carry the error, but the run no
-            longer resumes bit for bit). The state keeps its own settings either way.
-
-    Raises:
-        TypeError: ``state_dict`` is not a dict from ``OneBitState.state_dict()``.
-        ValueError: A different world size, a parameter of another size, or (``strict``) other
-            settings or unknown parameter names.
-    """
+def load_state_dict(state: OneBitState, state_dict: dict[str, Any], *,
+                    strict: bool = True) -> None:
+    """``OneBitState.load_state_dict``: check ``state_dict`` against ``state`` (world size,
+    settings with ``strict``, parameter names and sizes) before changing anything, then take this
+    rank's part, pending until its parameters' buckets next appear."""
     if not isinstance(state_dict, dict) or state_dict.get("format") != FORMAT:
         raise TypeError(
             "state_dict is not a OneBitState.state_dict() (no format "

@@ -1,16 +1,19 @@
 """The hook's per-block work as functions that run eagerly or under ``torch.compile``.
 
-``onebit_hook`` spends its compute in four places: quantizing gradient + residual (stage 1),
-summing and requantizing a stripe (stage 2), dequantizing into the bucket (stage 3), and packing
-and unpacking codes. Each is one function here (packing has an eager form, ``pack``, and a form
-for the compiler, ``pack_wide``: integer operations, equal by construction and by test), written with ``quantize_columns`` and
-``dequantize_columns`` themselves, so there is one copy of the math: the eager path calls these
-functions as they are, the fused path (``OneBitState(fused=True)``) runs the same functions
-through ``torch.compile`` (Inductor: C++ on CPU, Triton on GPU), which fuses each into one pass
-with no full-size temporaries. The results are identical bit for bit for the ``"range"`` rule
-(min, max and elementwise FP32 operations in the same order; the tests check it against a
-single-process simulation). ``"zero-threshold"`` always runs eagerly: its column sums would be
-split into different partial sums by the compiled reduction.
+``onebit_hook`` spends its compute in four places: quantizing gradient + residual (stage 1,
+``encode``), summing and requantizing a stripe (stage 2, ``reaggregate``), dequantizing into the
+bucket (stage 3, ``decode``), and packing and unpacking codes. Packing has an eager form (``pack``)
+and one for the compiler (``pack_wide``: integer operations, equal by construction and by test).
+The math is ``lowprec.distributed.quantize``'s own (``quantize_columns``, ``dequantize_columns``,
+and for the ``"range"`` rule their parts ``range_parts``/``range_values``), so there is one copy of
+it: the eager path calls these functions as they are; the compiled path (the default where a
+compiler exists, ``OneBitState(fused=None)``) runs the same functions through ``torch.compile``
+(Inductor: C++ on CPU, Triton on GPU). On that path, stages 2 and 3 read a block whose codes fill
+whole bytes straight from the packed message (``reaggregate_packed``, ``decode_packed``) instead
+of unpacking it first. The results are identical bit for bit for the ``"range"`` rule (min, max
+and elementwise FP32 operations in the same order; the tests check it against a single-process
+simulation). ``"zero-threshold"`` always runs eagerly: its column sums would be split into
+different partial sums by the compiled reduction.
 
 Outputs go into caller-provided tensors (``res_out``, ``codes_out``, ``stats_out``, ``out``), so
 that the compiled kernels write straight into the hook's residual buffers and messages.
@@ -81,11 +84,20 @@ def reaggregate(codes: torch.Tensor, stats: torch.Tensor, res: torch.Tensor,
     """Stage 2 for a block: dequantize the ``W`` senders' copies (``codes`` ``[W, columns,
     length]``, ``stats`` ``[W, columns, 2]``), sum them in rank order, divide by ``W``, add the
     stripe residual ``res`` and quantize like ``encode``; return "all columns finite"."""
-    world = codes.shape[0]
-    acc = dequantize_columns(codes[0], stats[0], bits=bits, rule=rule)
-    for k in range(1, world):
-        acc = acc + dequantize_columns(codes[k], stats[k], bits=bits, rule=rule)
-    v = acc / world + res
+    copies = [dequantize_columns(codes[k], stats[k], bits=bits, rule=rule)
+              for k in range(codes.shape[0])]
+    return _average_and_requantize(copies, res, res_out, codes_out, stats_out, bits, rule)
+
+
+def _average_and_requantize(copies: list[torch.Tensor], res: torch.Tensor, res_out: torch.Tensor,
+                            codes_out: torch.Tensor, stats_out: torch.Tensor, bits: int,
+                            rule: str) -> torch.Tensor:
+    """Stage 2's common part: sum the senders' dequantized ``copies`` in rank order, divide by
+    their number, add the stripe residual, requantize into the outputs."""
+    acc = copies[0]
+    for copy in copies[1:]:
+        acc = acc + copy
+    v = acc / len(copies) + res
     new_codes, new_stats, rec, finite = _requantize(v, bits, rule)
     res_out.copy_(v - rec)
     codes_out.copy_(new_codes)
@@ -117,16 +129,9 @@ def reaggregate_packed(packed: torch.Tensor, stats: torch.Tensor, res: torch.Ten
                        bits: int, rule: str) -> torch.Tensor:
     """``reaggregate`` for a block whose senders' codes are ``packed`` ``[W, columns, bytes]``
     (``res``, ``res_out``, ``codes_out``: ``[columns, bytes, per]``); ``"range"`` rule only."""
-    world = packed.shape[0]
-    acc = range_values(_spread(packed[0], bits), stats[0, :, 0], stats[0, :, 1], bits)
-    for k in range(1, world):
-        acc = acc + range_values(_spread(packed[k], bits), stats[k, :, 0], stats[k, :, 1], bits)
-    v = acc / world + res
-    new_codes, new_stats, rec, finite = _requantize(v, bits, rule)
-    res_out.copy_(v - rec)
-    codes_out.copy_(new_codes)
-    stats_out.copy_(new_stats)
-    return finite
+    copies = [range_values(_spread(packed[k], bits), stats[k, :, 0], stats[k, :, 1], bits)
+              for k in range(packed.shape[0])]
+    return _average_and_requantize(copies, res, res_out, codes_out, stats_out, bits, rule)
 
 
 def decode_packed(packed: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, bits: int,
