@@ -15,9 +15,10 @@ stays unbiased over time. Usage::
     state.load_state_dict(ckpt["onebit"])                                 # on every rank
 
 ``lowprec.distributed.quantize`` holds the per-column quantizer and the bit packing;
-``lowprec.distributed.kernels`` the hook's per-block work, run eagerly or compiled
-(``OneBitState(fused=True)``); ``lowprec.distributed.hook`` the striped aggregation, the state and
-the hook. See docs/distributed.md and examples/ddp_onebit.py.
+``kernels`` the hook's per-block work, compiled where a compiler exists (else eager, with the same
+results); ``layout`` the columns and stripes of a bucket; ``stages`` a bucket's three stages, each
+ending in a collective; ``hook`` the state, the pipeline of stages over DDP's buckets and the hook;
+``checkpoint`` the state's checkpoints. See docs/distributed.md and examples/ddp_onebit.py.
 """
 
 from lowprec.distributed.hook import DEFAULT_WARMUP_STEPS, OneBitState, column_runs, onebit_hook

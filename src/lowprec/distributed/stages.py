@@ -15,7 +15,7 @@ go to pooled spare buffers and replace the old ones only when every rank was fin
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +43,7 @@ class InFlight:
     local: torch.Tensor | None  # the new local residual, kept if every rank was finite
     stage: int = 1  # 1: all-to-all in flight; 2: all-gather (or fallback all-reduce) in flight
     fallback: bool = False
-    done: bool = field(default=False)
+    done: bool = False
 
 
 def run(state: OneBitState, name: str, *args: Any, fused_name: str | None = None) -> Any:
