@@ -754,6 +754,15 @@ def test_edge_buckets_exist(synthetic):
             assert rank["counters"]["compressed_buckets"] == 1
 
 
+def test_unknown_fused_setting_is_refused_at_construction(monkeypatch):
+    """``LOWPREC_FUSED`` decides what ``fused=None`` means; a value it does not know is refused
+    when the state is built, not at the first compressed bucket inside ``backward()``."""
+    monkeypatch.setenv("LOWPREC_FUSED", "sometimes")
+    with pytest.raises(ValueError, match="LOWPREC_FUSED='sometimes'"):
+        OneBitState(torch.nn.Linear(2, 2))
+    OneBitState(torch.nn.Linear(2, 2), fused=False)  # an explicit choice does not read it
+
+
 @pytest.mark.multiprocess
 def test_fused_scenarios_ran_both_block_kinds(synthetic):
     """The compiled scenarios (equal to the simulation above) read blocks whose codes fill whole

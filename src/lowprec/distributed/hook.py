@@ -73,6 +73,7 @@ from lowprec.distributed.checkpoint import COUNTERS
 from lowprec.distributed.layout import _Layout, column_runs
 from lowprec.distributed.quantize import DEFAULT_RULE, check_quantizer
 from lowprec.optim.compiled import _default_compiles as default_compiles
+from lowprec.optim.compiled import _default_mode as default_mode
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "OneBitState", "column_runs", "onebit_hook"]
 
@@ -153,6 +154,8 @@ class OneBitState:
                 raise ValueError(f"{name}={value} is out of range: must be >= {least}.")
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused must be True, False or None, got {type(fused).__name__}.")
+        if fused is None:
+            default_mode()  # an unknown LOWPREC_FUSED is refused here, not inside backward()
         if fused and rule != "range":
             raise ValueError(
                 f"fused=True compiles the 'range' rule only (a compiled column sum would not "
