@@ -204,6 +204,33 @@ def test_unwritable_output_is_a_message(tmp_path):
     assert "lowprec: error: cannot write" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("mistake", ["out-is-a-file", "json-is-a-folder", "plot-under-a-file",
+                                     "json-not-creatable"])
+def test_output_paths_are_checked_before_training(mistake, tmp_path, capsys, monkeypatch):
+    """An output path that cannot be written stops ``compare`` before its first step (issue 22:
+    the JSON and the plot were lost after minutes of training), with a message naming the option
+    and the problem; nothing is trained (the run's header is not even printed)."""
+    readme = tmp_path / "README.md"
+    readme.write_text("a file")
+    args, expected = {
+        "out-is-a-file": (["--out", str(readme)], f"{readme} is a file, not a folder"),
+        "json-is-a-folder": (["--out", str(tmp_path), "--json", str(tmp_path)],
+                             f"--json {tmp_path} is a folder"),
+        "plot-under-a-file": (["--out", str(tmp_path), "--plot", str(readme / "p.png")],
+                              "(--plot): " + f"{readme} is a file"),
+        "json-not-creatable": (["--json", "/proc/lowprec-x/compare.json"],
+                               "cannot write /proc/lowprec-x/compare.json (--json)"),
+    }[mistake]
+    trained = []
+    monkeypatch.setattr("lowprec.compare.compare", lambda *a, **k: trained.append(1))
+    assert cli.main(["compare", "--recipes", "fp32", *TINY, *args]) == 2
+    captured = capsys.readouterr()
+    assert "lowprec: error: " in captured.err and expected in captured.err, captured.err
+    assert not trained and "lowprec compare" not in captured.out
+    assert readme.read_text() == "a file"
+    assert not list(tmp_path.glob(".lowprec-check-*"))  # the scratch file is removed
+
+
 def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):
     code = cli.main(["compare", "--recipes", "fp32", "--optimizer", "sgd", "--lr", "1e12", *TINY,
                      "--no-plot", "--out", str(tmp_path)])

@@ -239,6 +239,30 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def _check_output(path: Path, option: str) -> None:
+    """Make sure ``path`` can be written before any work is done: its folder is created (as the
+    write would create it) and a scratch file written and removed there. A mistake (a file where a
+    folder must be, a folder where the file goes, no permission, a read-only file system) is a
+    ``UsageError`` naming ``option``, instead of a failure after minutes of training."""
+    import tempfile
+
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder: name a file inside it, e.g. "
+                         f"{path / ('compare' + (path.suffix or '.json'))}")
+    for parent in (path.parent, *path.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"cannot write {path} ({option}): {parent} is a file, not a "
+                                 "folder; choose another path")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".lowprec-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write {path} ({option}): {exc.strerror or exc}") from None
+
+
 def _environment() -> dict[str, Any]:
     return {
         "lowprec": lowprec.__version__,
@@ -368,6 +392,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     json_path = args.json or args.out / "compare.json"
     plot_path = None if args.no_plot else (args.plot or args.out / "compare.png")
+    # Checked before training, so that a mistake costs seconds, not the run.
+    _check_output(json_path, "--json" if args.json else "--out")
+    if plot_path is not None:
+        _check_output(plot_path, "--plot" if args.plot else "--out")
     title = (f"{cfg.optimizer}, {cfg.steps} steps, d_model {model.d_model} x {model.n_layer} "
              f"layers, batch {cfg.batch_size}x{model.context}, {cfg.threads} threads")
 
@@ -492,6 +520,8 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        _check_output(args.json, "--json")
     from lowprec import memory
     from lowprec.task import CharTransformer, ModelConfig
 
@@ -533,6 +563,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
 
 def _cmd_numerics(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        _check_output(args.json, "--json")
     from lowprec import demos
 
     _, Table = _import_rich()
