@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -229,6 +230,21 @@ def test_output_paths_are_checked_before_training(mistake, tmp_path, capsys, mon
     assert not trained and "lowprec compare" not in captured.out
     assert readme.read_text() == "a file"
     assert not list(tmp_path.glob(".lowprec-check-*"))  # the scratch file is removed
+
+
+def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
+    """Redirected to a file or a pipe (capsys here), the bars are not drawn, so ``compare``
+    prints plain progress lines instead: recipe, step, the step's own loss, elapsed, time left;
+    the table's loss column says what it is."""
+    tiny = [a for a in TINY if a != "--no-progress"]
+    assert cli.main(["compare", "--recipes", "fp32,bf16", *tiny, "--no-plot",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^(\S+) +step (\d)/4  loss \d+\.\d{4} \(this step\)  elapsed \d+ s, "
+                       r"about \d+ s left$", out, flags=re.MULTILINE)
+    # (each round takes the recipes in a rotating order: compare a sorted list)
+    assert sorted(lines) == sorted((r, str(k)) for k in range(1, 5) for r in ("fp32", "bf16"))
+    assert "train loss (last 10%)" in out and "mean over the last 10% of steps" in out
 
 
 def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):

@@ -283,7 +283,7 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
     _, Table = _import_rich()
     table = Table(title=title, title_justify="left")
     for name, justify in (
-        ("recipe", "left"), ("train loss", "right"), ("eval loss", "right"),
+        ("recipe", "left"), ("train loss (last 10%)", "right"), ("eval loss", "right"),
         ("gap vs fp32", "right"), ("step ms", "right"), ("speed-up", "right"),
         ("speed-up IQR", "right"),
         ("B/param", "right"), ("weights", "right"), ("grads", "right"), ("state", "right"),
@@ -404,7 +404,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     current: dict[str, Any] = {}
     started = time.perf_counter()
     progress = None
-    if not args.no_progress:
+    # Where stdout is not a terminal (a log file, CI, nohup, a notebook) rich draws no bars: plain
+    # lines instead, about ten per recipe, each with the elapsed time and an estimate of the rest.
+    every = max(1, cfg.steps // 10)
+    plain = not args.no_progress and not console.is_terminal
+    if not args.no_progress and console.is_terminal:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -416,7 +420,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
         progress = Progress(
             TextColumn("[bold]{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("last-step loss {task.fields[loss]}"), TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=console, transient=False,
         )
     tasks: dict[str, Any] = {}
@@ -429,6 +434,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         current["step"] = step + 1  # (the recipes take their steps in turn: one round each)
         if progress is not None:
             progress.update(tasks[name], advance=1, loss=f"{loss:.4f}")
+        elif plain and ((step + 1) % every == 0 or step + 1 == cfg.steps):
+            elapsed = time.perf_counter() - started
+            left = elapsed * (cfg.steps - step - 1) / (step + 1)
+            console.print(f"{name:<12} step {step + 1:>{len(str(cfg.steps))}}/{cfg.steps}  "
+                          f"loss {loss:.4f} (this step)  elapsed {elapsed:.0f} s, "
+                          f"about {left:.0f} s left", markup=False, highlight=False)
 
     console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(cfg.recipes)}")
     interrupted = False
@@ -498,7 +509,9 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
             console.print(f"[yellow]{r['recipe']} diverged[/yellow] (its loss became inf or "
                           "NaN): try a smaller --lr.")
     console.print(
-        "gap: eval loss relative to fp32's; speed-up: the median over the steps (the first two "
+        "train loss: the mean over the last 10% of steps (the progress shows each step's "
+        "own); eval loss: on held-out batches after training; gap: eval loss relative to "
+        "fp32's; speed-up: the median over the steps (the first two "
         "left out) of fp32's step time over the recipe's (the recipes take their steps in "
         "turn), IQR its interquartile range; B/param: bytes per parameter measured from the "
         "tensors (state = moments, master = FP32 copy / trail / compensation); lost updates: "
