@@ -245,6 +245,34 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys)
     # (each round takes the recipes in a rotating order: compare a sorted list)
     assert sorted(lines) == sorted((r, str(k)) for k in range(1, 5) for r in ("fp32", "bf16"))
     assert "train loss (last 10%)" in out and "mean over the last 10% of steps" in out
+    assert re.search(r"Recommended: (fp32|bf16)|No recommendation", out)
+    rec = json.loads((tmp_path / "compare.json").read_text())["recommendation"]
+    assert rec["tolerance"] == 0.005 and set(rec["others"]) | {rec["recipe"]} >= {"bf16"}
+
+
+def _rec(name, gap, total, ms):
+    return {"recipe": name, "eval_gap": gap, "bytes_per_param": {"total": total},
+            "step_time_s": ms / 1e3}
+
+
+def test_recommendation_is_the_leanest_within_tolerance_then_the_fastest():
+    records = [_rec("fp32", 0.0, 16.0, 80), _rec("bf16", 0.03, 8.0, 50),
+               _rec("bf16-kahan", 0.001, 10.0, 60), _rec("bf16-sr", 0.004, 10.0, 55),
+               _rec("bf16-split", -0.001, 14.0, 58), _rec("amp-bf16", float("nan"), 16.0, 70)]
+    rec = compare.recommend(records, 0.005)
+    assert rec["recipe"] == "bf16-sr"  # 10 B/param like bf16-kahan, and faster
+    assert rec["reason"] == "eval loss +0.40% vs fp32 (within 0.5%), 10.0 B/param, 55 ms/step"
+    assert rec["others"] == {
+        "fp32": "16.0 B/param against 10.0",
+        "bf16": "eval loss +3.00% vs fp32, beyond the 0.5% tolerance",
+        "bf16-kahan": "as lean, but slower: 60 against 55 ms/step",
+        "bf16-split": "14.0 B/param against 10.0",
+        "amp-bf16": "diverged",
+    }
+    tight = compare.recommend(records, 0.0001)  # only fp32 and bf16-split (below fp32) fit
+    assert tight["recipe"] == "bf16-split"
+    assert compare.recommend(records[1:])["recipe"] is None  # no fp32: nothing to compare with
+    assert "add fp32" in compare.recommend(records[1:])["reason"]
 
 
 def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):

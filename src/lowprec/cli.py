@@ -110,7 +110,7 @@ def _optimizer(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowprec.compare import DEFAULT_LR, DEFAULT_RECIPES, CompareConfig
+    from lowprec.compare import DEFAULT_LR, DEFAULT_RECIPES, DEFAULT_TOLERANCE, CompareConfig
     from lowprec.task import ModelConfig
 
     cfg, model = CompareConfig(), ModelConfig()
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the optimizer step with torch.compile, or --no-fused for the "
                         "eager step (default: the library's, compiled where a C++ compiler or "
                         "Triton is found)")
+    c.add_argument("--tolerance", type=_positive_float, default=100 * DEFAULT_TOLERANCE,
+                   help="recommend the cheapest recipe whose eval loss is at most this many "
+                        f"percent above fp32's (default: {100 * DEFAULT_TOLERANCE:g})")
     c.add_argument("--out", type=Path, default=Path("lowprec-out"),
                    help="folder for compare.json and compare.png (default: lowprec-out)")
     c.add_argument("--json", type=Path, default=None,
@@ -374,7 +377,7 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) ->
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from lowprec.compare import CompareConfig, compare, config_dict
+    from lowprec.compare import CompareConfig, compare, config_dict, recommend
     from lowprec.task import ModelConfig
 
     console = _console()
@@ -466,9 +469,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         "records": records,
     }
     if records:
+        payload["recommendation"] = recommend(records, args.tolerance / 100)
         console.print(compare_table(records, title=f"lowprec compare: {title}"))
         _notes(console, records)
         _load_note(console, load, cfg.threads)
+        _recommendation(console, payload["recommendation"])
     else:
         console.print("No recipe finished: nothing to report.")
     _write_json(json_path, payload)
@@ -478,6 +483,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         console.print(f"Plot: {plot_path}")
     console.print(f"Total {payload['wall_time_s']:.0f} s.")
     return 130 if interrupted else 0
+
+
+def _recommendation(console: Any, rec: dict[str, Any]) -> None:
+    """One line for the recipe to use, and one reason for each other."""
+    if rec["recipe"] is None:
+        console.print(f"[bold]No recommendation[/bold]: {rec['reason']}.")
+    else:
+        console.print(f"[bold]Recommended: {rec['recipe']}[/bold], the cheapest recipe within "
+                      f"{rec['tolerance']:.1%} of fp32's eval loss on this run: {rec['reason']}.")
+    if rec["others"]:
+        console.print("Not chosen: " + "; ".join(f"{k}: {v}" for k, v in rec["others"].items())
+                      + ".", highlight=False)
 
 
 def _load_note(console: Any, load: dict[str, Any], threads: int) -> None:

@@ -28,16 +28,19 @@ import torch.nn.functional as F
 from lowprec import recipes as recipes_mod
 from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
 
-__all__ = ["DEFAULT_RECIPES", "OPTIMIZERS", "CompareConfig", "compare", "run_recipe"]
+__all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "compare",
+           "recommend", "run_recipe"]
 
 #: What ``lowprec compare`` runs by default: the reference, the BF16 recipes and the 2017 FP16
 #: recipe. Left out (run them with ``--recipes``): ``amp-fp16``, whose FP16 matmuls have no
-#: hardware path on most CPUs (several times slower than FP32 here), and ``dfp16``, whose exact
+#: hardware path on most CPUs (32x slower than FP32 per step here), and ``dfp16``, whose exact
 #: integer emulation costs ~20 FP32 steps per step.
 DEFAULT_RECIPES: tuple[str, ...] = (
     "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "fp16-master",
 )
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
+#: How far above FP32's eval loss a recipe may end and still be recommended (0.005: 0.5 %).
+DEFAULT_TOLERANCE = 0.005
 
 # Peak learning rates per optimizer for the built-in task, checked on it at the default size:
 # AdamW at 5e-4 keeps the runs stable through warm-up (1e-3 spiked near its end); SGD with
@@ -393,6 +396,53 @@ def add_relative(records: list[dict[str, Any]]) -> None:
         ratios = [a / b for a, b in _steady(pairs)]
         r["speedup"] = statistics.median(ratios)
         r["speedup_iqr"] = _quartiles(ratios)
+
+
+def recommend(records: list[dict[str, Any]], tolerance: float = DEFAULT_TOLERANCE
+              ) -> dict[str, Any]:
+    """The cheapest recipe that trains as well as FP32 on this run, and why each other lost.
+
+    A recipe qualifies when its eval loss is finite and at most ``tolerance`` (a fraction) above
+    FP32's (``eval_gap``); among those the fewest bytes per parameter wins, then the shorter
+    median step. Needs the records' relative fields (``add_relative``).
+
+    Returns:
+        ``{"recipe": name or None, "tolerance", "reason", "others": {name: why not}}``;
+        ``recipe`` is None (with the reason) where there is no FP32 record or none qualifies.
+    """
+    out: dict[str, Any] = {"recipe": None, "tolerance": tolerance, "others": {}}
+    if not any(r["recipe"] == "fp32" for r in records):
+        out["reason"] = "no fp32 run to compare with: add fp32 to --recipes"
+        return out
+
+    def fits(r: dict[str, Any]) -> bool:
+        gap = r.get("eval_gap")
+        return gap is not None and math.isfinite(gap) and gap <= tolerance
+
+    fitting = sorted((r for r in records if fits(r)),
+                     key=lambda r: (r["bytes_per_param"]["total"], r["step_time_s"]))
+    if not fitting:
+        out["reason"] = f"no recipe ended within {tolerance:.1%} of fp32's eval loss"
+    else:
+        best = fitting[0]
+        b, t = best["bytes_per_param"]["total"], best["step_time_s"]
+        out["recipe"] = best["recipe"]
+        out["reason"] = (f"eval loss {best['eval_gap']:+.2%} vs fp32 (within {tolerance:.1%}), "
+                         f"{b:.1f} B/param, {1e3 * t:.0f} ms/step")
+    for r in records:
+        if r is (fitting[0] if fitting else None):
+            continue
+        gap = r.get("eval_gap")
+        if gap is None or not math.isfinite(gap):
+            why = "diverged"
+        elif gap > tolerance:
+            why = f"eval loss {gap:+.2%} vs fp32, beyond the {tolerance:.1%} tolerance"
+        elif r["bytes_per_param"]["total"] > b:
+            why = f"{r['bytes_per_param']['total']:.1f} B/param against {b:.1f}"
+        else:
+            why = f"as lean, but slower: {1e3 * r['step_time_s']:.0f} against {1e3 * t:.0f} ms/step"
+        out["others"][r["recipe"]] = why
+    return out
 
 
 def config_dict(cfg: CompareConfig) -> dict[str, Any]:
