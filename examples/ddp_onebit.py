@@ -15,7 +15,9 @@ The gradients are averaged by the 1-bit hook after ``--warmup-steps`` uncompress
 hold an inf or NaN: the hook all-reduces such a bucket uncompressed, so every rank sees the
 overflow and skips together. ``--checkpoint`` saves model, optimizer, scaler and the hook's
 residuals (``OneBitState.state_dict()`` is a collective: every rank calls it, rank 0 writes);
-``--resume`` continues from such a file bit for bit, with the same number of processes.
+``--resume`` continues from such a file bit for bit, with the same number of processes and the
+same options; resumed with or without ``--loss-scaler`` where the checkpoint was not, it continues
+correctly too (``OneBitState(loss_scaler=...)`` rescales the residuals to the new loss scale).
 """
 
 from __future__ import annotations
@@ -96,9 +98,12 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
                           nn.ReLU(), nn.Linear(args.hidden, 8)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scaler = lowprec.LossScaler() if args.loss_scaler else None
+    # The hook follows the loss scale, so that its residuals (in units of the scaled gradient)
+    # stay right when the scale changes, within the run or across a resume.
     state = None if args.no_hook else OneBitState(model, bits=args.bits, rule=args.rule,
                                                   warmup_steps=args.warmup_steps,
-                                                  fused=False if args.no_fused else None)
+                                                  fused=False if args.no_fused else None,
+                                                  loss_scaler=scaler)
     start = 0
     if args.resume is not None:
         ckpt = torch.load(args.resume, map_location=device, weights_only=False)
@@ -106,6 +111,10 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
         opt.load_state_dict(ckpt["opt"])
         if scaler is not None and ckpt.get("scaler") is not None:
             scaler.load_state_dict(ckpt["scaler"])
+        elif rank == 0 and (scaler is None) != (ckpt.get("scaler") is None):
+            saved, now = ("with", "without") if scaler is None else ("without", "with")
+            print(f"note: the checkpoint was saved {saved} --loss-scaler and this run is {now}; "
+                  "the 1-bit residuals are rescaled to this run's loss scale", flush=True)
         if state is not None:
             state.load_state_dict(ckpt["onebit"])  # this rank's residuals
         start = ckpt["step"]

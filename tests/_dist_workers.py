@@ -220,7 +220,65 @@ def direct_edge_buckets(rank: int) -> dict[str, torch.Tensor]:
     one = onebit_hook(state, FakeBucket([model["one"]], torch.tensor([rank + 1.5], device=dev)))
     one = one.wait()
     return {"empty": empty, "one": one, "counters": state.counters(),
-            "pipeline": pipelined_buckets(rank)}
+            "pipeline": pipelined_buckets(rank), "scaled": loss_scaled_steps(rank)}
+
+
+class FakeScaler:
+    """What ``OneBitState(loss_scaler=...)`` reads of a loss scaler: its current scale."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+def loss_scaled_steps(rank: int) -> dict[str, Any]:
+    """Four compressed steps on two buckets: once with gradients multiplied by a changing loss
+    scale (a state that follows the scaler), once unscaled (a state without one); the outputs,
+    the residual scale across a checkpoint, and the residuals of both."""
+    dev = device()
+    shapes = {"a": (64, 48), "b": (300,)}
+    model = nn.ParameterDict({k: nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}).to(dev)
+    scales = [4.0, 32.0, 32.0, 0.5]
+    scaler = FakeScaler()
+    runs = {"scaled": OneBitState(model, warmup_steps=0, loss_scaler=scaler),
+            "plain": OneBitState(model, warmup_steps=0)}
+    out: dict[str, Any] = {"scales": scales}
+    for name, state in runs.items():
+        outputs = []
+        for step, scale in enumerate(scales):
+            scaler.scale = scale
+            factor = scale if name == "scaled" else 1.0
+            futures = []
+            for i, (k, s) in enumerate(shapes.items()):
+                g = torch.randn(math.prod(s), generator=torch.Generator().manual_seed(
+                    100 * step + 10 * rank + i)).to(dev) * factor
+                bucket = FakeBucket([model[k]], g)
+                bucket.last = i == len(shapes) - 1
+                futures.append(onebit_hook(state, bucket))
+            outputs.append([f.wait().clone() for f in futures])
+        out[name] = {"outputs": outputs, "state": state.state_dict()}
+    # A checkpoint carries the scale its residuals are in; a state without a scaler that loads it
+    # rescales them to 1 at its next compressed step.
+    resumed = OneBitState(model, warmup_steps=0)
+    resumed.load_state_dict(out["scaled"]["state"])
+    g = [torch.zeros(math.prod(s), device=dev) for s in shapes.values()]
+    futures = []
+    for i, k in enumerate(shapes):
+        bucket = FakeBucket([model[k]], g[i])
+        bucket.last = i == len(shapes) - 1
+        futures.append(onebit_hook(resumed, bucket))
+    out["resumed_output"] = [f.wait().clone() for f in futures]
+    runs["plain"].load_state_dict(out["plain"]["state"])
+    g = [torch.zeros(math.prod(s), device=dev) for s in shapes.values()]
+    futures = []
+    for i, k in enumerate(shapes):
+        bucket = FakeBucket([model[k]], g[i])
+        bucket.last = i == len(shapes) - 1
+        futures.append(onebit_hook(runs["plain"], bucket))
+    out["plain_next_output"] = [f.wait().clone() for f in futures]
+    return out
 
 
 def pipelined_buckets(rank: int) -> dict[str, Any]:

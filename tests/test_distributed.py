@@ -807,6 +807,29 @@ def test_pipelined_buckets_equal_one_at_a_time(synthetic):
             assert piped["counters"]["bytes_sent"] == 2 * sent  # two steps, all compressed
 
 
+@pytest.mark.multiprocess
+def test_residuals_follow_the_loss_scale(synthetic):
+    """With ``loss_scaler=``, residuals are rescaled when the scale changes: gradients scaled by
+    4, 32, 32, 0.5 give exactly the scaled outputs of the unscaled run (the quantizer commutes
+    with powers of two), and the residuals end at 0.5x the unscaled run's. A state without a
+    scaler that loads the scaled checkpoint rescales its residuals to 1: its next step equals the
+    unscaled run's next step."""
+    for world in (1, 2, 3):
+        for rank in synthetic.get(f"direct-w{world}", ()):
+            got = rank["scaled"]
+            for scale, scaled, plain in zip(got["scales"], got["scaled"]["outputs"],
+                                            got["plain"]["outputs"], strict=True):
+                for a, b in zip(scaled, plain, strict=True):
+                    assert torch.equal(a, b * scale)
+            assert got["scaled"]["state"]["residual_scale"] == 0.5
+            assert got["plain"]["state"]["residual_scale"] == 1.0
+            for ra, rb in zip(got["scaled"]["state"]["ranks"], got["plain"]["state"]["ranks"],
+                              strict=True):
+                assert all(torch.equal(ra["local"][k], rb["local"][k] * 0.5) for k in ra["local"])
+            for a, b in zip(got["resumed_output"], got["plain_next_output"], strict=True):
+                assert torch.equal(a, b)
+
+
 def _assert_same_state(a, b):
     for ra, rb in zip(a["ranks"], b["ranks"], strict=True):
         assert ra["local"].keys() == rb["local"].keys()
@@ -892,8 +915,10 @@ def test_dead_rank_raises_on_the_others_not_hangs(tmp_path, mode, message):
 @pytest.mark.multiprocess
 def test_example_runs_under_torchrun(tmp_path, backend):
     """examples/ddp_onebit.py with ``torchrun --nproc-per-node 2`` on 127.0.0.1: trains with the
-    hook and the loss scaler, saves a checkpoint, and resumes from it. The example takes NCCL
-    where it sees CUDA: the gloo run hides the GPUs from it."""
+    hook and the loss scaler, saves a checkpoint, and resumes from it both ways: with the loss
+    scaler, and without one (issue 22: the residuals, in units of the scaled gradient, drove that
+    run to NaN). Rescaled by a power of two, the second resume ends where the first does. The
+    example takes NCCL where it sees CUDA: the gloo run hides the GPUs from it."""
     import os
     import subprocess
     import sys
@@ -905,11 +930,11 @@ def test_example_runs_under_torchrun(tmp_path, backend):
         env["CUDA_VISIBLE_DEVICES"] = ""
     ckpt = tmp_path / "ckpt.pt"
 
-    def torchrun(*args: str) -> str:
+    def torchrun(*args: str, scaler: bool = True) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(workers.free_port()), str(script), "--log-every", "5",
-               "--warmup-steps", "3", "--loss-scaler", *args]
+               "--warmup-steps", "3", *(["--loss-scaler"] if scaler else []), *args]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
@@ -923,3 +948,7 @@ def test_example_runs_under_torchrun(tmp_path, backend):
     second = torchrun("--steps", "14", "--resume", str(ckpt))
     assert re.search(r"done: 2 ranks, 4 steps", second), second
     assert re.search(r"11 buckets compressed, 3 uncompressed", second), second
+    unscaled = torchrun("--steps", "14", "--resume", str(ckpt), scaler=False)
+    assert "saved with --loss-scaler and this run is without" in unscaled, unscaled
+    eval_loss = re.compile(r"eval loss (\S+),")
+    assert eval_loss.search(unscaled)[1] == eval_loss.search(second)[1], (second, unscaled)

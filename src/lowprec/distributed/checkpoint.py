@@ -119,6 +119,7 @@ def state_dict(state: OneBitState) -> dict[str, Any]:
         "version": VERSION,
         "world_size": world,
         "iter": state.iter,
+        "residual_scale": state._residual_scale,
         "config": state.config(),
         "ranks": ranks,
     }
@@ -211,5 +212,9 @@ def load_state_dict(state: OneBitState, state_dict: dict[str, Any], *,
     state._carry = {k for part in state_dict["ranks"] for k in part["stripe"]
                    if k in state._numels}
     state.iter = int(state_dict["iter"])
+    # The loss scale the residuals were made at (None in older checkpoints: taken as the scale
+    # of the next step); the next compressed iteration rescales them to the scale it reads.
+    state._residual_scale = state_dict.get("residual_scale")
+    state._scale_iter = None
     for k in COUNTERS:
         setattr(state, k, int(mine["counters"].get(k, 0)))

@@ -62,6 +62,7 @@ rank's residuals and counters are gathered into one dict, which any rank may sav
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
 # annotations with the real dist.GradBucket and Future[Tensor] objects, not with strings.
+import math
 from typing import Any
 
 import torch
@@ -119,6 +120,13 @@ class OneBitState:
             unless the environment sets ``LOWPREC_FUSED=0``, eager otherwise). The first
             compressed step compiles (seconds to a minute; cached on disk for later runs).
             ``state.compiled`` says which path runs.
+        loss_scaler: The loss scaler the training scales its loss with (``lowprec.LossScaler``
+            or ``torch.amp.GradScaler``; default: None, no scaling). Residuals are in units of
+            the gradient the hook sees, the scaled one: when the scale changes (dynamic scaling
+            grows or backs off, or a run resumes with another scale or none) the hook multiplies
+            them by new scale / old scale at the next compressed iteration, exactly for the
+            powers of two scalers use. Without it, a run with a changing scale carries residuals
+            in stale units (the error feedback then over- or under-corrects by that factor).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
@@ -136,6 +144,7 @@ class OneBitState:
         column_size: int = 1024,
         min_column_size: int = 32,
         fused: bool | None = None,
+        loss_scaler: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -154,6 +163,12 @@ class OneBitState:
                 raise ValueError(f"{name}={value} is out of range: must be >= {least}.")
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused must be True, False or None, got {type(fused).__name__}.")
+        if loss_scaler is not None and not callable(getattr(loss_scaler, "get_scale", None)):
+            raise TypeError(
+                f"loss_scaler must be the training's loss scaler (lowprec.LossScaler or "
+                f"torch.amp.GradScaler: something with get_scale()), got "
+                f"{type(loss_scaler).__name__}."
+            )
         if fused is None:
             default_mode()  # an unknown LOWPREC_FUSED is refused here, not inside backward()
         if fused and rule != "range":
@@ -174,6 +189,11 @@ class OneBitState:
         self.column_size = column_size
         self.min_column_size = min_column_size
         self.fused = fused
+        self.loss_scaler = loss_scaler
+        # The loss scale the residuals are in (None: none made yet, or unknown), and the iteration
+        # at which the scale was last read.
+        self._residual_scale: float | None = None
+        self._scale_iter: int | None = None
         # Decided at the first compressed bucket (None: not yet), False for good after a failed
         # compilation.
         self._fused_active: bool | None = None if fused is None else fused
@@ -355,6 +375,7 @@ class OneBitState:
         """Stage 1 of this bucket, then the older buckets moved on (see the module docstring)."""
         if self._fused_active is None:
             self._fused_active = self.rule == "range" and default_compiles(buffer.device.type)
+        self._follow_loss_scale()
         layout = self._layout_for(bucket, buffer, group)
         if any(item.layout is layout for item in self._inflight):
             self.flush()  # its last step never saw a last bucket: finish it before reusing it
@@ -369,6 +390,26 @@ class OneBitState:
             self._abort(error)
             raise
         return item.future
+
+    def _follow_loss_scale(self) -> None:
+        """Once per iteration: read the loss scale (1 without a scaler) and, where it differs
+        from the scale the residuals were made at, rescale every residual to it."""
+        if self._scale_iter == self.iter:
+            return
+        self._scale_iter = self.iter
+        scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.get_scale())
+        old, self._residual_scale = self._residual_scale, scale
+        if old is None or old == scale or not (math.isfinite(old) and old > 0):
+            return
+        self.flush()  # (nothing is in flight at an iteration's first bucket; by hand, maybe)
+        factor = scale / old
+        for layout in {id(layout): layout for layout in self._home.values()}.values():
+            layout.local.mul_(factor)
+            layout.stripe_residual.mul_(factor)
+        for values in self._pending_local.values():
+            values.mul_(factor)
+        for _, values in self._pending_stripe.values():
+            values.mul_(factor)
 
     def _advance(self) -> None:
         """Every all-to-all but the newest on to stage 2 (starting its all-gather), then every
