@@ -275,6 +275,22 @@ def test_recommendation_is_the_leanest_within_tolerance_then_the_fastest():
     assert "add fp32" in compare.recommend(records[1:])["reason"]
 
 
+@pytest.mark.parametrize("with_fp32", [True, False])
+def test_plot_draws_every_panel_for_diverged_and_missing_references(tmp_path, with_fp32):
+    """The picture is drawn for records with a diverged recipe (NaN losses, no eval gap) and
+    for runs without fp32 (the gap panel then says what to add)."""
+    steps = 50
+    records = [dict(_rec("fp32", 0.0, 16.0, 80), losses=[3 - i / steps for i in range(steps)]),
+               dict(_rec("bf16-kahan", 0.001, 10.0, 60),
+                    losses=[3.01 - i / steps for i in range(steps)]),
+               dict(_rec("bf16", None, 8.0, 50), losses=[3.0] * 10 + [math.nan] * 40)]
+    if not with_fp32:
+        records = records[1:]
+    path = tmp_path / "p.png"
+    cli.plot_losses(records, path, title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):
     code = cli.main(["compare", "--recipes", "fp32", "--optimizer", "sgd", "--lr", "1e12", *TINY,
                      "--no-plot", "--out", str(tmp_path)])

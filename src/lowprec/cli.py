@@ -323,7 +323,10 @@ def _spread(iqr: Sequence[float] | None) -> str:
 
 
 def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
-    """Draw each recipe's training loss (smoothed) against the step, and its eval loss."""
+    """The comparison as a picture, three panels: each recipe's gap to FP32's training loss over
+    the steps (in %, each line labelled at its end, so lines near 0 stay apart); the loss curves
+    over the second half of training, where they differ; and each recipe placed by bytes per
+    parameter and step time, marked with its eval-loss gap (the cost half of the decision)."""
     try:
         import matplotlib
 
@@ -336,36 +339,61 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) ->
         out, avg = [], None
         for v in values:
             if math.isfinite(v):
-                avg = v if avg is None else 0.9 * avg + 0.1 * v
+                avg = v if avg is None else 0.95 * avg + 0.05 * v
             out.append(math.nan if avg is None else avg)
         return out
 
     smooth = {r["recipe"]: ema(r["losses"]) for r in records}
     ref = smooth.get("fp32")
-    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {r["recipe"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(records)}
+    fig, (gap, tail, cost) = plt.subplots(1, 3, figsize=(17, 5))
+    fig.suptitle(title, fontsize=11)
+    ends: list[tuple[float, float, str, Any]] = []  # the gap lines' last points and labels
+    n = max(len(v) for v in smooth.values())
+    start = n // 5  # the first fifth (warm-up, fast early descent) would set every scale
     for r in records:
-        name, style = r["recipe"], ("--" if r["recipe"] == "fp32" else "-")
-        steps = range(1, len(smooth[name]) + 1)
-        ax.plot(steps, smooth[name], style, label=name, lw=1.3)
+        name = r["recipe"]
+        style = {"color": colors[name], "lw": 2.2 if name == "fp32" else 1.4,
+                 "ls": "--" if name == "fp32" else "-"}
+        steps = list(range(1, len(smooth[name]) + 1))
+        half = len(steps) // 2
+        tail.plot(steps[half:], smooth[name][half:], label=name, **style)
         if ref is not None:
-            diff = [a - b for a, b in zip(smooth[name], ref, strict=False)]
-            gap.plot(range(1, len(diff) + 1), diff, style, label=name, lw=1.3)
-    ax.set(xlabel="step", ylabel="train loss (EMA 0.9)", title=title)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+            pct = [100 * (a - b) / b for a, b in zip(smooth[name], ref, strict=False)]
+            gap.plot(steps[start:len(pct)], pct[start:], label=name, **style)
+            last = next((v for v in reversed(pct) if math.isfinite(v)), None)
+            if last is not None:
+                ends.append((len(pct), last, f"{name} {last:+.2f}%", colors[name]))
     if ref is not None:
-        gap.set(xlabel="step", ylabel="train loss - fp32's (EMA 0.9)",
-                title="gap to fp32 (above 0: worse)")
+        # A symmetric log scale: linear within +-0.05 %, logarithmic beyond, so that recipes a
+        # few hundredths of a percent apart separate while a diverging one still fits.
+        gap.set_yscale("symlog", linthresh=0.05, linscale=1.0)
         gap.axhline(0, color="black", lw=0.6)
-        diffs = [a - b for name in smooth for a, b in
-                 zip(smooth[name][len(ref) // 5:], ref[len(ref) // 5:], strict=False)
-                 if math.isfinite(a - b)]
-        if diffs:
-            span = max(abs(d) for d in diffs) or 1e-3
-            gap.set_ylim(-1.1 * span, 1.1 * span)
+        _labels_apart(gap, ends)
+        gap.set(xlabel="step", ylabel="train loss vs fp32's, % (EMA 0.95)",
+                title="gap to fp32 (above 0: worse), from step " + str(start + 1))
+        gap.margins(x=0.22)
+        gap.legend(fontsize=8, loc="upper left")
     else:
+        gap.text(0.5, 0.5, "no fp32 run: add fp32 to --recipes", ha="center",
+                 transform=gap.transAxes)
         gap.set_axis_off()
-    gap.grid(alpha=0.3)
+    tail.set(xlabel="step", ylabel="train loss (EMA 0.95)",
+             title="training loss, second half")
+    tail.legend(fontsize=8)
+    points = []
+    for r in records:
+        name, b, t = r["recipe"], r["bytes_per_param"]["total"], r["step_time_s"]
+        g = r.get("eval_gap")
+        label = name if g is None or not math.isfinite(g) else f"{name}\n{100 * g:+.2f}%"
+        cost.scatter([b], [1e3 * t], s=70, color=colors[name], zorder=3)
+        points.append((b, 1e3 * t, label, colors[name]))
+    cost.set(xlabel="bytes per parameter (measured)", ylabel="median step, ms",
+             title="cost: bytes and time (label: eval loss vs fp32)")
+    cost.margins(x=0.35, y=0.2)
+    _labels_apart(cost, points, spacing=24)
+    for ax in (gap, tail, cost):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -374,6 +402,24 @@ def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) ->
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+def _labels_apart(ax: Any, points: Sequence[tuple[float, float, str, Any]], *,
+                  spacing: float = 12) -> None:
+    """Label each ``(x, y, text, color)`` just right of its point, moving labels up just enough
+    that none overlaps another of about the same ``x`` (``spacing`` points apart on screen)."""
+    ax.figure.canvas.draw()  # settle the limits and scales first
+    to_px = ax.transData.transform
+    placed: list[tuple[float, float]] = []
+    for x, y, text, color in sorted(points, key=lambda p: p[1]):
+        px, py = to_px((x, y))
+        shift = 0.0
+        for qx, qy in placed:
+            if abs(qx - px) < 120 and py + shift < qy + spacing:
+                shift = qy + spacing - py
+        placed.append((px, py + shift))
+        ax.annotate(text, (x, y), xytext=(6, shift), textcoords="offset points", va="center",
+                    fontsize=8, color=color)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
