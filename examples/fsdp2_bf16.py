@@ -5,6 +5,7 @@ Run it with torchrun, one process per rank::
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy split --checkpoint ckpt
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy split --resume ckpt --steps 400
+    torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan --resume ckpt --steps 400
 
 (on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). The backend is NCCL
 when CUDA is available (one GPU per rank, ``LOCAL_RANK``) and gloo on CPU otherwise.
@@ -15,6 +16,9 @@ each rank's shards and keeps its state sharded alike (``master="kahan"``: a BF16
 small updates). ``--checkpoint`` saves model and optimizer with ``torch.distributed.checkpoint``
 (a directory of shards, written by every rank); ``--resume`` loads it and continues, bit for bit
 with the same number of processes (and, for the elementwise state lowprec keeps, with another).
+Resumed with another ``--strategy`` (start exact with split, go on lean with kahan), the
+optimizer's state is converted: the FP32 master rebuilt from the saved one and stored the new
+way, exactly into ``fp32`` and ``split``, to 16 significant bits into ``kahan``.
 The task is a small MLP regressing a fixed random teacher network; each rank draws its own
 batches.
 """
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -48,6 +53,13 @@ def teacher_batch(n: int, *, seed: int, device: torch.device) -> tuple[torch.Ten
     x = torch.randn(n, 32, generator=g)
     y = torch.tanh(x @ w1) @ w2
     return x.to(device), y.to(device)
+
+
+def saved_strategy(path: Path) -> str | None:
+    """The ``--strategy`` a checkpoint was saved with (None for one saved without it)."""
+    entry = {"strategy": ""}
+    dcp.load(entry, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    return entry["strategy"] or None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,15 +109,29 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = lowprec.optim.AdamW(model.parameters(), lr=args.lr, master=args.strategy,
-                              fused=args.fused)
-    start = 0
+    def optimizer(strategy: str) -> lowprec.optim.AdamW:
+        return lowprec.optim.AdamW(model.parameters(), lr=args.lr, master=strategy,
+                                   fused=args.fused)
+
+    opt, start = optimizer(args.strategy), 0
     if args.resume is not None:
-        model_sd, opt_sd = get_state_dict(model, opt)
+        # DCP loads into tensors shaped as this optimizer's state: under the strategy the
+        # checkpoint was saved with. Under another, the state is loaded as saved, then handed
+        # to this run's optimizer, whose load_state_dict converts each rank's shards (the FP32
+        # master rebuilt, then kept the new way: exact into fp32 and split).
+        saved = saved_strategy(args.resume) or args.strategy
+        loader = opt if saved == args.strategy else optimizer(saved)
+        model_sd, opt_sd = get_state_dict(model, loader)
         state = {"model": model_sd, "optim": opt_sd, "step": torch.zeros((), dtype=torch.int64)}
         dcp.load(state, checkpoint_id=str(args.resume))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, loader, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         start = int(state["step"])
+        if loader is not opt:
+            opt.load_state_dict(loader.state_dict())
+            del loader
+            if rank == 0:
+                print(f"resumed a master {saved} checkpoint as master {args.strategy}", flush=True)
 
     t0, loss = time.perf_counter(), torch.zeros(())
     for step in range(start, args.steps):
@@ -123,7 +149,8 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
         eval_loss = nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y).item()
     if args.checkpoint is not None:
         model_sd, opt_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(args.steps)}
+        state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(args.steps),
+                 "strategy": args.strategy}
         dcp.save(state, checkpoint_id=str(args.checkpoint))  # every rank writes its shards
     if rank == 0:
         print(f"done: {world} ranks, {args.steps - start} steps in "

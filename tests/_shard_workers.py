@@ -251,7 +251,9 @@ def worker_fsdp2(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any
 
 def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]) -> None:
     """FSDP2 + torch.distributed.checkpoint: 4 steps straight, and 2 steps, a DCP save, a new
-    model and optimizer loaded from it (``get_state_dict``/``set_state_dict``), 2 more steps."""
+    model and optimizer loaded from it (``get_state_dict``/``set_state_dict``), 2 more steps.
+    A run with ``"resume_as"`` (options) hands the loaded optimizer's sharded state to an
+    optimizer built with those options (another ``master=``) before the last 2 steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -272,11 +274,16 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
             opt.step()
             opt.zero_grad()
 
+    def masters(opt: Any) -> dict[str, torch.Tensor]:
+        return {n: opt.master_weight(p).full_tensor() for n, p in model.named_parameters()}
+
     results = {}
-    for name, kw in runs.items():
+    for name, run in runs.items():
+        kw = {k: v for k, v in run.items() if k != "resume_as"}
         model, opt = build(kw)
         train(model, opt, range(4))
         straight = {n: p.full_tensor() for n, p in model.named_parameters()}
+        straight_masters = masters(opt)
         model, opt = build(kw)
         train(model, opt, range(2))
         msd, osd = get_state_dict(model, opt)
@@ -288,8 +295,19 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
         dcp.load(loaded, checkpoint_id=where)
         set_state_dict(model, opt, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optim"])
+        conversion = {}
+        if "resume_as" in run:
+            converted = lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=3,
+                                            **{**kw, **run["resume_as"]})
+            conversion["loaded"] = masters(opt)
+            converted.load_state_dict(opt.state_dict())
+            opt = converted
+            conversion["converted"] = masters(opt)
         train(model, opt, range(2, 4))
         resumed = {n: p.full_tensor() for n, p in model.named_parameters()}
-        results[name] = {"straight": straight, "resumed": resumed}
+        results[name] = {"straight": straight, "resumed": resumed,
+                         "straight_masters": straight_masters, "resumed_masters": masters(opt),
+                         "resumed_state": {n: opt.state[p]["master"]
+                                           for n, p in model.named_parameters()}, **conversion}
     torch.save(results, out / f"rank{rank}.pt")
     _exit_now()

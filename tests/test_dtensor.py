@@ -211,7 +211,11 @@ def test_fsdp2_training(fsdp2, master):
 DCP_RUNS = {"split": {"master": "split"}, "stochastic": {"master": "stochastic"},
             "fp32": {"master": "fp32"},
             "kahan-fused": {"master": "kahan", "fused": True},
-            "stochastic-fused": {"master": "stochastic", "fused": True}}
+            "stochastic-fused": {"master": "stochastic", "fused": True},
+            # Saved under split, resumed under fp32 and under kahan (issue 22's strategy switch).
+            "split-as-fp32": {"master": "split", "resume_as": {"master": "fp32"}},
+            "split-as-kahan": {"master": "split", "fused": True,
+                               "resume_as": {"master": "kahan"}}}
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +225,7 @@ def dcp_runs(tmp_path_factory):
     return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-@pytest.mark.parametrize("name", list(DCP_RUNS))
+@pytest.mark.parametrize("name", [n for n, run in DCP_RUNS.items() if "resume_as" not in run])
 def test_fsdp2_distributed_checkpoint_resumes_bit_for_bit(dcp_runs, name):
     """FSDP2's checkpoint path (get_state_dict, torch.distributed.checkpoint save and load,
     set_state_dict) saves the sharded state and a resumed run goes on as the straight one."""
@@ -231,9 +235,32 @@ def test_fsdp2_distributed_checkpoint_resumes_bit_for_bit(dcp_runs, name):
             assert torch.equal(resumed[n], w), (rank, n)
 
 
+def test_a_dcp_checkpoint_resumes_under_another_master_strategy(dcp_runs):
+    """A DCP checkpoint saved under split, loaded under split, then handed to an optimizer of
+    another strategy (its load_state_dict converts each rank's shards): into fp32 the FP32
+    masters go on exactly as the straight split run's; into kahan each shard's masters become
+    what the conversion makes of the whole tensors (BF16 value plus BF16 remainder), and the
+    run goes on the kahan way."""
+    from lowprec.optim.storage import STORAGES, convert
+
+    for rank, results in enumerate(dcp_runs):
+        exact, lean = results["split-as-fp32"], results["split-as-kahan"]
+        assert set(exact["resumed_state"].values()) == {"fp32"}
+        assert set(lean["resumed_state"].values()) == {"kahan"}
+        for n, w in exact["straight_masters"].items():
+            assert torch.equal(exact["resumed_masters"][n], w), (rank, n)
+            loaded = lean["loaded"][n]
+            top, bufs = convert(STORAGES["fp32"], STORAGES["kahan"], loaded.to(B),
+                                {"master_weight": loaded})
+            assert torch.equal(lean["converted"][n], STORAGES["kahan"].load(top, bufs)), n
+            assert not torch.equal(lean["resumed_masters"][n], lean["converted"][n]), n
+
+
 def test_fsdp2_example_runs_under_torchrun(tmp_path):
     """examples/fsdp2_bf16.py with ``torchrun --nproc-per-node 2`` on 127.0.0.1: a DCP checkpoint
-    after 6 steps, resumed to 10, ends where 10 straight steps end, to the last bit."""
+    after 6 steps, resumed to 10, ends where 10 straight steps end, to the last bit; resumed
+    with another --strategy (kahan), it says so and trains on from the converted state
+    (issue 22: it ended in a traceback, a missing 'compensation' key)."""
     import os
     import re
     import subprocess
@@ -243,17 +270,23 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path):
     script = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_bf16.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
-    def torchrun(*args: str) -> str:
+    def torchrun(*args: str, strategy: str = "split") -> tuple[str, ...]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(workers.free_port()), str(script), "--strategy", "split",
+               "--master-port", str(workers.free_port()), str(script), "--strategy", strategy,
                "--log-every", "5", *args]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
-        return re.search(r"done: 2 ranks, (\d+) steps .* eval loss (\S+)", done.stdout).groups()
+        converted = "resumed a master split checkpoint as master kahan" in done.stdout
+        return (*re.search(r"done: 2 ranks, (\d+) steps .* master (\S+), eval loss (\S+)",
+                           done.stdout).groups(), converted)
 
     ckpt = tmp_path / "ckpt"
     assert torchrun("--steps", "6", "--checkpoint", str(ckpt))[0] == "6"
-    steps, resumed = torchrun("--steps", "10", "--resume", str(ckpt))
-    assert steps == "4"
-    assert torchrun("--steps", "10") == ("10", resumed)
+    steps, master, resumed, converted = torchrun("--steps", "10", "--resume", str(ckpt))
+    assert (steps, master, converted) == ("4", "split", False)
+    assert torchrun("--steps", "10") == ("10", "split", resumed, False)
+    steps, master, lean, converted = torchrun("--steps", "10", "--resume", str(ckpt),
+                                              strategy="kahan")
+    assert (steps, master, converted) == ("4", "kahan", True)
+    assert abs(float(lean) - float(resumed)) < 0.02 * float(resumed), (lean, resumed)

@@ -704,7 +704,9 @@ BAD_LOAD = [
      "parameter groups"),
     ("group size", lambda sd: sd["param_groups"][0]["params"].pop(), "has 2 parameters"),
     ("trail for kahan", lambda sd: sd["state"][0].update(master="split"),
-     "created with master='split'"),
+     "saved with master='split', whose 'trail' should be"),
+    ("unknown master", lambda sd: sd["state"][0].update(master="fp8"),
+     "saved with master='fp8', which lowprec does not know"),
     ("wrong dtype", lambda sd: sd["state"][1].update(
         compensation=sd["state"][1]["compensation"].new_zeros(6, dtype=torch.float32)),
      "should be a"),
@@ -723,6 +725,85 @@ def test_bad_checkpoint_is_rejected_before_anything_changes(name, spoil, match, 
         opt.load_state_dict(sd)
     _same(snap, opt, [a, b])
     assert opt.param_groups[0]["lr"] == lr
+
+
+STRATEGIES = ("none", "fp32", "split", "kahan", "stochastic")
+
+
+@pytest.mark.parametrize("new", STRATEGIES)
+@pytest.mark.parametrize("old", STRATEGIES)
+def test_a_checkpoint_of_another_master_strategy_is_converted(old, new, device):
+    # A checkpoint saved under one master= strategy, loaded by an optimizer given another: the
+    # FP32 master is rebuilt and stored the new way, exactly where the new way holds FP32
+    # (fp32, split), to the compensation's precision for kahan, rounded to nearest for none and
+    # stochastic; the moments take the new strategy's state dtype, the hyperparameters and
+    # counts the checkpoint's. Then it steps as an optimizer of the new strategy would from
+    # that state.
+    shapes = [(33, 17), (64,)]
+    seq = grad_sequence(shapes, 14, seed=3)
+    params = make_params(torch.bfloat16, shapes, device=device)
+    saved_opt = AdamW(params, lr=3e-2, weight_decay=0.1, master=old, seed=7)
+    run(saved_opt, params, seq[:6])
+    masters = [saved_opt.master_weight(p) for p in params]
+    saved = copy.deepcopy(saved_opt.state_dict())
+
+    fresh = [p.detach().clone().requires_grad_() for p in params]  # (the model loaded first)
+    opt = AdamW(fresh, lr=1.0, master=new)
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert group["master"] == new and group["lr"] == 3e-2 and group["seed"] == 7
+    for p, q, w in zip(params, fresh, masters, strict=True):
+        st = opt.state[q]
+        assert st["master"] == new and float(st["step"]) == 6.0
+        assert st["exp_avg"].dtype == (torch.float32 if new in ("fp32", "split") else q.dtype)
+        assert torch.equal(st["exp_avg"], saved_opt.state[p]["exp_avg"].to(st["exp_avg"].dtype))
+        got = opt.master_weight(q)
+        if new in ("fp32", "split") or old in ("none", "stochastic"):
+            assert torch.equal(got, w)
+        elif new == "kahan":  # (16 significant bits: within 2**-16 of the value)
+            assert ((got - w).abs() <= w.abs() * 2.0**-16).all()
+        else:
+            assert torch.equal(got, w.to(q.dtype).float())
+        if new in ("none", "stochastic", "fp32"):  # (the parameter: the master's rounding)
+            assert torch.equal(q.detach(), got.to(q.dtype))
+    # The converted state steps as the new strategy's own state would.
+    ref = [q.detach().clone().requires_grad_() for q in fresh]
+    ref_opt = AdamW(ref, lr=1.0, master=new)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    run(opt, fresh, seq[6:])
+    run(ref_opt, ref, seq[6:])
+    for q, r in zip(fresh, ref, strict=True):
+        assert torch.equal(_bits(q), _bits(r))
+        assert torch.equal(opt.master_weight(q), ref_opt.master_weight(r))
+
+
+def test_a_split_run_resumed_as_fp32_continues_its_masters_bit_for_bit(device):
+    # split and fp32 keep the same FP32 master and FP32 moments, so converting between them
+    # loses nothing: the masters go on exactly as the uninterrupted split run's.
+    shapes = [(40, 9), (9,)]
+    seq = grad_sequence(shapes, 20, seed=11)
+    params = make_params(torch.bfloat16, shapes, device=device)
+    straight = [p.detach().clone().requires_grad_() for p in params]
+    straight_opt = SGD(straight, lr=0.1, momentum=0.9, master="split")
+    run(straight_opt, straight, seq)
+    first = SGD(params, lr=0.1, momentum=0.9, master="split")
+    run(first, params, seq[:8])
+    second = SGD(params, lr=0.5, master="fp32")
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    run(second, params, seq[8:])
+    for p, q in zip(straight, params, strict=True):
+        assert torch.equal(straight_opt.master_weight(p), second.master_weight(q))
+
+
+def test_an_optimizer_left_at_auto_keeps_the_checkpoints_master(device):
+    # master="auto" (the default) takes the checkpoint's strategy, as before: nothing converted.
+    params = make_params(torch.bfloat16, [(8, 3)], device=device)
+    opt = AdamW(params, lr=1e-2, master="split")
+    run(opt, params, grad_sequence([(8, 3)], 2))
+    other = AdamW([p.detach().clone().requires_grad_() for p in params], lr=1e-2)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert other.param_groups[0]["master"] == "split"
+    assert all(st["master"] == "split" for st in other.state.values())
 
 
 def test_pickle_and_setstate_fill_new_options(device):

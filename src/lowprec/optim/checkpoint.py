@@ -22,7 +22,12 @@ import torch
 from lowprec.optim.batches import _by_size
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.plan import _flat_state
-from lowprec.optim.shards import check_loaded_state, is_dtensor
+from lowprec.optim.shards import check_loaded_state, is_dtensor, local, wrap_like
+from lowprec.optim.storage import STORAGES, convert
+
+# The options that say how the state is stored rather than how the rule steps: an optimizer
+# given them explicitly keeps them when it loads a checkpoint saved with others.
+_STORAGE_OPTIONS = ("master", "state_dtype")
 
 
 class _Checkpoints:
@@ -59,10 +64,16 @@ class _Checkpoints:
                     f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
                     f"has {len(sg['params'])}."
                 )
-            # The checkpoint's options win. A torch.optim checkpoint (no "master") brings its
-            # hyperparameters, and lowprec's own options stay as this optimizer's group has
-            # them: its "fused" means torch's kernels, and it has no master or seed.
-            own = {} if "master" in sg else {k: g[k] for k in _COMMON_DEFAULTS}
+            # The checkpoint's options win, except how the state is stored where this
+            # optimizer was given that explicitly (a master other than "auto", a state_dtype):
+            # the state is then converted (_convert_master). A torch.optim checkpoint (no
+            # "master") brings its hyperparameters, and lowprec's own options stay as this
+            # optimizer's group has them: its "fused" means torch's kernels, and it has no
+            # master or seed.
+            if "master" in sg:
+                own = {k: g[k] for k in _STORAGE_OPTIONS if g[k] != _COMMON_DEFAULTS[k]}
+            else:
+                own = {k: g[k] for k in _COMMON_DEFAULTS}
             merged = {k: v for k, v in {**g, **sg, **own}.items() if k not in _TORCH_ONLY_OPTIONS}
             merged["params"] = g["params"]
             if merged["seed"] is None:
@@ -72,6 +83,7 @@ class _Checkpoints:
             for sid, p in zip(sg["params"], g["params"], strict=True):
                 id_map[sid] = (p, merged)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (converted masters' parameters)
         for sid, st in saved_state.items():
             if sid not in id_map:
                 raise ValueError(f"the checkpoint holds state for unknown parameter id {sid!r}.")
@@ -87,12 +99,20 @@ class _Checkpoints:
                 moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
             if moved:
                 storage = self._storage(merged, p)
-                if "master" not in moved:  # torch.optim's state: see _adopt_state
-                    moved = self._adopt_state(moved, merged, p, storage, f"parameter {sid!r}")
-                self._check_state(moved, merged, p, storage, f"parameter {sid!r}")
+                where = f"parameter {sid!r}"
                 if is_dtensor(p):
-                    check_loaded_state(moved, p, f"parameter {sid!r}")
+                    check_loaded_state(moved, p, where)
+                if "master" not in moved:  # torch.optim's state: see _adopt_state
+                    moved = self._adopt_state(moved, merged, p, storage, where)
+                elif moved["master"] != storage.name:
+                    moved, value = self._convert_master(moved, merged, p, storage, where)
+                    writes.append((p, value))
+                self._cast_math_buffers(moved, merged, p, storage)
+                self._check_state(moved, merged, p, storage, where)
             new_state[p] = moved
+        with torch.no_grad():  # (every check has passed: now the parameters may change)
+            for p, value in writes:
+                (local(p) if is_dtensor(p) else p).copy_(value)
         self._step_plan = None
         self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
         # What torch's load_state_dict does once it has cast the state, which here keeps its
@@ -103,6 +123,49 @@ class _Checkpoints:
         self._lay_out_loaded()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _convert_master(self, st, group, p, storage, where) -> tuple[dict[str, Any], Any]:
+        """A parameter's state saved under another ``master=`` strategy (``st["master"]``) as
+        ``storage`` keeps it: the FP32 master rebuilt from the parameter's current value and
+        the saved buffers (load the model's weights first), then stored the new way
+        (``storage.convert``: exact into ``"fp32"`` and ``"split"``). Returns the new state and
+        the parameter's new value (its local shard for a DTensor), written by the caller once
+        every check has passed."""
+        old = STORAGES.get(st["master"])
+        if old is None:
+            raise ValueError(
+                f"{where}: the checkpoint's state was saved with master={st['master']!r}, which "
+                f"lowprec does not know, so it cannot be converted to this optimizer's "
+                f"master={storage.name!r}; load a checkpoint saved by a lowprec optimizer."
+            )
+        lp = local(p) if is_dtensor(p) else p.detach()
+        bufs = {}
+        for name, dtype in old.buffers(lp).items():
+            t = st.get(name)
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                raise ValueError(
+                    f"{where}: its state was saved with master={old.name!r}, whose {name!r} "
+                    f"should be a {tuple(p.shape)} {dtype} tensor, got {got}; so it cannot be "
+                    f"converted to this optimizer's master={storage.name!r}. Load a checkpoint "
+                    "of this model's parameters."
+                )
+            bufs[name] = local(t) if is_dtensor(p) else t
+        value, new_bufs = convert(old, storage, lp, bufs)
+        out = {k: v for k, v in st.items() if k not in bufs}
+        out["master"] = storage.name
+        for name, t in new_bufs.items():
+            out[name] = wrap_like(t, p) if is_dtensor(p) else t
+        return out, value
+
+    def _cast_math_buffers(self, st, group, p, storage) -> None:
+        """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
+        optimizer was given, or the one a converted master implies)."""
+        dtype = self._state_dtype(group, p, storage)
+        for name in self._math_buffers(group):
+            t = st.get(name)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+                st[name] = t.to(dtype)
 
     def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
         """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,

@@ -34,7 +34,7 @@ from lowprec.numerics import (
     split,
 )
 
-__all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "resolve_master"]
+__all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "convert", "resolve_master"]
 
 _HIGH = (torch.float32, torch.float64)
 _LOW = (torch.bfloat16, torch.float16)
@@ -310,3 +310,19 @@ def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
     if master == "auto":
         return STORAGES["kahan"]
     return STORAGES[master]
+
+
+def convert(
+    old: MasterStorage, new: MasterStorage, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The FP32 master that ``old`` keeps in ``param`` and ``bufs``, stored ``new``'s way: the new
+    parameter value and ``new``'s buffers (pure, as ``load``/``store``).
+
+    Exact where ``new`` holds an FP32 value (``"fp32"``, ``"split"``); ``"kahan"`` keeps it to
+    its compensation's precision (the parameter's significant bits twice); ``"none"`` and
+    ``"stochastic"`` round it to the parameter's dtype, to nearest (one rounding, so the
+    conversion itself needs no random bits).
+    """
+    w = old.load(param, bufs)
+    store = STORAGES["none"] if new.needs_random_bits else new
+    return store.store(w, param, new.init(param))
