@@ -334,3 +334,34 @@ def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
     assert set(data["dfp16"]["modes"]) >= {"nearest", "stochastic", "biased"}
     out = capsys.readouterr().out
     assert "Swamping" in out and "FP16 underflow" in out and "DFP-16" in out
+
+
+@pytest.mark.parametrize("args", [["--help"], ["compare", "--help"], ["--version"],
+                                  ["compare", "--recipes", "bf8"], ["compare", "--d-model", "30"],
+                                  ["compare", "--optimizer", "adam"], ["memory", "--help"]])
+def test_help_and_mistakes_answer_without_importing_torch(args):
+    # torch takes seconds to import: the command's help, version and argument errors do not
+    # wait for it (issue 22, point 9); they answer as before.
+    code = ("import sys\nfrom lowprec import cli\n"
+            f"try:\n    status = cli.main({args!r})\nexcept SystemExit as e:\n    status = e.code\n"
+            "print('torch imported:', 'torch' in sys.modules, 'status:', status)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
+    failed = args[-1] in ("bf8", "30", "adam")
+    assert ("status: 2" if failed else "status: 0") in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_package_names_import_on_first_use():
+    # lowprec's top-level names are imported when first used, as plain imports give them.
+    import lowprec
+    from lowprec import optim as optim_mod
+
+    for name in lowprec.__all__:
+        assert getattr(lowprec, name) is not None, name
+    assert lowprec.AdamW is optim_mod.AdamW and lowprec.recipes is recipes
+    assert set(lowprec.__all__) <= set(dir(lowprec))
+    with pytest.raises(AttributeError, match="no attribute 'Adam'"):
+        _ = lowprec.Adam
+    assert recipes.RECIPES == lowprec.config.RECIPES

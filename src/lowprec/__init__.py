@@ -1,10 +1,31 @@
-"""lowprec: train PyTorch models in BF16/FP16 with FP32-quality results."""
+"""lowprec: train PyTorch models in BF16/FP16 with FP32-quality results.
 
-from lowprec import diagnostics, numerics, optim, recipes
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
-from lowprec.scaling import LossScaler, NonFiniteLossError
+The names below are imported on first use (PEP 562), so that ``import lowprec.config`` and the
+``lowprec`` command's ``--help`` do not wait for torch; ``lowprec.AdamW``,
+``from lowprec import AdamW`` and ``lowprec.optim`` work as plain imports do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it (a submodule's own name for the submodules)
+_LAZY = {
+    "SGD": "lowprec.optim",
+    "Adagrad": "lowprec.optim",
+    "AdamW": "lowprec.optim",
+    "Lamb": "lowprec.optim",
+    "master_state_dict": "lowprec.optim",
+    "LossScaler": "lowprec.scaling",
+    "NonFiniteLossError": "lowprec.scaling",
+    "diagnostics": "lowprec.diagnostics",
+    "numerics": "lowprec.numerics",
+    "optim": "lowprec.optim",
+    "recipes": "lowprec.recipes",
+}
 
 __all__ = [
     "SGD",
@@ -20,3 +41,22 @@ __all__ = [
     "optim",
     "recipes",
 ]
+
+if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
+    from lowprec import diagnostics, numerics, optim, recipes
+    from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
+    from lowprec.scaling import LossScaler, NonFiniteLossError
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
+    module = importlib.import_module(where)
+    value = module if where == f"lowprec.{name}" else getattr(module, name)
+    globals()[name] = value  # (the next lookup is a plain one)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from lowprec import __version__, config
 
-import lowprec
-from lowprec import recipes as recipes_mod
+# torch, and every lowprec module that needs it, is imported inside the commands: `--help`, the
+# version and a mistyped option answer without the seconds an import of torch takes.
 
 __all__ = ["main"]
 
@@ -85,7 +85,7 @@ def _positive_float(text: str) -> float:
 
 def _recipe_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    valid = recipes_mod.names()
+    valid = config.RECIPES
     if not names:
         raise argparse.ArgumentTypeError(f"no recipe given; choose from {', '.join(valid)}")
     for name in names:
@@ -99,26 +99,30 @@ def _recipe_list(text: str) -> tuple[str, ...]:
 
 
 def _optimizer(text: str) -> str:
-    from lowprec.compare import OPTIMIZERS
-
     key = text.strip().lower()
-    if key not in OPTIMIZERS:
+    if key not in config.OPTIMIZERS:
         raise argparse.ArgumentTypeError(
-            f"unknown optimizer {text!r}; choose from {', '.join(OPTIMIZERS)}"
+            f"unknown optimizer {text!r}; choose from {', '.join(config.OPTIMIZERS)}"
         )
     return key
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowprec.compare import DEFAULT_LR, DEFAULT_RECIPES, DEFAULT_TOLERANCE, CompareConfig
-    from lowprec.task import ModelConfig
+    from lowprec.config import (
+        DEFAULT_LR,
+        DEFAULT_RECIPES,
+        DEFAULT_TOLERANCE,
+        RECIPES,
+        CompareConfig,
+        ModelConfig,
+    )
 
     cfg, model = CompareConfig(), ModelConfig()
     parser = argparse.ArgumentParser(
         prog="lowprec",
         description="Compare low-precision training recipes: loss, speed, memory, lost updates.",
     )
-    parser.add_argument("--version", action="version", version=f"lowprec {lowprec.__version__}")
+    parser.add_argument("--version", action="version", version=f"lowprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser(
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--recipes", type=_recipe_list, default=DEFAULT_RECIPES,
                    help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; "
-                        f"all: {','.join(recipes_mod.names())})")
+                        f"all: {','.join(RECIPES)})")
     c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
                    help=f"sgd, adagrad, lamb or adamw (default: {cfg.optimizer})")
     c.add_argument("--steps", type=_positive_int, default=cfg.steps,
@@ -267,8 +271,10 @@ def _check_output(path: Path, option: str) -> None:
 
 
 def _environment() -> dict[str, Any]:
+    import torch
+
     return {
-        "lowprec": lowprec.__version__,
+        "lowprec": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -423,8 +429,7 @@ def _labels_apart(ax: Any, points: Sequence[tuple[float, float, str, Any]], *,
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from lowprec.compare import CompareConfig, compare, config_dict, recommend
-    from lowprec.task import ModelConfig
+    from lowprec.config import CompareConfig, ModelConfig
 
     console = _console()
     try:
@@ -445,6 +450,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     _check_output(json_path, "--json" if args.json else "--out")
     if plot_path is not None:
         _check_output(plot_path, "--plot" if args.plot else "--out")
+    from lowprec.compare import compare, config_dict, recommend  # (torch: after the checks)
+
     title = (f"{cfg.optimizer}, {cfg.steps} steps, d_model {model.d_model} x {model.n_layer} "
              f"layers, batch {cfg.batch_size}x{model.context}, {cfg.threads} threads")
 
@@ -598,6 +605,8 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
 def _cmd_memory(args: argparse.Namespace) -> int:
     if args.json is not None:
         _check_output(args.json, "--json")
+    import torch
+
     from lowprec import memory
     from lowprec.task import CharTransformer, ModelConfig
 

@@ -19,103 +19,23 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lowprec import recipes as recipes_mod
-from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
+from lowprec.config import (
+    DEFAULT_RECIPES,
+    DEFAULT_TOLERANCE,
+    OPTIMIZERS,
+    CompareConfig,
+)
+from lowprec.task import Batches, CharTransformer, load_text
 
 __all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "compare",
            "recommend", "run_recipe"]
-
-#: What ``lowprec compare`` runs by default: the reference, the BF16 recipes and the 2017 FP16
-#: recipe. Left out (run them with ``--recipes``): ``amp-fp16``, whose FP16 matmuls have no
-#: hardware path on most CPUs (32x slower than FP32 per step here), and ``dfp16``, whose exact
-#: integer emulation costs ~20 FP32 steps per step.
-DEFAULT_RECIPES: tuple[str, ...] = (
-    "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "fp16-master",
-)
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
-#: How far above FP32's eval loss a recipe may end and still be recommended (0.005: 0.5 %).
-DEFAULT_TOLERANCE = 0.005
-
-# Peak learning rates per optimizer for the built-in task, checked on it at the default size:
-# AdamW at 5e-4 keeps the runs stable through warm-up (1e-3 spiked near its end); SGD with
-# momentum 0.9 diverges at 0.3 and trains at 0.05-0.1; Adagrad and LAMB need larger steps.
-DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05}
-
-
-@dataclass
-class CompareConfig:
-    """What ``compare`` runs.
-
-    Attributes:
-        recipes: Recipe names, FP32 first if present (default: ``DEFAULT_RECIPES``).
-        optimizer: ``"sgd"``, ``"adagrad"``, ``"lamb"`` or ``"adamw"`` (default: ``"adamw"``).
-        steps: Training steps per recipe (default: 400).
-        lr: Peak learning rate (default: None, the optimizer's default for this task).
-        seed: Seed of the initial weights and the batches (default: 0).
-        batch_size: Windows per batch (default: 16).
-        model: Model size (default: ``ModelConfig()``).
-        threads: torch threads (default: 2).
-        eval_batches: Evaluation batches at the end (default: 8).
-        monitor_every: Measure lost updates every k steps, 0 for never (default: 10).
-        warmup: Fraction of steps with linear warm-up; then cosine decay to 10% (default: 0.05).
-        text_bytes: Bytes of training text to read (default: 2,000,000).
-        fused: The optimizers' ``fused`` option: True compiles each optimizer variant's step
-            with ``torch.compile`` (seconds per variant on the first step, not counted in the
-            median step time), None is the library default (compiled where torch.compile has
-            a compiler, C++ or Triton; see ``lowprec.optim``), False the eager step
-            (default: None).
-    """
-
-    recipes: Sequence[str] = DEFAULT_RECIPES
-    optimizer: str = "adamw"
-    steps: int = 400
-    lr: float | None = None
-    seed: int = 0
-    batch_size: int = 16
-    model: ModelConfig = field(default_factory=ModelConfig)
-    threads: int = 2
-    eval_batches: int = 8
-    monitor_every: int = 10
-    warmup: float = 0.05
-    text_bytes: int = 2_000_000
-    fused: bool | None = None
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
-        valid = recipes_mod.names()
-        if not self.recipes:
-            raise ValueError(f"no recipes given; choose from {', '.join(valid)}.")
-        for name in self.recipes:
-            if name not in valid:
-                raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(valid)}.")
-        if len(set(self.recipes)) != len(self.recipes):
-            raise ValueError("a recipe is listed twice; list each once.")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}."
-            )
-        for name, low in (("steps", 1), ("batch_size", 1), ("threads", 1), ("eval_batches", 1),
-                          ("monitor_every", 0), ("text_bytes", 10_000)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
-        if not 0 <= self.warmup < 1:
-            raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup!r}.")
-        if self.fused not in (None, True, False):
-            raise ValueError(f"fused must be True, False or None, got {self.fused!r}.")
-
-    @property
-    def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
-
 
 def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
     warm = max(1, int(cfg.warmup * cfg.steps))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lowprec.config import ModelConfig
 
 __all__ = ["Batches", "CharTransformer", "ModelConfig", "load_text"]
 
@@ -84,33 +85,6 @@ class Batches:
         """A fixed set of ``n`` evaluation batches (the same for every call)."""
         gen = torch.Generator().manual_seed(self.seed + 1)
         return [self._windows(self.eval, gen, self.batch_size) for _ in range(n)]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Size of the built-in model.
-
-    Attributes:
-        d_model: Width (default: 256).
-        n_layer: Transformer blocks (default: 2).
-        n_head: Attention heads (default: 4).
-        context: Window length (default: 64).
-    """
-
-    d_model: int = 256
-    n_layer: int = 2
-    n_head: int = 4
-    context: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("d_model", "n_layer", "n_head", "context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"d_model={self.d_model} must be a multiple of n_head={self.n_head}."
-            )
 
 
 class _Block(nn.Module):
