@@ -17,8 +17,8 @@ __all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
-    "fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "fp16-master",
-    "dfp16",
+    "fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr",
+    "bf16-kahan-8bit", "bf16-split-8bit", "fp16-master", "dfp16",
 )
 
 

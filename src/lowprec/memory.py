@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from lowprec import recipes
+from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
 
 __all__ = [
@@ -115,7 +116,8 @@ def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) 
     """The category of each state key of ``p`` that the optimizer's own code names."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
-    cats = dict.fromkeys(optimizer._math_buffers(group), "optimizer_state")
+    names = optimizer._math_buffers(group)
+    cats = dict.fromkeys((*names, *(f"{k}_scale" for k in names)), "optimizer_state")
     cats.update(dict.fromkeys(optimizer._storage(group, p).buffers(p), "master"))
     return cats
 
@@ -215,6 +217,7 @@ def expected(
     recipe_name: str,
     *,
     hyperparameters: dict[str, Any] | None = None,
+    numels: list[int] | None = None,
 ) -> dict[str, float]:
     """The analytic bytes per parameter element of a recipe with an optimizer.
 
@@ -222,7 +225,10 @@ def expected(
     with gradients present and the optimizer's state created. The figures come from the
     optimizer the recipe builds: its master strategy's buffers and their dtypes, the dtype of its
     update-rule buffers (``state_dtype``, by default FP32 under ``"fp32"``/``"split"`` and the
-    weight dtype otherwise) and the buffers the rule keeps with these hyperparameters.
+    weight dtype otherwise; 8-bit codes and one FP32 scale per block of ``qstate.BLOCK``, FP32
+    for parameters too small for them) and the buffers the rule keeps with these
+    hyperparameters. ``numels``: the sizes of the model's parameters, which decide which of
+    them get 8-bit state (default: None, one parameter large enough for it).
 
     Args:
         optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
@@ -244,15 +250,20 @@ def expected(
     opt = recipe.optimizer(key, [p], **_hyperparameters(key, hyperparameters))
     group = opt._group_of(p)
     storage = opt._storage(group, p)
-    state_dtype = opt._state_dtype(group, p, storage)
 
     def size(dtype: torch.dtype) -> float:
         return float(torch.empty((), dtype=dtype).element_size())
 
+    def state_bytes(n: int) -> float:  # (per element of a parameter of n elements)
+        dtype = opt._state_dtype(group, torch.empty(n, dtype=p.dtype, device="meta"), storage)
+        return size(dtype) + (4 / qstate.BLOCK if dtype == torch.uint8 else 0.0)
+
+    numels = numels or [1 << 20]
+    state = sum(n * state_bytes(n) for n in numels) / sum(numels)
     out = {
         "weights": size(p.dtype),
         "grads": size(p.dtype),  # autograd gives a parameter a gradient of its own dtype
-        "optimizer_state": len(opt._math_buffers(group)) * size(state_dtype),
+        "optimizer_state": len(opt._math_buffers(group)) * state,
         "master": float(sum(size(d) for d in storage.buffers(p).values())),
         "other": 0.0,
     }
@@ -327,12 +338,16 @@ def table(
             f"{type(model).__name__}."
         )
     hp = _hyperparameters(key, hyperparameters)
+    numels = None
+    if model is not None:  # (which of its parameters get 8-bit state: their sizes)
+        numels = [p.numel() for p in (model if isinstance(model, nn.Module) else model())
+                  .parameters() if p.requires_grad]
     rows = []
     for name in recipes.RECIPES:
         row: dict[str, Any] = {
             "recipe": name,
             "optimizer": key,
-            "expected": expected(key, name, hyperparameters=hp),
+            "expected": expected(key, name, hyperparameters=hp, numels=numels),
             "measured": None,
             "measured_bytes": None,
         }

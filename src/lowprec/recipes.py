@@ -15,19 +15,21 @@ A recipe is small and explicit, in the manner of Lightning's precision plugins::
 
 The recipes (``RECIPES``):
 
-=============  ==============  ================  =========  ==============================
-name           weights         optimizer master  autocast   loss scaling
-=============  ==============  ================  =========  ==============================
-fp32           FP32            none              no         no
-amp-bf16       FP32            none              BF16       no (BF16 has FP32's range)
-amp-fp16       FP32            none              FP16       dynamic
-bf16           BF16            none              no         no
-bf16-kahan     BF16            kahan             no         no
-bf16-split     BF16            split             no         no
-bf16-sr        BF16            stochastic        no         no
-fp16-master    FP16            fp32              no         dynamic (Micikevicius et al.)
-dfp16          FP32 (master)   none              no         no (shared exponents, Das et al.)
-=============  ==============  ================  =========  ==============================
+===============  ==============  =================  =========  ===============================
+name             weights         optimizer master   autocast   loss scaling
+===============  ==============  =================  =========  ===============================
+fp32             FP32            none               no         no
+amp-bf16         FP32            none               BF16       no (BF16 has FP32's range)
+amp-fp16         FP32            none               FP16       dynamic
+bf16             BF16            none               no         no
+bf16-kahan       BF16            kahan              no         no
+bf16-split       BF16            split              no         no
+bf16-sr          BF16            stochastic         no         no
+bf16-kahan-8bit  BF16            kahan, 8-bit state no         no
+bf16-split-8bit  BF16            split, 8-bit state no         no
+fp16-master      FP16            fp32               no         dynamic (Micikevicius et al.)
+dfp16            FP32 (master)   none               no         no (shared exponents, Das et al.)
+===============  ==============  =================  =========  ===============================
 
 Converting a model to a low-precision dtype keeps chosen layer types in FP32 (by default the
 normalization layers, whose statistics are fragile in 8 or 11 bits): their inputs are cast to
@@ -159,12 +161,15 @@ class Recipe:
         dfp_rounding: When set, ``convert`` swaps Linear/Conv2d layers for DFP-16 ones with this
             rounding (``"nearest"``, ``"stochastic"``, ``"biased"`` or ``"floor"``) for
             activations, weights and output gradients (default: None, no DFP).
+        state_dtype: The optimizer's ``state_dtype`` (default: None, the strategy's own;
+            ``"8bit"`` for 8-bit moments).
         description: One line for tables.
     """
 
     name: str
     param_dtype: torch.dtype
     master: str
+    state_dtype: Any = None
     autocast_dtype: torch.dtype | None = None
     loss_scaling: str | None = None
     keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
@@ -248,12 +253,14 @@ class Recipe:
             raise ValueError(
                 f"unknown optimizer {name!r}; choose one of {', '.join(_OPTIMIZERS)}."
             )
-        if "master" in hyperparameters:
-            raise ValueError(
-                f"recipe {self.name!r} sets master={self.master!r}; build the optimizer "
-                "directly from lowprec.optim to choose another."
-            )
-        return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
+        for option in ("master", "state_dtype"):
+            if option in hyperparameters:
+                raise ValueError(
+                    f"recipe {self.name!r} sets {option}={getattr(self, option)!r}; build the "
+                    "optimizer directly from lowprec.optim to choose another."
+                )
+        return _OPTIMIZERS[key](params, master=self.master, state_dtype=self.state_dtype,
+                                **hyperparameters)
 
     # ------------------------------------------------------------------ the step
 
@@ -319,6 +326,10 @@ _SPECS: dict[str, dict[str, Any]] = {
                        description="BF16 weights with a 16-bit trail: an exact FP32 master."),
     "bf16-sr": dict(param_dtype=torch.bfloat16, master="stochastic",
                     description="BF16 weights with stochastic rounding."),
+    "bf16-kahan-8bit": dict(param_dtype=torch.bfloat16, master="kahan", state_dtype="8bit",
+                            description="BF16 weights, Kahan compensation, 8-bit moments."),
+    "bf16-split-8bit": dict(param_dtype=torch.bfloat16, master="split", state_dtype="8bit",
+                            description="BF16 weights with a 16-bit trail, 8-bit moments."),
     "fp16-master": dict(param_dtype=torch.float16, master="fp32", loss_scaling="dynamic",
                         description="FP16 weights, FP32 master copy, dynamic loss scaling."),
     "dfp16": dict(param_dtype=torch.float32, master="none", dfp_rounding="nearest",

@@ -373,11 +373,12 @@ class UpdateMonitor:
             state = opt._init_state(group, p, storage)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        names = opt._math_buffers(group)
-        late = [k for k in names if state.get(k) is None]  # (created by this step: _step_late)
-        dtype = opt._state_dtype(group, p, storage)
-        mbufs = {k: (opt._new_math_buffer(group, p, k, dtype) if k in late else state[k]).float()
-                 for k in names}
+        late = [k for k in opt._math_buffers(group) if state.get(k) is None]  # (_step_late)
+        if late:
+            state = {**state}
+            for k in late:
+                state.update(opt._new_math_buffer(group, p, k, opt._state_dtype(group, p, storage)))
+        mbufs = opt._math_state(group, p, state)
         coeffs = (opt._first_use_coefficients if late else opt._coefficients)(group, step)
         w = storage.load(p, sbufs).clone()
         g = p.grad.float() if inv is None else p.grad.float() * inv.to(p.device)

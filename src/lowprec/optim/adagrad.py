@@ -142,6 +142,8 @@ class Adagrad(LowPrecisionOptimizer):
             group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"
         )
 
+    _nonnegative_buffers = ("sum",)
+
     def _math_buffers(self, group):
         return ("sum",)
 

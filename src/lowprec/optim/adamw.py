@@ -184,6 +184,8 @@ class AdamW(LowPrecisionOptimizer):
                 "checkpoint, or set the group's weight_decay to 0 before loading."
             )
 
+    _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
+
     def _math_buffers(self, group):
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lowprec.optim import qstate
 from lowprec.optim.batches import _SmallBatches
 from lowprec.optim.checkpoint import _Checkpoints
 from lowprec.optim.compiled import _CompiledStep, _default_mode
@@ -120,6 +121,10 @@ class LowPrecisionOptimizer(
     #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: one
     #: pass, unchunked.
     _norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
+
+    #: The update rule's buffers that are never negative (second moments, sums of squares):
+    #: under ``state_dtype="8bit"`` they take the unsigned codes, which span a wider range.
+    _nonnegative_buffers: tuple[str, ...] = ()
 
     def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
         """Initial value of buffer ``name`` (default: 0.0)."""
@@ -233,10 +238,15 @@ class LowPrecisionOptimizer(
                 f"{', '.join(MASTER_CHOICES)}."
             )
         sd = group["state_dtype"]
-        if sd is not None and sd not in _STATE_DTYPES:
+        if sd is not None and sd != qstate.EIGHT_BIT and sd not in _STATE_DTYPES:
             raise ValueError(
-                f"{where}: state_dtype must be None or one of torch.float32, torch.bfloat16, "
-                f"torch.float16, torch.float64; got {sd!r}."
+                f"{where}: state_dtype must be None, '8bit' or one of torch.float32, "
+                f"torch.bfloat16, torch.float16, torch.float64; got {sd!r}."
+            )
+        if sd == qstate.EIGHT_BIT and any(is_dtensor(p) for p in group["params"]):
+            raise ValueError(
+                f"{where}: state_dtype='8bit' is not supported for DTensor (FSDP2) parameters "
+                "yet; use state_dtype=torch.bfloat16 for lean moments there."
             )
         if group["fused"] not in (None, True, False):
             raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
@@ -278,6 +288,10 @@ class LowPrecisionOptimizer(
         return resolve_master(group["master"], p.dtype)
 
     def _state_dtype(self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage):
+        """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
+        as 8-bit codes (``qstate``), FP32 for the parameters too small for that."""
+        if group["state_dtype"] == qstate.EIGHT_BIT:
+            return torch.uint8 if qstate.qualifies(p) else torch.float32
         if group["state_dtype"] is not None:
             return group["state_dtype"]
         if storage.name in ("fp32", "split"):
@@ -335,7 +349,35 @@ class LowPrecisionOptimizer(
 
     def _expected_state(self, group, p, storage) -> dict[str, torch.dtype]:
         sd = self._state_dtype(group, p, storage)
-        return {**storage.buffers(p), **dict.fromkeys(self._math_buffers(group), sd)}
+        names = self._math_buffers(group)
+        scales = dict.fromkeys((f"{k}_scale" for k in names), torch.float32) if sd == torch.uint8 else {}
+        return {**storage.buffers(p), **dict.fromkeys(names, sd), **scales}
+
+    def _qstate(self, group: dict[str, Any], state: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        """The update rule's buffers that ``state`` keeps as 8-bit codes, each with whether it is
+        signed (``update._param_update``'s ``qstate``)."""
+        return tuple((k, k not in self._nonnegative_buffers) for k in self._math_buffers(group)
+                     if f"{k}_scale" in state)
+
+    def _mbufs(self, group: dict[str, Any], state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The update rule's state tensors of a parameter: its buffers, and the scales of those
+        kept as 8-bit codes (``"<name>_scale"``)."""
+        names = self._math_buffers(group)
+        out = {k: state[k] for k in names}
+        out.update({f"{k}_scale": state[f"{k}_scale"] for k in names if f"{k}_scale" in state})
+        return out
+
+    def _math_state(self, group, p, state) -> dict[str, torch.Tensor]:
+        """The update rule's buffers of ``p`` as FP32 values (8-bit codes decoded)."""
+        signed = dict(self._qstate(group, state))
+        out = {}
+        for k in self._math_buffers(group):
+            t = state[k]
+            if k in signed:
+                rows = t.reshape(-1, qstate.BLOCK)
+                t = qstate.decode(rows, state[f"{k}_scale"].view(-1, 1), signed[k]).view(p.shape)
+            out[k] = t.float()
+        return out
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
@@ -355,14 +397,16 @@ class LowPrecisionOptimizer(
         )
         for name, dtype in expected.items():
             t = state.get(name)
-            if name in missing:
+            if name in missing or name[:-6] in missing:  # (a buffer's "_scale" with it)
                 continue
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
+            scale = name.endswith("_scale") and expected.get(name[:-6]) == torch.uint8
+            shape = (p.numel() // qstate.BLOCK,) if scale else p.shape
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = (
                     f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
                 )
                 raise ValueError(
-                    f"{where}: state {name!r} should be a {tuple(p.shape)} {dtype} tensor, got "
+                    f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
                     f"{got}; the state does not belong to this parameter or these options."
                 )
         return missing
@@ -377,14 +421,17 @@ class LowPrecisionOptimizer(
         }
         state.update(storage.init(p))
         for name in self._math_buffers(group):
-            state[name] = self._new_math_buffer(group, p, name, sd)
+            state.update(self._new_math_buffer(group, p, name, sd))
         return state
 
-    def _new_math_buffer(self, group, p, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full_like(
-            p, self._init_math_buffer(name, p, group), dtype=dtype,
-            memory_format=torch.preserve_format,
-        )
+    def _new_math_buffer(self, group, p, name: str, dtype: torch.dtype) -> dict[str, Any]:
+        """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
+        8-bit codes (``dtype`` ``torch.uint8``) its scales."""
+        value = self._init_math_buffer(name, p, group)
+        if dtype == torch.uint8:
+            codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers)
+            return {name: codes, f"{name}_scale": scale}
+        return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
     def _first_use_coefficients(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
         """The coefficients of a parameter's first step with buffers created late (an option

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lowprec.numerics import stream_key
+from lowprec.optim import qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.plan import _Batch, _Entry, _flat
@@ -38,8 +39,14 @@ def _by_size(work: list) -> tuple[list, list]:
     ones (up to ``_SMALL`` elements, batched). Parameters are independent (the random key is a
     parameter's index, not its position here), so only the batches depend on this order."""
     work = sorted(work, key=lambda item: -item[1].numel())
-    n_large = sum(item[1].numel() > _SMALL for item in work)
-    return work[:n_large], work[n_large:]
+    large = [item for item in work if item[1].numel() > _SMALL or _eight_bit(item)]
+    return large, [item for item in work if not (item[1].numel() > _SMALL or _eight_bit(item))]
+
+
+def _eight_bit(item: tuple) -> bool:
+    """Whether a work item's buffers are 8-bit codes (``qstate``): stepped one by one, with
+    their blocks' scales (a batch concatenates flat state)."""
+    return item[0]["state_dtype"] == qstate.EIGHT_BIT and qstate.qualifies(item[1])
 
 
 class _SmallBatches:

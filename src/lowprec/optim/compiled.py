@@ -315,6 +315,7 @@ class _Fused:
         "n",
         "p",
         "pairs",
+        "qkw",
         "sbufs",
         "shards",
         "signature",
@@ -333,7 +334,7 @@ class _CompiledStep:
 
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-        keyed: bool = False, start: int = 0, shards: Any = (),
+        keyed: bool = False, start: int = 0, shards: Any = (), qstate: tuple = (),
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
         numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
@@ -343,11 +344,13 @@ class _CompiledStep:
         ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
         index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
         shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
-        over which a DTensor shard's whole-tensor sums are added (``_norm_terms``).
+        over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
+        the buffers kept as 8-bit codes (``update._param_update``; never on pairs).
         """
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
-        f.pairs = pairs = self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        f.qkw = {"qstate": qstate} if qstate else {}
+        f.pairs = pairs = None if qstate else self._pairs_plan(storage, p, grad, sbufs, mbufs)
         f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
         f.base, f.start, f.shards = None, start, tuple(shards)
         if start:
@@ -398,7 +401,7 @@ class _CompiledStep:
         if f.sums_kernel is not None:
             c32 = dict(c32)  # the sums below are this parameter's own
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
-                      inv_scale=extra.get("inv_scale"))
+                      inv_scale=extra.get("inv_scale"), **f.qkw)
             if pairs is None:
                 c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
             else:
@@ -414,7 +417,7 @@ class _CompiledStep:
             extra = {**extra, "base": f.base}
         if pairs is None:
             f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
-                     storage=storage, math=self._math, flags=flags, **extra)
+                     storage=storage, math=self._math, flags=flags, **extra, **f.qkw)
             return
         # 16-bit strategies go through pairs of elements (vectorized); an odd last element
         # takes the eager step, with its own index for the random bits.

@@ -23,7 +23,7 @@ import torch
 from lowprec.numerics import stream_key, stream_key_halves
 
 # (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
-from lowprec.optim import loss_scale, update
+from lowprec.optim import loss_scale, qstate, update
 from lowprec.optim.batches import _by_size
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
@@ -40,6 +40,13 @@ from lowprec.optim.update import _param_sums, _param_update
 # doubles the live temporaries), 2**16 1.01-1.05 row by row (up to 1.08 after earlier rows have
 # fragmented the heap), at 5-25% more time per eager step than 2**17.
 _EAGER_CHUNK = 1 << 16
+
+
+def _block_slice(sl: slice) -> slice:
+    """The blocks' scales of the elements ``sl`` (which start on a block, or are all of them)."""
+    if sl.start is None:
+        return sl
+    return slice(sl.start // qstate.BLOCK, -(-sl.stop // qstate.BLOCK))
 
 
 def _same_number(a: Any, b: Any) -> bool:
@@ -93,7 +100,7 @@ class _FullStep:
             dtype = self._state_dtype(group, p, storage)
             for name in self._math_buffers(group):
                 if state.get(name, None) is None:
-                    state[name] = self._new_math_buffer(group, p, name, dtype)
+                    state.update(self._new_math_buffer(group, p, name, dtype))
             self._step_param(group, p, index, storage, scaling, {}, first_use=True)
 
     def _group_flags(self, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
@@ -176,7 +183,9 @@ class _FullStep:
         if not state:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        mbufs = {k: state[k] for k in self._math_buffers(group)}
+        mbufs = self._mbufs(group, state)
+        qstate = self._qstate(group, state)  # (8-bit buffers: rows of qstate.BLOCK elements)
+        qkw = {"qstate": qstate} if qstate else {}
         flags = self._group_flags(group, memo)
         if scaling is None or loss_scale._host_counts(p.device):
             step = int(state["step"].item()) + 1
@@ -206,7 +215,12 @@ class _FullStep:
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
-        flat = lambda d, sl=slice(None): {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+        scales = {f"{k}_scale" for k, _ in qstate}
+
+        def flat(d, sl=slice(None)):
+            """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""
+            return {k: v.view(-1)[_block_slice(sl) if k in scales else sl] for k, v in d.items()}
+
         if (p.numel() > 1 and contiguous and fusable and not first_use
                 and _fused_enabled(self, group, p)):
             if isinstance(step, int):  # (shared by the group's parameters at this step number)
@@ -216,7 +230,7 @@ class _FullStep:
             try:
                 fused = self._prepare_fused(
                     storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
-                    start=start, shards=shards,
+                    start=start, shards=shards, qstate=qstate,
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -237,6 +251,8 @@ class _FullStep:
                  start + sl.start)
                 for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
             ]
+        elif qstate:  # (8-bit buffers: flat, their scales one per block)
+            pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
         else:
             pieces = [(p, p.grad, sbufs, mbufs, start)]
         if self._norm_terms is not None and not self._elementwise and (len(pieces) > 1 or shards):
@@ -246,12 +262,13 @@ class _FullStep:
                 part = _param_sums(
                     piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
                     norm_terms=self._norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
+                    **qkw,
                 )
                 sums = part if sums is None else sums + part
             coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
         for piece_p, piece_g, piece_s, piece_m, offset in pieces:
             _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
-                          math=self._math, flags=flags, offset=offset, **extra)
+                          math=self._math, flags=flags, offset=offset, **extra, **qkw)
         self._advance(state, step, scaling, p.device)
         if plan is not None:
             plan.add(_Entry(group, p, index, storage, state, None))

@@ -204,6 +204,8 @@ class Lamb(LowPrecisionOptimizer):
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
 
+    _nonnegative_buffers = ("exp_avg_sq",)
+
     def _math_buffers(self, group):
         return ("exp_avg", "exp_avg_sq")
 

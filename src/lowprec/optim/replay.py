@@ -150,6 +150,7 @@ class _Replay:
         f = e0.fused
         if f.pairs is not None:
             kw["dtypes"] = f.pairs
+        kw.update(f.qkw)
         if f.sums_kernel is not None:
             kw["sums_fn"], kw["norm_terms"] = many.sums_fn, self._norm_terms
         try:

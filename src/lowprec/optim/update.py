@@ -27,6 +27,7 @@ from lowprec.numerics import (
     sum_squares,
     sum_squares_pairs,
 )
+from lowprec.optim import qstate as qstate_mod
 from lowprec.optim.storage import MasterStorage
 
 # Indices up to here are int32 (the random bits' hash is cheaper so), past it int64; read here
@@ -41,10 +42,28 @@ def _inputs(
     mbufs: dict[str, torch.Tensor],
     storage: MasterStorage,
     inv_scale: torch.Tensor | None,
+    qstate: tuple[tuple[str, bool], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The update rule's FP32 inputs: the master weight, the (unscaled) gradient, the buffers."""
+    """The update rule's FP32 inputs: the master weight, the (unscaled) gradient, the buffers
+    (those in ``qstate`` decoded from their 8-bit codes and scales)."""
     g = grad.float() if inv_scale is None else grad.float() * inv_scale
-    return storage.load(p, sbufs), g, {k: v.float() for k, v in mbufs.items()}
+    signed = dict(qstate)
+    m = {}
+    for k, v in mbufs.items():
+        if k in signed:
+            m[k] = qstate_mod.decode(v, mbufs[f"{k}_scale"], signed[k])
+        elif not (k.endswith("_scale") and k[:-6] in signed):
+            m[k] = v.float()
+    return storage.load(p, sbufs), g, m
+
+
+def _blocks(p, grad, sbufs, mbufs, qstate) -> tuple[Any, ...]:
+    """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements, the
+    scales of its 8-bit buffers as a column: the shapes ``encode``/``decode`` take."""
+    scales = {f"{k}_scale" for k, _ in qstate}
+    rows = lambda t: t.view(-1, qstate_mod.BLOCK)  # noqa: E731
+    return (rows(p), rows(grad), {k: rows(v) for k, v in sbufs.items()},
+            {k: v.view(-1, 1) if k in scales else rows(v) for k, v in mbufs.items()})
 
 
 def _param_sums(
@@ -58,9 +77,12 @@ def _param_sums(
     norm_terms: Callable[..., tuple[torch.Tensor, ...]],
     flags: dict[str, bool],
     inv_scale: torch.Tensor | None = None,
+    qstate: tuple[tuple[str, bool], ...] = (),
 ) -> torch.Tensor:
     """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each)."""
-    terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale), c, **flags)
+    if qstate:
+        p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
+    terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate), c, **flags)
     return torch.stack([sum_squares(t) for t in terms])
 
 
@@ -99,8 +121,15 @@ def _param_update(
     inv_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
+    qstate: tuple[tuple[str, bool], ...] = (),
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
+
+    ``qstate`` names the buffers kept as 8-bit codes, each with whether it is signed; their
+    scales are ``mbufs["<name>_scale"]`` and every tensor is taken as rows of
+    ``qstate.BLOCK`` elements (``p.numel()`` a multiple of it: a whole parameter, or a chunk
+    of one that starts on a block). They are decoded before the rule and encoded after it,
+    each block with its new largest magnitude.
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
     (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
@@ -113,18 +142,24 @@ def _param_update(
     it into one pass over the elements with the writes done in place. Everything is computed
     before the first write.
     """
-    w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale)
+    if qstate:
+        p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
+    w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
     new_w, new_m = math(w, g, m, c, **flags)
     bits = None
     if storage.needs_random_bits:
         bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
         bits = bits.view(p.shape)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
+    new_q = {}  # (8-bit buffers: their codes and scales, written as they are)
+    for k, signed in qstate:
+        new_q[k], new_q[f"{k}_scale"] = qstate_mod.encode(new_m.pop(k), signed)
     if skip is not None:  # a skipped step writes back what was there, bit for bit
         new_p = torch.where(skip, p, new_p)
         new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
         new_m = {k: torch.where(skip, mbufs[k].float(), v) for k, v in new_m.items()}
-    for k, v in new_m.items():
+        new_q = {k: torch.where(skip, mbufs[k], v) for k, v in new_q.items()}
+    for k, v in (*new_m.items(), *new_q.items()):
         mbufs[k].copy_(v)
     for k, v in new_s.items():
         sbufs[k].copy_(v)
@@ -265,7 +300,7 @@ def _update_many(
     A rule with whole-tensor norms passes ``sums_fn`` (``_param_sums`` or ``_param_sums_pairs``)
     and its ``norm_terms``: each parameter's sums, then its update, before the next parameter's,
     so that the update finds the parameter's tensors still in cache from its own sums pass."""
-    sums_kw = {k: kw[k] for k in ("storage", "flags", "dtypes", "inv_scale") if k in kw}
+    sums_kw = {k: kw[k] for k in ("storage", "flags", "dtypes", "inv_scale", "qstate") if k in kw}
     for pv, gv, sv, mv, lo, hi in zip(pvs, gvs, svs, mvs, los, his, strict=True):
         cp = c
         if sums_fn is not None:
