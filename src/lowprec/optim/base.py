@@ -336,7 +336,7 @@ class LowPrecisionOptimizer(
                     )
                 state = self.state.get(p)
                 if state:
-                    key = (gi, p.dtype, storage.name)
+                    key = (gi, p.dtype, storage.name, qstate.qualifies(p))
                     if key not in expected:
                         expected[key] = self._expected_state(group, p, storage)
                     missing = self._check_state(

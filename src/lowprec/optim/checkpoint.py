@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lowprec.optim import qstate
 from lowprec.optim.batches import _by_size
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.plan import _flat_state
@@ -160,11 +161,25 @@ class _Checkpoints:
 
     def _cast_math_buffers(self, st, group, p, storage) -> None:
         """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
-        optimizer was given, or the one a converted master implies)."""
+        optimizer was given, or the one a converted master implies): cast, or decoded from
+        8-bit codes, or encoded to them (``qstate``). A buffer not shaped as ``p`` is left for
+        ``_check_state`` to refuse."""
         dtype = self._state_dtype(group, p, storage)
         for name in self._math_buffers(group):
-            t = st.get(name)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            t, scale = st.get(name), st.get(f"{name}_scale")
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or is_dtensor(t):
+                continue
+            signed = name not in self._nonnegative_buffers
+            if t.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
+                if scale.numel() * qstate.BLOCK == t.numel():
+                    rows = t.reshape(-1, qstate.BLOCK)
+                    values = qstate.decode(rows, scale.reshape(-1, 1).float(), signed)
+                    st[name] = values.view(p.shape).to(dtype)
+                    del st[f"{name}_scale"]
+            elif dtype == torch.uint8 and t.is_floating_point():
+                codes, scale = qstate.encode(t.float().reshape(-1, qstate.BLOCK), signed)
+                st[name], st[f"{name}_scale"] = codes.view(p.shape), scale.view(-1)
+            elif t.is_floating_point() and t.dtype != dtype:
                 st[name] = t.to(dtype)
 
     def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
