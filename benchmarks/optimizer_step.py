@@ -99,12 +99,12 @@ class Row:
 
     name: str  # unique; what --rows matches
     family: str  # one of FAMILIES
-    source: str  # "torch", "optimi", "torchao", "timm" or "lowprec"
+    source: str  # "torch", "optimi", "torchao", "bnb", "timm" or "lowprec"
     dtype: torch.dtype  # parameter (and gradient) dtype
     make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None
     master: str = "none"  # how the master weight is kept ("none", "kahan", "stochastic", ...)
     variant: str = ""  # implementation: "foreach", "fused", "loop", "eager", ...
-    state_dtype: torch.dtype | None = None  # lowprec's state_dtype= when given
+    state_dtype: torch.dtype | str | None = None  # state_dtype= when given ("8bit": 8-bit)
     skip: str = ""  # why the row cannot run here (the factory is then None)
     compiled: bool = False  # its first step compiles (torch.compile): the "compile s" column
     scaled: bool = False  # stepped under a loss scaler's contract (_under_scaler)
@@ -191,8 +191,43 @@ def _torchao_rows() -> list[Row]:
 
     # torchao compiles its per-parameter step (torch.compile, one graph per shape): the first
     # warmup step pays for that; the table's times are the compiled steps.
-    return [Row(name, "adamw", "torchao", torch.bfloat16, make, "stochastic", "compiled",
+    rows = [Row(name, "adamw", "torchao", torch.bfloat16, make, "stochastic", "compiled",
                 compiled=True)]
+    # Its 8-bit AdamW (blockwise dynamic-map moments) on BF16 weights with stochastic rounding,
+    # the nearest peer of lowprec's 8-bit state on BF16 weights.
+    cls8 = getattr(tao, "AdamW8bit", None)
+    name8 = "torchao-adamw-bf16-8bit-sr"
+    if cls8 is None:
+        rows.append(Row(name8, "adamw", "torchao", torch.bfloat16, None, "stochastic",
+                        state_dtype="8bit", skip="torchao.optim has no AdamW8bit"))
+    else:
+        def make8(params):
+            return cls8(params, lr=LR["adamw"], bf16_stochastic_round=True)
+
+        rows.append(Row(name8, "adamw", "torchao", torch.bfloat16, make8, "stochastic",
+                        "compiled", "8bit", compiled=True))
+    return rows
+
+
+def _bnb_rows() -> list[Row]:
+    """bitsandbytes' 8-bit AdamW (blockwise dynamic-map moments), on BF16 weights (rounded to
+    nearest) and on FP32 ones, where it runs here."""
+    rows = []
+    try:
+        with _quiet():
+            import bitsandbytes as bnb
+        cls = bnb.optim.AdamW8bit
+    except Exception as e:
+        reason = f"bitsandbytes not importable: {type(e).__name__}: {e}"
+        return [Row(_name("bnb-adamw", DTYPE_NAMES[d], "8bit"), "adamw", "bnb", d, None,
+                    state_dtype="8bit", skip=reason) for d in (torch.bfloat16, torch.float32)]
+    for dtype in (torch.bfloat16, torch.float32):
+        def make(params, cls=cls):
+            return cls(params, lr=LR["adamw"])
+
+        rows.append(Row(_name("bnb-adamw", DTYPE_NAMES[dtype], "8bit"), "adamw", "bnb", dtype,
+                        make, "none", "", "8bit"))
+    return rows
 
 
 def _torch_adagrad_rows() -> list[Row]:
@@ -267,6 +302,7 @@ def peer_rows() -> list[Row]:
                     "none", "fused"))
     rows += _optimi_rows()
     rows += _torchao_rows()
+    rows += _bnb_rows()
     rows += _torch_adagrad_rows()
     rows += _timm_lamb_rows()
     return rows
@@ -296,15 +332,18 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
             missing = [k for k in vkw if k not in sig]
             skip = f"{cls.__name__} takes no {', '.join(missing)}=" if missing else ""
             extra = {"momentum": MOMENTUM} if fam == "sgd" else {}
-            # Split with BF16 state: the trail keeps the weights exact, the moments are BF16.
+            # Split with BF16 state: the trail keeps the weights exact, the moments are BF16;
+            # and 8-bit state (qstate) under kahan and split, in every family.
             fam_configs = configs + ([(torch.bfloat16, "split", torch.bfloat16)]
-                                     if fam in ("adamw", "sgd") else [])
+                                     if fam in ("adamw", "sgd") else []) + [
+                (torch.bfloat16, "kahan", "8bit"), (torch.bfloat16, "split", "8bit")]
             for dtype, master, sd in fam_configs:
                 kwargs = {"lr": LR[fam], **extra, "master": master, **vkw}
                 if sd is not None:
                     kwargs["state_dtype"] = sd
                 name = _name("lowprec", fam, DTYPE_NAMES[dtype], master,
-                             f"state{DTYPE_NAMES[sd]}" if sd is not None else "", variant)
+                             f"state{DTYPE_NAMES.get(sd, sd)}" if sd is not None else "",
+                             variant)
 
                 def make(params, cls=cls, kwargs=kwargs):
                     return cls(params, **kwargs)
@@ -347,7 +386,23 @@ COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
      _is(source="optimi", family="sgd")),
     ("AdamW bf16 stochastic vs torchao bf16 SR",
      _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="stochastic"),
-     _is(source="torchao", family="adamw")),
+     _is(source="torchao", family="adamw", state_dtype=None)),
+    # 8-bit moments (issue 23): against the same strategy with BF16 moments (it moves fewer
+    # bytes, so it should be no slower), and against the peers' 8-bit AdamW.
+    *((f"{fam_title} bf16 kahan 8-bit vs bf16 kahan",
+       _is(source="lowprec", family=fam, dtype=torch.bfloat16, master="kahan", state_dtype="8bit"),
+       _is(source="lowprec", family=fam, dtype=torch.bfloat16, master="kahan", state_dtype=None,
+           scaled=False))
+      for fam, fam_title in (("adamw", "AdamW"), ("sgd", "SGD"), ("adagrad", "Adagrad"),
+                             ("lamb", "LAMB"))),
+    ("AdamW bf16 kahan 8-bit vs torchao AdamW8bit (bf16 SR)",
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="kahan",
+         state_dtype="8bit"),
+     _is(name="torchao-adamw-bf16-8bit-sr")),
+    ("AdamW bf16 kahan 8-bit vs bitsandbytes AdamW8bit (bf16)",
+     _is(source="lowprec", family="adamw", dtype=torch.bfloat16, master="kahan",
+         state_dtype="8bit"),
+     _is(name="bnb-adamw-bf16-8bit")),
     ("AdamW fp32 none vs torch AdamW foreach",
      _is(source="lowprec", family="adamw", dtype=torch.float32, scaled=False),
      _is(name="torch-adamw-fp32-foreach")),
@@ -479,8 +534,9 @@ TWO_PASS_FAMILIES = ("lamb",)
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence warnings and the import-time log chatter of the peers (torchao, optimi)."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree", "optimi")]
+    """Silence warnings and the import-time log chatter of the peers (torchao, optimi, bnb)."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree", "optimi",
+                                              "bitsandbytes")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

@@ -553,3 +553,48 @@ def run_dying(world: int, out: Path, mode: str, *, timeout_s: float, die_after: 
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+
+def worker_accumulate(rank: int, world: int, out: Path, _: Any) -> None:
+    """``lowprec.accumulate`` under DDP: 7 micro-batches in ``no_sync()``, an 8th synced. Saves
+    how many elements of this rank's compensated sum (read just before DDP reduces it) are the
+    exact sum rounded once, how many of the reduced gradient are the mean of the ranks' sums as
+    one BF16 addition gives it, and the error that gradient_as_bucket_view=True raises."""
+    import copy
+
+    from lowprec import accumulate
+    from tests.test_accumulate import _batches, _exact, _loss, _model, _ulps
+
+    model = _model()
+    batches = _batches(8 * world)[8 * rank:8 * (rank + 1)]
+    exact = _exact(model, batches)
+    ddp = DDP(copy.deepcopy(model))
+    accumulate(ddp.module)
+    local: dict[str, torch.Tensor] = {}
+    for n, p in ddp.module.named_parameters():  # (after accumulate's: sees the compensated sum)
+        p.register_post_accumulate_grad_hook(lambda p, n=n: local.__setitem__(n, p.grad.clone()))
+    with ddp.no_sync():
+        for x, y in batches[:-1]:
+            _loss(ddp, x, y).backward()
+    _loss(ddp, *batches[-1]).backward()
+    names = list(exact)
+    ulps = torch.cat([_ulps(local[n], exact[n]).view(-1) for n in names])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local)
+    same = []
+    for n, p in ddp.module.named_parameters():
+        mean = (sum(g[n].float() for g in gathered) / world).to(p.dtype)
+        same.append((p.grad == mean).view(-1))
+    result = {"local_ok": (ulps <= 0.5 + 1e-6).float().mean().item(),
+              "synced_ok": torch.cat(same).float().mean().item(), "view_error": ""}
+    viewed = DDP(copy.deepcopy(model), gradient_as_bucket_view=True)
+    accumulate(viewed.module)
+    try:
+        for x, y in batches[:2]:  # (the synced backward makes the gradients bucket views)
+            _loss(viewed, x, y).backward()
+    except RuntimeError as e:
+        result["view_error"] = str(e)
+    torch.save(result, out / f"accumulate-{rank}.pt")

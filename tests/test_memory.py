@@ -21,6 +21,9 @@ ADAM_LIKE = {  # two moments
     "bf16-kahan": (2, 2, 4, 2),
     "bf16-split": (2, 2, 8, 2),
     "bf16-sr": (2, 2, 4, 0),
+    # 8-bit state: a byte per element and an FP32 scale per 256 (a parameter large enough)
+    "bf16-kahan-8bit": (2, 2, 2 * (1 + 4 / 256), 2),
+    "bf16-split-8bit": (2, 2, 2 * (1 + 4 / 256), 2),
     "fp16-master": (2, 2, 8, 4),
     "dfp16": (4, 4, 8, 0),  # FP32 masters; DFP-16 exists only inside Linear/Conv2d products
 }
@@ -32,6 +35,8 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "bf16-kahan": (2, 2, 2, 2),
     "bf16-split": (2, 2, 4, 2),
     "bf16-sr": (2, 2, 2, 0),
+    "bf16-kahan-8bit": (2, 2, 1 + 4 / 256, 2),
+    "bf16-split-8bit": (2, 2, 1 + 4 / 256, 2),
     "fp16-master": (2, 2, 4, 4),
     "dfp16": (4, 4, 4, 0),
 }
@@ -48,7 +53,8 @@ def _mlp():
 def test_expected_matches_the_hand_table(optimizer, recipe):
     e = memory.expected(optimizer, recipe)
     assert tuple(e[k] for k in FIGURES) == HAND[optimizer][recipe]
-    assert e["other"] == 0.0 and e["total"] == sum(HAND[optimizer][recipe])
+    assert e["other"] == 0.0 and e["accumulation"] == 0.0
+    assert e["total"] == sum(HAND[optimizer][recipe])
 
 
 @pytest.mark.parametrize(
@@ -84,7 +90,9 @@ def test_measured_equals_expected_without_kept_layers(optimizer):
 def test_table_without_a_model_has_no_measurement():
     rows = memory.table("adamw")
     assert all(r["measured"] is None and r["measured_bytes"] is None for r in rows)
-    assert [r["expected"]["total"] for r in rows] == [16, 16, 16, 8, 10, 14, 8, 16, 16]
+    eight_bit = 6 + 2 * (1 + 4 / 256)
+    assert [r["expected"]["total"] for r in rows] == [16, 16, 16, 8, 10, 14, 8, eight_bit,
+                                                      eight_bit, 16, 16]
 
 
 def test_kept_fp32_layers_show_in_the_measurement():
@@ -107,13 +115,15 @@ def test_measure_counts_bytes_by_category():
     opt = AdamW(model.parameters())
     r = memory.measure(model, opt)
     assert r.numel == 8
-    assert r.bytes == {"weights": 32, "grads": 0, "optimizer_state": 0, "master": 0, "other": 0,
+    assert r.bytes == {"weights": 32, "grads": 0, "optimizer_state": 0, "master": 0,
+                       "accumulation": 0, "other": 0,
                        "total": 32}
     assert memory.measure(model, opt, assume_grads=True).bytes["grads"] == 32
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     r = memory.measure(model, opt)
-    assert r.bytes == {"weights": 32, "grads": 32, "optimizer_state": 64, "master": 0, "other": 8,
+    assert r.bytes == {"weights": 32, "grads": 32, "optimizer_state": 64, "master": 0,
+                       "accumulation": 0, "other": 8,
                        "total": 136}
     assert r.bytes_per_param["total"] == 136 / 8
 

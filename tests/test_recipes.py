@@ -14,7 +14,8 @@ STEPS = 150
 #: Each recipe's final training loss must be within this relative gap of FP32's.
 TOLERANCE = {
     "amp-bf16": 0.03, "amp-fp16": 0.03, "bf16": 0.10, "bf16-kahan": 0.03, "bf16-split": 0.03,
-    "bf16-sr": 0.03, "fp16-master": 0.03, "dfp16": 0.03,
+    "bf16-sr": 0.03, "bf16-kahan-8bit": 0.03, "bf16-split-8bit": 0.03, "fp16-master": 0.03,
+    "dfp16": 0.03,
 }
 
 
@@ -168,7 +169,8 @@ def test_recipe_state_dict_round_trip():
 def test_every_named_recipe_is_buildable_and_listed():
     assert recipes.names() == recipes.RECIPES
     assert set(recipes.RECIPES) == {"fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan",
-                                    "bf16-split", "bf16-sr", "fp16-master", "dfp16"}
+                                    "bf16-split", "bf16-sr", "bf16-kahan-8bit",
+                                    "bf16-split-8bit", "fp16-master", "dfp16"}
     for name in recipes.RECIPES:
         assert recipes.get(name).name == name
 

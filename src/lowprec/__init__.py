@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it (a submodule's own name for the submodules)
 _LAZY = {
+    "Accumulator": "lowprec.accumulation",
+    "accumulate": "lowprec.accumulation",
     "SGD": "lowprec.optim",
     "Adagrad": "lowprec.optim",
     "AdamW": "lowprec.optim",
@@ -29,12 +31,14 @@ _LAZY = {
 
 __all__ = [
     "SGD",
+    "Accumulator",
     "Adagrad",
     "AdamW",
     "Lamb",
     "LossScaler",
     "NonFiniteLossError",
     "__version__",
+    "accumulate",
     "diagnostics",
     "master_state_dict",
     "numerics",
@@ -44,6 +48,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
     from lowprec import diagnostics, numerics, optim, recipes
+    from lowprec.accumulation import Accumulator, accumulate
     from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
     from lowprec.scaling import LossScaler, NonFiniteLossError
 

@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--optimizer", type=_optimizer, default="adamw",
                    help="sgd, adagrad, lamb or adamw (default: adamw)")
+    m.add_argument("--accumulate", choices=("fp32", "kahan"), default=None,
+                   help="add lowprec.accumulate's buffers (gradient accumulation without "
+                        "rounding loss) to the recipes with BF16/FP16 weights")
     m.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     m.set_defaults(func=_cmd_memory)
 
@@ -614,14 +617,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     console = _console()
     torch.manual_seed(0)
     model = CharTransformer(ModelConfig())
-    rows = memory.table(args.optimizer, model=model, keep_fp32=())
+    rows = memory.table(args.optimizer, model=model, keep_fp32=(), accumulate=args.accumulate)
     numel = sum(p.numel() for p in model.parameters())
     table = Table(
         title=f"Bytes per parameter, {args.optimizer} (measured: the built-in model, "
               f"{numel:,} parameters, every layer converted, after one step)",
         title_justify="left",
     )
-    for col in ("recipe", "weights", "grads", "state", "master", "total", "measured",
+    accum = ("accumulation",) if args.accumulate else ()
+    for col in ("recipe", "weights", "grads", "state", "master", *accum, "total", "measured",
                 "agrees"):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     all_agree = True
@@ -631,12 +635,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         agrees = all(abs(e[k] - m[k]) < 1e-9 for k in memory.CATEGORIES if k != "other")
         all_agree &= agrees
         table.add_row(row["recipe"], f"{e['weights']:g}", f"{e['grads']:g}",
-                      f"{e['optimizer_state']:g}", f"{e['master']:g}", f"[bold]{e['total']:g}",
+                      f"{e['optimizer_state']:.3g}", f"{e['master']:g}",
+                      *(f"{e['accumulation']:g}" for _ in accum), f"[bold]{e['total']:.3g}",
                       f"{m['total']:.3f}", "yes" if agrees else "[red]NO")
     console.print(table)
     console.print("weights/grads/state/master/total: derived from the optimizer each recipe "
-                  "builds; measured: counted from the actual tensors (the remainder is the "
-                  "per-tensor step counters).", style="dim")
+                  "builds (8-bit state: one byte and 4/256 for the scales per element of the "
+                  "parameters of at least 4096 elements, FP32 for the others); measured: counted "
+                  "from the actual tensors (the remainder is the per-tensor step counters).",
+                  style="dim")
     if args.json is not None:
         _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
                                 "numel": numel, "rows": rows, "environment": _environment()})

@@ -11,6 +11,8 @@ grads              their ``.grad`` (or, with ``assume_grads=True``, one per trai
 optimizer_state    the update rule's buffers: momentum, moments, Adagrad's ``sum``
 master             the master-weight strategy's buffers: ``master_weight`` (FP32 copy),
                    ``trail`` (split) or ``compensation`` (Kahan)
+accumulation       the buffers of ``lowprec.accumulate`` (an FP32 sum or a compensation per
+                   BF16/FP16 parameter), when it is given one
 other              everything else in optimizer state, in practice the 0-d ``step`` counters
                    (4 bytes per parameter tensor, not per element)
 =================  ==========================================================================
@@ -49,7 +51,8 @@ __all__ = [
 ]
 
 #: The byte categories, in display order (``total`` is their sum).
-CATEGORIES: tuple[str, ...] = ("weights", "grads", "optimizer_state", "master", "other")
+CATEGORIES: tuple[str, ...] = ("weights", "grads", "optimizer_state", "master", "accumulation",
+                               "other")
 
 #: Hyperparameters ``expected``/``table`` use when given none: SGD with momentum (without it SGD
 #: keeps no state at all), the other optimizers at their defaults.
@@ -128,6 +131,7 @@ def measure(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     assume_grads: bool = False,
+    accumulator: Any = None,
 ) -> MemoryReport:
     """Measure the bytes per parameter element that ``model`` and ``optimizer`` hold now.
 
@@ -141,6 +145,8 @@ def measure(
             count as master, 0-d tensors and ``step`` as other, and the rest as optimizer state.
         assume_grads: Count a gradient in the parameter's dtype for each trainable parameter
             whose ``.grad`` is None (default: False, meaning count only existing gradients).
+        accumulator: The ``lowprec.Accumulator`` of ``lowprec.accumulate(model)`` (default:
+            None), whose buffers count as ``"accumulation"``.
 
     Returns:
         A ``MemoryReport``.
@@ -187,6 +193,8 @@ def measure(
                     else:
                         cat = "optimizer_state"
                     counter.add(cat, v)
+    for buf in accumulator.buffers() if accumulator is not None else ():
+        counter.add("accumulation", buf)
     by_cat = {**counter.bytes, "total": sum(counter.bytes.values())}
     per = {k: (v / numel if numel else 0.0) for k, v in by_cat.items()}
     return MemoryReport(numel=numel, bytes=by_cat, bytes_per_param=per)
@@ -218,6 +226,7 @@ def expected(
     *,
     hyperparameters: dict[str, Any] | None = None,
     numels: list[int] | None = None,
+    accumulate: str | None = None,
 ) -> dict[str, float]:
     """The analytic bytes per parameter element of a recipe with an optimizer.
 
@@ -228,7 +237,9 @@ def expected(
     weight dtype otherwise; 8-bit codes and one FP32 scale per block of ``qstate.BLOCK``, FP32
     for parameters too small for them) and the buffers the rule keeps with these
     hyperparameters. ``numels``: the sizes of the model's parameters, which decide which of
-    them get 8-bit state (default: None, one parameter large enough for it).
+    them get 8-bit state (default: None, one parameter large enough for it). ``accumulate``:
+    ``lowprec.accumulate``'s ``how`` (``"fp32"``, ``"kahan"``), whose buffers a BF16 or FP16
+    parameter then has (default: None, none).
 
     Args:
         optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
@@ -265,6 +276,8 @@ def expected(
         "grads": size(p.dtype),  # autograd gives a parameter a gradient of its own dtype
         "optimizer_state": len(opt._math_buffers(group)) * state,
         "master": float(sum(size(d) for d in storage.buffers(p).values())),
+        "accumulation": 0.0 if accumulate is None or p.dtype == torch.float32
+        else size(torch.float32) if accumulate == "fp32" else size(p.dtype),
         "other": 0.0,
     }
     return {**out, "total": sum(out.values())}
@@ -278,6 +291,7 @@ def _measured_after_one_step(
     hyperparameters: dict[str, Any],
     keep_fp32: tuple[type[nn.Module], ...] | None,
     seed: int,
+    accumulate: str | None = None,
 ) -> MemoryReport:
     fresh = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     if not isinstance(fresh, nn.Module):
@@ -296,7 +310,12 @@ def _measured_after_one_step(
         g = torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(1e-3)
         p.grad = g.to(device=p.device, dtype=p.dtype)
     opt.step()  # the state is created lazily by the first step
-    return measure(fresh, opt)
+    accumulator = None
+    if accumulate is not None and any(p.dtype != torch.float32 for p in params):
+        from lowprec.accumulation import accumulate as install
+
+        accumulator = install(fresh, how=accumulate)
+    return measure(fresh, opt, accumulator=accumulator)
 
 
 def table(
@@ -306,6 +325,7 @@ def table(
     hyperparameters: dict[str, Any] | None = None,
     keep_fp32: tuple[type[nn.Module], ...] | None = None,
     seed: int = 0,
+    accumulate: str | None = None,
 ) -> list[dict[str, Any]]:
     """Bytes per parameter element of every recipe with one optimizer, expected and measured.
 
@@ -320,6 +340,8 @@ def table(
             each recipe's own choice, the normalization layers). Pass ``()`` to convert every
             layer, the assumption of the expected figures.
         seed: Seed of the synthetic gradients (default: 0).
+        accumulate: ``lowprec.accumulate``'s ``how`` for every recipe with BF16 or FP16
+            weights (default: None, no accumulation buffers).
 
     Returns:
         One dict per recipe, in ``recipes.RECIPES`` order: ``"recipe"``, ``"optimizer"``,
@@ -340,19 +362,26 @@ def table(
     hp = _hyperparameters(key, hyperparameters)
     numels = None
     if model is not None:  # (which of its parameters get 8-bit state: their sizes)
-        numels = [p.numel() for p in (model if isinstance(model, nn.Module) else model())
-                  .parameters() if p.requires_grad]
+        sample = model if isinstance(model, nn.Module) else model()
+        if not isinstance(sample, nn.Module):
+            raise TypeError(
+                f"model must be an nn.Module or a function returning one, got a function "
+                f"returning {type(sample).__name__}."
+            )
+        numels = [p.numel() for p in sample.parameters() if p.requires_grad]
     rows = []
     for name in recipes.RECIPES:
         row: dict[str, Any] = {
             "recipe": name,
             "optimizer": key,
-            "expected": expected(key, name, hyperparameters=hp, numels=numels),
+            "expected": expected(key, name, hyperparameters=hp, numels=numels,
+                                 accumulate=accumulate),
             "measured": None,
             "measured_bytes": None,
         }
         if model is not None:
-            report = _measured_after_one_step(key, name, model, hp, keep_fp32, seed)
+            report = _measured_after_one_step(key, name, model, hp, keep_fp32, seed,
+                                              accumulate)
             row["measured"] = report.bytes_per_param
             row["measured_bytes"] = report.bytes
         rows.append(row)

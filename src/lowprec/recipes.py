@@ -254,13 +254,14 @@ class Recipe:
                 f"unknown optimizer {name!r}; choose one of {', '.join(_OPTIMIZERS)}."
             )
         for option in ("master", "state_dtype"):
-            if option in hyperparameters:
+            if option in hyperparameters and getattr(self, option) is not None:
                 raise ValueError(
                     f"recipe {self.name!r} sets {option}={getattr(self, option)!r}; build the "
                     "optimizer directly from lowprec.optim to choose another."
                 )
-        return _OPTIMIZERS[key](params, master=self.master, state_dtype=self.state_dtype,
-                                **hyperparameters)
+        if self.state_dtype is not None:
+            hyperparameters = {**hyperparameters, "state_dtype": self.state_dtype}
+        return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
 
     # ------------------------------------------------------------------ the step
 
