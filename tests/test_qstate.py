@@ -261,3 +261,26 @@ def test_8bit_adamw_trains_as_well_as_fp32_moments():
             opt.step()
         losses[name] = ((x @ opt.master_weight(w) - y).pow(2).mean()).item()
     assert losses["8bit"] < 1.02 * losses["fp32"], losses
+
+
+def test_update_monitor_reports_what_8bit_state_costs():
+    # state_relative_error: the stored moments against the FP32 moments the rule computed from
+    # them, per monitored step. 3 mantissa bits round each value by at most 1/16 (2**-4), so
+    # the norm-wise error lies between a tenth and all of that; None where the state is not
+    # 8-bit.
+    from lowprec.diagnostics import UpdateMonitor
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 8)).bfloat16()
+    opt = AdamW(model.parameters(), lr=1e-3, master="kahan", state_dtype="8bit")
+    monitor = UpdateMonitor(model, opt)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(32, 128, generator=g).bfloat16()
+        model(x).float().pow(2).mean().backward()
+        with monitor.step():
+            opt.step()
+        opt.zero_grad()
+    by = {r.name: r for r in monitor.report().params}
+    err = by["0.weight"].state_relative_error
+    assert 2.0 ** -4 / 10 < err < 2.0 ** -4, err
+    assert by["0.bias"].state_relative_error is None  # (64 elements: FP32 state)

@@ -64,6 +64,11 @@ class ParamUpdates:
             value is the parameter the model computes with); None for other optimizers, or when
             no intended change was nonzero.
         master_relative_error: The same for the master value; None likewise.
+        state_relative_error: For a parameter whose optimizer state is kept in 8 bits
+            (``state_dtype="8bit"``): ``||stored state - FP32 state|| / ||FP32 state||``, the
+            FP32 state being what the update rule computed from the stored state of the step
+            before, over its buffers and the monitored steps: what one rounding to 8 bits per
+            step costs. None otherwise.
     """
 
     name: str
@@ -79,6 +84,7 @@ class ParamUpdates:
     master_lost_fraction: float | None
     relative_error: float | None
     master_relative_error: float | None
+    state_relative_error: float | None = None
 
     @property
     def effective_lost_fraction(self) -> float:
@@ -152,8 +158,8 @@ class UpdateReport:
 class _Tally:
     """Running sums for one parameter."""
 
-    __slots__ = ("err_sq", "intended_sq", "lost", "master_err_sq", "master_lost", "steps",
-                 "storage", "updated")
+    __slots__ = ("err_sq", "intended_sq", "lost", "master_err_sq", "master_lost", "state_err_sq",
+                 "state_sq", "steps", "storage", "updated")
 
     def __init__(self) -> None:
         self.storage: str | None = None
@@ -164,6 +170,8 @@ class _Tally:
         self.err_sq: float | None = None
         self.master_err_sq: float | None = None
         self.intended_sq: float | None = None
+        self.state_err_sq: float | None = None
+        self.state_sq: float | None = None
 
 
 def _add(total: Any, value: Any) -> Any:
@@ -382,8 +390,10 @@ class UpdateMonitor:
         coeffs = (opt._first_use_coefficients if late else opt._coefficients)(group, step)
         w = storage.load(p, sbufs).clone()
         g = p.grad.float() if inv is None else p.grad.float() * inv.to(p.device)
-        new_w, _ = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
+        new_w, new_m = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
+        eight_bit = {k for k, _ in opt._qstate(group, state)}
         return {
+            "new_state": {k: v for k, v in new_m.items() if k in eight_bit},
             "old": p.detach().clone(),
             "w": w,
             "new_w": new_w,
@@ -465,6 +475,13 @@ class UpdateMonitor:
         t.err_sq = _add(t.err_sq, float(err.square().sum()))
         t.master_err_sq = _add(t.master_err_sq, float(master_err.square().sum()))
         t.intended_sq = _add(t.intended_sq, float(intended.square().sum()))
+        if snap["new_state"]:
+            opt = self.optimizer
+            stored = opt._math_state(opt._group_of(p), p, opt.state[p])  # type: ignore[attr-defined]
+            for k, v in snap["new_state"].items():
+                t.state_err_sq = _add(t.state_err_sq,
+                                      float((stored[k].double() - v.double()).square().sum()))
+                t.state_sq = _add(t.state_sq, float(v.double().square().sum()))
 
     # ------------------------------------------------------------------ results
 
@@ -502,6 +519,7 @@ class UpdateMonitor:
                                       else _fraction(t.master_lost, t.updated)),
                 relative_error=_ratio(t.err_sq, t.intended_sq),
                 master_relative_error=_ratio(t.master_err_sq, t.intended_sq),
+                state_relative_error=_ratio(t.state_err_sq, t.state_sq),
             ))
         updated = sum(r.updated for r in params)
         lost = sum(r.lost for r in params)
