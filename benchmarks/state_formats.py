@@ -5,8 +5,10 @@
 task of ``lowprec compare`` (the same model, initial weights, batches and schedule), with BF16
 weights and a Kahan compensation, against FP32 training and BF16 + Kahan with BF16 moments:
 
-* ``float`` (lowprec's): a small float with 3 mantissa bits, sign + 4 exponent bits for signed
-  buffers, 5 exponent bits for non-negative ones (``qstate``);
+* ``power`` (lowprec's, ``qstate``): codes on a power-law scale of the block's largest magnitude,
+  ``(k / 127)**2`` signed, ``(k / 255)**4`` for non-negative buffers;
+* ``float8``: 8-bit floats, ``float8_e4m3fn`` for signed buffers and ``float8_e5m2`` for
+  non-negative ones;
 * ``dynamic``: the dynamic (tree) map of Dettmers et al. 2022, as described in the paper: a
   sign, a decimal exponent given by the run of leading zero bits, then a linear fraction in
   [0.1, 1] taking the remaining bits (written here from the paper, codes found by nearest
@@ -17,7 +19,7 @@ Every map is applied by the same table lookup here, nearest value per element (e
 the formats differ in their tables only). Prints the eval loss of each and its gap to FP32.
 
     python benchmarks/state_formats.py                     # AdamW, 400 steps (~15 min)
-    python benchmarks/state_formats.py --optimizer sgd --formats float,dynamic
+    python benchmarks/state_formats.py --optimizer sgd --formats power,float8
 """
 
 from __future__ import annotations
@@ -53,13 +55,17 @@ def _linear_values(signed: bool) -> torch.Tensor:
     return torch.arange(256, dtype=torch.float32) / 255
 
 
-def _float_values(signed: bool) -> torch.Tensor:
-    codes = torch.arange(256, dtype=torch.uint8).view(1, -1)
-    return qstate.decode(codes, torch.ones(1, 1), signed).view(-1) / qstate.MAX_CODE_VALUE
+def _float8_values(signed: bool) -> torch.Tensor:
+    """The finite values of ``float8_e4m3fn`` (signed buffers) or ``float8_e5m2``
+    (non-negative ones)."""
+    dtype = torch.float8_e4m3fn if signed else torch.float8_e5m2
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    vals = vals[vals.isfinite() & ((vals >= 0) | signed)]
+    return torch.unique(vals) / vals.abs().max()
 
 
 FORMATS: dict[str, Callable[[bool], torch.Tensor]] = {
-    "float": _float_values, "dynamic": _dynamic_values, "linear": _linear_values,
+    "float8": _float8_values, "dynamic": _dynamic_values, "linear": _linear_values,
 }
 
 
@@ -84,7 +90,7 @@ def table_codec(values_of: Callable[[bool], torch.Tensor]):
 
 def run(fmt: str, recipes: tuple[str, ...], args: argparse.Namespace) -> list[dict]:
     saved = qstate.encode, qstate.decode
-    if fmt != "float":  # (the library's own format needs no replacement)
+    if fmt != "power":  # (the library's own format needs no replacement)
         qstate.encode, qstate.decode = table_codec(FORMATS[fmt])
     try:
         cfg = CompareConfig(recipes=recipes, optimizer=args.optimizer, steps=args.steps,
@@ -99,10 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "lamb", "adagrad"))
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--formats", default="float,dynamic,linear")
+    p.add_argument("--formats", default="power,float8,dynamic,linear")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    refs = {r["recipe"]: r for r in run("float", ("fp32", "bf16-kahan"), args)}
+    refs = {r["recipe"]: r for r in run("power", ("fp32", "bf16-kahan"), args)}
     fp32 = refs["fp32"]["eval_loss"]
     rows = [("fp32 (reference)", fp32), ("bf16-kahan, BF16 moments", refs["bf16-kahan"]["eval_loss"])]
     for fmt in args.formats.split(","):

@@ -23,38 +23,53 @@ SHAPES = [(40, 128), (300,), (64, 96)]  # 8-bit state, FP32 state (small), 8-bit
 
 
 def _values(signed: bool) -> torch.Tensor:
-    """The 256 values of the codes at scale 1."""
+    """The values of the 256 codes at scale 1 (index: the code)."""
     return qstate.decode(torch.arange(256, dtype=torch.uint8).view(1, -1), torch.ones(1, 1),
                          signed).view(-1)
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_codes_are_the_nearest_of_their_256_values(signed):
+def test_codes_are_the_nearest_on_their_root_scale(signed):
+    # The power-law codes: x = s * sign * (k/127)**2 (signed), s * (k/255)**4 (non-negative),
+    # s the block's largest magnitude. Each element's code is the nearest on the root scale,
+    # against a brute-force search in FP64; the relative error is as the docstring says.
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(400, B, generator=g) * torch.exp(3 * torch.randn(400, B, generator=g))
+    x = torch.randn(400, B, generator=g) * torch.exp(2 * torch.randn(400, B, generator=g))
     x = x if signed else x.abs()
     codes, scale = qstate.encode(x, signed)
     assert codes.dtype == torch.uint8 and scale.shape == (400, 1)
-    # The block's largest magnitude is the largest code's value.
-    assert torch.equal(scale.view(-1), x.abs().amax(1) / qstate.MAX_CODE_VALUE)
-    vals = _values(signed)
-    y = x / scale
-    best = (y.reshape(-1, 1) - vals).abs().min(1).values
-    got = (y.reshape(-1) - vals[codes.reshape(-1).long()]).abs()
-    assert torch.equal(got, best)
-    assert torch.equal(qstate.decode(codes, scale, signed), vals[codes.long()] * scale)
-    # 3 mantissa bits: within 1/16 of each normal value, relative.
-    normal = x.abs() > scale * 2.0 ** (-13 if signed else -29)
-    rel = ((qstate.decode(codes, scale, signed) - x).abs() / x.abs())[normal]
-    assert rel.max() <= 1 / 16
+    assert torch.equal(scale, x.abs().amax(1, keepdim=True))
+    steps, power = (127, 2) if signed else (255, 4)
+    root = (x.double().abs() / scale.double()) ** (1 / power) * steps
+    k = torch.arange(steps + 1, dtype=torch.float64)
+    brute = (root.reshape(-1, 1) - k).abs().argmin(1).view_as(x)
+    got = (codes.long() - 128).abs() if signed else codes.long()
+    assert torch.equal(got, brute)
+    if signed:
+        assert torch.equal(codes < 128, (x < 0) & (brute > 0))
+    out = qstate.decode(codes, scale, signed)
+    assert torch.equal(out, _values(signed)[codes.long()] * scale)
+    assert torch.equal(out.abs().amax(1, keepdim=True), scale)  # the largest comes back exactly
+    # Relative error: at most (k / (k - 1/2))**power - 1 for code k (the value half a step
+    # below it on the root scale), 0.8% near the scale, 14% (signed) or 29% at code 8.
+    kk = got[got >= 1].double()
+    rel = ((out - x).abs() / x.abs())[got >= 1].double()
+    assert (rel <= (kk / (kk - 0.5)) ** power - 1 + 1e-6).all()
+    near_top = ((out - x).abs() / x.abs())[x.abs() > scale / 2]
+    assert near_top.max() < 0.012
 
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_code_values_survive_encoding_and_range_is_as_documented(signed):
     vals = _values(signed)
-    assert vals.max() == qstate.MAX_CODE_VALUE and (vals.min() == -1.875 if signed else vals.min() == 0)
-    smallest = vals[vals > 0].min()
-    assert smallest == (2.0 ** -17 if signed else 2.0 ** -33)
+    top = 127 if signed else 255
+    assert vals.max() == 1.0 and (vals[1:].min() == -1.0 if signed else vals.min() == 0)
+    assert vals[vals > 0].min() == pytest.approx((1 / top) ** (2 if signed else 4), rel=1e-6)
+    if signed:
+        assert vals[0] < -1 and torch.all(vals[1:].diff() > 0)  # (code 0 is never written)
+        vals = vals[1:]
+    else:
+        assert torch.all(vals.diff() > 0)
     x = vals.view(1, -1)
     codes, scale = qstate.encode(x, signed)
     assert torch.equal(qstate.decode(codes, scale, signed), x)
@@ -134,6 +149,31 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
 ], ids=["adamw-kahan", "sgd-split", "adagrad-stochastic", "lamb-kahan"])
 def test_fused_step_equals_eager_bit_for_bit(cls, kw, master, device):
     seq = grad_sequence(SHAPES, 4, seed=1)
+    start = make_params(torch.bfloat16, SHAPES, device=device)
+    out = []
+    for fused in (False, True):
+        params = [p.detach().clone().requires_grad_() for p in start]
+        opt = cls(params, master=master, state_dtype="8bit", fused=fused, seed=3, **kw)
+        run(opt, params, seq)
+        out.append((params, opt))
+    (pe, oe), (pf, of) = out
+    for p, q in zip(pe, pf, strict=True):
+        assert torch.equal(p, q)
+        _same_state(oe.state[p], of.state[q])
+
+
+@pytest.mark.parametrize(("cls", "kw", "master"), [
+    (AdamW, {"lr": 3e-2}, "stochastic"),
+    (Lamb, {"lr": 3e-2}, "kahan"),
+], ids=["adamw-stochastic", "lamb-kahan"])
+def test_fused_step_in_pieces_equals_eager(cls, kw, master, monkeypatch, device):
+    # The compiled step of a parameter with 8-bit state goes a piece of rows at a time
+    # (compiled._QROWS): each piece's random bits keyed by its place in the parameter, LAMB's
+    # norms summed over every piece before any update. 8 rows a piece here: 3 pieces each.
+    from lowprec.optim import compiled
+
+    monkeypatch.setattr(compiled, "_QROWS", 8)
+    seq = grad_sequence(SHAPES, 3, seed=6)
     start = make_params(torch.bfloat16, SHAPES, device=device)
     out = []
     for fused in (False, True):
@@ -265,9 +305,9 @@ def test_8bit_adamw_trains_as_well_as_fp32_moments():
 
 def test_update_monitor_reports_what_8bit_state_costs():
     # state_relative_error: the stored moments against the FP32 moments the rule computed from
-    # them, per monitored step. 3 mantissa bits round each value by at most 1/16 (2**-4), so
-    # the norm-wise error lies between a tenth and all of that; None where the state is not
-    # 8-bit.
+    # them, per monitored step: for 8-bit codes a norm-wise error of a few tenths of a percent
+    # to a few percent (0.8% at a block's largest value, more below it); None where the state
+    # is not 8-bit.
     from lowprec.diagnostics import UpdateMonitor
 
     model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 8)).bfloat16()
@@ -282,5 +322,5 @@ def test_update_monitor_reports_what_8bit_state_costs():
         opt.zero_grad()
     by = {r.name: r for r in monitor.report().params}
     err = by["0.weight"].state_relative_error
-    assert 2.0 ** -4 / 10 < err < 2.0 ** -4, err
+    assert 1e-3 < err < 0.1, err
     assert by["0.bias"].state_relative_error is None  # (64 elements: FP32 state)

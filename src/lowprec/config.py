@@ -54,7 +54,8 @@ class ModelConfig:
 #: hardware path on most CPUs (32x slower than FP32 per step here), and ``dfp16``, whose exact
 #: integer emulation costs ~20 FP32 steps per step.
 DEFAULT_RECIPES: tuple[str, ...] = (
-    "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "fp16-master",
+    "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "bf16-kahan-8bit",
+    "bf16-split-8bit", "fp16-master",
 )
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
 #: How far above FP32's eval loss a recipe may end and still be recommended (0.005: 0.5 %).

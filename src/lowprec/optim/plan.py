@@ -190,7 +190,7 @@ class _Many:
             f = getattr(run, "fused", None)
             if (
                 f is not None and (f.pairs is None or f.n == run.p.numel()) and f.base is None
-                and not f.shards
+                and not f.shards and not f.qkw  # (8-bit state: calls per piece already)
                 and (not scaled or loss_scale._host_counts(run.p.device))
             ):
                 # (Their step counts as last read: the coefficients are shared. Counts that

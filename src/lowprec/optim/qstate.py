@@ -6,27 +6,33 @@ of ``BLOCK``, as
 
 * ``state[name]``: ``uint8`` codes shaped as the parameter, and
 * ``state[name + "_scale"]``: FP32, one per ``BLOCK`` consecutive elements of the flattened
-  parameter: the block's largest magnitude over ``MAX_CODE_VALUE``,
+  parameter: the block's largest magnitude,
 
 so a moment costs 1 + 4 / ``BLOCK`` bytes per element instead of 2 (BF16) or 4 (FP32). Smaller
 parameters (biases, norms) and those of another size keep FP32 state, as bitsandbytes' and
 torchao's 8-bit optimizers do: they are a small part of a model's bytes and the most sensitive.
 
-A code is a small float with 3 mantissa bits, scaled per block so that the block's largest
-magnitude is the format's largest value (1.875), with subnormals below the smallest normal:
+A code is an integer on a power-law scale of the block's largest magnitude ``s`` (the scale
+kept per block), so that small values keep codes of their own while the large ones, which move
+an update most, are kept finest:
 
-* signed buffers (a first moment, a momentum): sign, 4 exponent bits, 3 mantissa bits;
-  magnitudes from 1.875 down to 2**-17 (7.6e-6) of the scale, relative error at most 1/16;
-* non-negative buffers (a second moment, Adagrad's sum): 5 exponent bits, 3 mantissa bits;
-  from 1.875 down to 2**-33 (1.2e-10) of the scale, the same relative error. A second moment
-  spans the square of the gradients' range, so it needs the range more than a first moment;
-  a second moment rounded to zero would divide an update by ``eps`` alone.
+* signed buffers (a first moment, a momentum): ``x = s * sign * (k / 127)**2`` for code
+  ``128 + sign * k``, ``k`` in 0..127: relative error 0.8% at ``s``, 8% at ``s / 100``, and
+  values below ``s / 65000`` round to zero;
+* non-negative buffers (a second moment, Adagrad's sum): ``x = s * (k / 255)**4``, ``k`` in
+  0..255: 0.8% at ``s``, 8% at ``s / 10**4``, zero below ``s / 7 * 10**10``. A second moment
+  spans the square of the gradients' range, so it needs the range more than a first moment:
+  one rounded to zero would divide an update by ``eps`` alone, and the error of its square root
+  (the update's denominator) is half its own.
 
-The format was chosen by measurement against linear 8-bit codes and the dynamic (tree) map of
-Dettmers et al. 2022 (``benchmarks/state_formats.py``; the numbers are in docs/architecture.md).
-Rounding is to nearest, by integer operations on the FP32 bits, so that the eager and the
-compiled step (Inductor) give the same bits and vectorize; ``encode``/``decode`` work on
-``[blocks, BLOCK]`` tensors (``decode`` on anything whose last dimension is a block).
+A code is the nearest on the root scale (``sqrt`` or the fourth root of ``|x| / s``, rounded
+half to even), found with square roots, multiplications and rounding alone, which vectorize in
+compiled CPU code; 8-bit floats (``float8_e4m3fn``/``e5m2``) and the dynamic map of Dettmers et
+al. 2022 need bit casts or a search there, and made the compiled step 2-4x slower. The format was
+chosen by measurement against those and linear codes (``benchmarks/state_formats.py``; the
+numbers are in docs/architecture.md). ``encode``/``decode`` work on ``[blocks, BLOCK]`` tensors
+(``decode`` on anything whose last dimension is a block), eagerly and compiled alike (the roots
+are correctly rounded in both: ``numerics.sqrt_rn``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK", "EIGHT_BIT", "MAX_CODE_VALUE", "MIN_NUMEL", "decode", "encode", "qualifies"]
+from lowprec.numerics import sqrt_rn
+
+__all__ = ["BLOCK", "EIGHT_BIT", "MIN_NUMEL", "decode", "encode", "qualifies"]
 
 #: The ``state_dtype`` value that asks for 8-bit state.
 EIGHT_BIT = "8bit"
@@ -43,11 +51,8 @@ EIGHT_BIT = "8bit"
 BLOCK = 256
 #: Parameters smaller than this keep FP32 state.
 MIN_NUMEL = 4096
-#: The largest value of a code: the block's largest magnitude is stored as this.
-MAX_CODE_VALUE = 1.875
-
-# Exponent bits of the magnitude: 4 for signed codes (bit 7 is the sign), 5 for non-negative.
-_EXPONENT_BITS = {True: 4, False: 5}
+#: The largest root-scale code of a signed buffer (about 0, +-127) and of a non-negative one.
+_SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
 
 
 def qualifies(p: torch.Tensor) -> bool:
@@ -56,53 +61,31 @@ def qualifies(p: torch.Tensor) -> bool:
     return n >= MIN_NUMEL and n % BLOCK == 0
 
 
-def _magnitude_code(y: torch.Tensor, exponent_bits: int) -> torch.Tensor:
-    """``y`` (FP32, in ``[0, MAX_CODE_VALUE]``) rounded to nearest (ties to even) as the code of
-    a float with ``exponent_bits`` and 3 mantissa bits, exponent bias ``2**exponent_bits - 1``
-    (int32 codes, 0 .. ``2**(exponent_bits + 3) - 1``)."""
-    bias = (1 << exponent_bits) - 1
-    top = (1 << (exponent_bits + 3)) - 1
-    # Subnormals (below 2**(1 - bias)): multiples of 2**(-bias - 2), the code itself (0 .. 8;
-    # 8 is the smallest normal's code). torch.round rounds half to even.
-    sub = torch.round(y * 2.0 ** (bias + 2)).to(torch.int32)
-    # Normals: the FP32 bits rounded to 3 mantissa bits (half to even: + 0x7FFFF + the lowest
-    # kept bit), whose exponent and mantissa fields then are the code, less the exponent offset.
-    bits = y.view(torch.int32)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - bias) << 3)
-    code = torch.where(y < 2.0 ** (1 - bias), sub, normal)
-    return code.clamp(0, top)
-
-
-def _magnitude_value(code: torch.Tensor, exponent_bits: int) -> torch.Tensor:
-    """The FP32 value of magnitude codes (int32): the inverse of ``_magnitude_code``."""
-    bias = (1 << exponent_bits) - 1
-    normal = ((code + ((127 - bias) << 3)) << 20).view(torch.float32)
-    return torch.where(code < 8, code.float() * 2.0 ** (-bias - 2), normal)
-
-
 def encode(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (``uint8``, shaped as ``x``) and scales (FP32, ``[blocks, 1]``) of FP32 ``x``
-    (``[blocks, BLOCK]``). A block of zeros has scale 0; a block holding inf or NaN gets a
-    non-finite scale, so that it decodes to inf/NaN rather than to finite numbers."""
-    mag = x.abs()
-    scale = mag.amax(dim=-1, keepdim=True) / MAX_CODE_VALUE
-    # (0 / 0 would be NaN: a zero block's values are zeros, divided by 1)
-    y = mag / torch.where(scale > 0, scale, torch.ones_like(scale))
-    eb = _EXPONENT_BITS[signed]
-    code = _magnitude_code(torch.where(torch.isnan(y), torch.zeros_like(y), y), eb)
-    if signed:
-        code = code | (x < 0).to(torch.int32) << 7
-    return code.to(torch.uint8), scale
+    """Codes (``uint8``, shaped as ``x``) and scales (FP32, ``[blocks, 1]``: the blocks' largest
+    magnitudes) of FP32 ``x`` (``[blocks, BLOCK]``; non-negative unless ``signed``). A block of
+    zeros has scale 0; a block holding inf or NaN gets a non-finite scale, so that it decodes
+    to inf/NaN rather than to finite numbers."""
+    scale = x.abs().amax(dim=-1, keepdim=True)
+    # (0 / 0 would be NaN: a zero block's values are zeros, divided by 1; and a NaN ratio, in a
+    # block whose scale is already non-finite, gets code 0 rather than an undefined one)
+    y = x.abs() / torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.where(y == y, y, torch.zeros_like(y))
+    if not signed:
+        return torch.round(_UNSIGNED_STEPS * sqrt_rn(sqrt_rn(y))).to(torch.uint8), scale
+    k = torch.round(_SIGNED_STEPS * sqrt_rn(y))
+    return torch.where(x < 0, 128 - k, 128 + k).to(torch.uint8), scale
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     """FP32 values of ``codes`` (``uint8``, ``[..., BLOCK]``) with their blocks' ``scale``
     (``[..., 1]``)."""
-    c = codes.to(torch.int32)
     if not signed:
-        return _magnitude_value(c, _EXPONENT_BITS[False]) * scale
-    mag = _magnitude_value(c & 0x7F, _EXPONENT_BITS[True]) * scale
-    return torch.where(c >= 0x80, -mag, mag)
+        q = codes.float() * (1 / _UNSIGNED_STEPS)
+        q = q * q
+        return q * q * scale
+    q = (codes.float() - 128) * (1 / _SIGNED_STEPS)
+    return q * q.abs() * scale
 
 
 def new_state(value: float, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,9 @@ def _blocks(p, grad, sbufs, mbufs, qstate) -> tuple[Any, ...]:
     """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements, the
     scales of its 8-bit buffers as a column: the shapes ``encode``/``decode`` take."""
     scales = {f"{k}_scale" for k, _ in qstate}
+    # (Told that the size is a multiple of the block, the compiler indexes rows without a modulo
+    # and steps the rule, the blocks' maxima and the codes in one loop over the rows.)
+    torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = lambda t: t.view(-1, qstate_mod.BLOCK)  # noqa: E731
     return (rows(p), rows(grad), {k: rows(v) for k, v in sbufs.items()},
             {k: v.view(-1, 1) if k in scales else rows(v) for k, v in mbufs.items()})
