@@ -141,39 +141,24 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
                 assert torch.equal(st[f"{k}_scale"], scale.view(-1)), k
 
 
-@pytest.mark.parametrize(("cls", "kw", "master"), [
-    (AdamW, {"lr": 3e-2, "weight_decay": 0.1}, "kahan"),
-    (SGD, {"lr": 0.1, "momentum": 0.9}, "split"),
-    (Adagrad, {"lr": 0.1}, "stochastic"),
-    (Lamb, {"lr": 3e-2}, "kahan"),
-], ids=["adamw-kahan", "sgd-split", "adagrad-stochastic", "lamb-kahan"])
-def test_fused_step_equals_eager_bit_for_bit(cls, kw, master, device):
-    seq = grad_sequence(SHAPES, 4, seed=1)
-    start = make_params(torch.bfloat16, SHAPES, device=device)
-    out = []
-    for fused in (False, True):
-        params = [p.detach().clone().requires_grad_() for p in start]
-        opt = cls(params, master=master, state_dtype="8bit", fused=fused, seed=3, **kw)
-        run(opt, params, seq)
-        out.append((params, opt))
-    (pe, oe), (pf, of) = out
-    for p, q in zip(pe, pf, strict=True):
-        assert torch.equal(p, q)
-        _same_state(oe.state[p], of.state[q])
-
-
-@pytest.mark.parametrize(("cls", "kw", "master"), [
-    (AdamW, {"lr": 3e-2}, "stochastic"),
-    (Lamb, {"lr": 3e-2}, "kahan"),
-], ids=["adamw-stochastic", "lamb-kahan"])
-def test_fused_step_in_pieces_equals_eager(cls, kw, master, monkeypatch, device):
+@pytest.mark.parametrize(("cls", "kw", "master", "rows"), [
+    (AdamW, {"lr": 3e-2, "weight_decay": 0.1}, "kahan", None),
+    (SGD, {"lr": 0.1, "momentum": 0.9}, "split", None),
+    (Adagrad, {"lr": 0.1}, "stochastic", None),
+    (Lamb, {"lr": 3e-2}, "kahan", None),
+    (AdamW, {"lr": 3e-2}, "stochastic", 8),
+    (Lamb, {"lr": 3e-2}, "kahan", 8),
+], ids=["adamw-kahan", "sgd-split", "adagrad-stochastic", "lamb-kahan",
+        "adamw-stochastic-pieces", "lamb-kahan-pieces"])
+def test_fused_step_equals_eager_bit_for_bit(cls, kw, master, rows, monkeypatch, device):
     # The compiled step of a parameter with 8-bit state goes a piece of rows at a time
-    # (compiled._QROWS): each piece's random bits keyed by its place in the parameter, LAMB's
-    # norms summed over every piece before any update. 8 rows a piece here: 3 pieces each.
+    # (compiled._QROWS; 8 in the "pieces" cases, 3 pieces a parameter): each piece's random
+    # bits keyed by its place in the parameter, LAMB's norms summed over every piece first.
     from lowprec.optim import compiled
 
-    monkeypatch.setattr(compiled, "_QROWS", 8)
-    seq = grad_sequence(SHAPES, 3, seed=6)
+    if rows is not None:
+        monkeypatch.setattr(compiled, "_QROWS", rows)
+    seq = grad_sequence(SHAPES, 4, seed=1)
     start = make_params(torch.bfloat16, SHAPES, device=device)
     out = []
     for fused in (False, True):
