@@ -44,11 +44,12 @@ def _import_rich():
 
 
 def _console():
-    """A rich console; wide enough for the tables when the output is a file or a pipe."""
+    """A rich console; wide enough for the tables (compare's 14 columns) when the output is a
+    file or a pipe."""
     Console, _ = _import_rich()
     console = Console()
     if not console.is_terminal:
-        console = Console(width=160)
+        console = Console(width=200)
     return console
 
 
@@ -301,7 +302,9 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
         ("B/param", "right"), ("weights", "right"), ("grads", "right"), ("state", "right"),
         ("master", "right"), ("lost updates", "right"), ("skipped", "right"),
     ):
-        table.add_column(name, justify=justify, no_wrap=True)
+        # (the recipe's name whole: "bf16-kahan-8bit" is cut short before other columns shrink)
+        width = max((len(r["recipe"]) for r in records), default=6) if name == "recipe" else None
+        table.add_column(name, justify=justify, no_wrap=True, min_width=width)
     for r in records:
         b = r["bytes_per_param"]
         gap = r.get("eval_gap")
@@ -418,13 +421,13 @@ def _labels_apart(ax: Any, points: Sequence[tuple[float, float, str, Any]], *,
     """Label each ``(x, y, text, color)`` just right of its point, moving labels up just enough
     that none overlaps another of about the same ``x`` (``spacing`` points apart on screen)."""
     ax.figure.canvas.draw()  # settle the limits and scales first
-    to_px = ax.transData.transform
+    points_per_pixel = 72 / ax.figure.dpi  # (the shifts are offsets in points)
     placed: list[tuple[float, float]] = []
     for x, y, text, color in sorted(points, key=lambda p: p[1]):
-        px, py = to_px((x, y))
+        px, py = ax.transData.transform((x, y)) * points_per_pixel
         shift = 0.0
         for qx, qy in placed:
-            if abs(qx - px) < 120 and py + shift < qy + spacing:
+            if abs(qx - px) < 60 and py + shift < qy + spacing:
                 shift = qy + spacing - py
         placed.append((px, py + shift))
         ax.annotate(text, (x, y), xytext=(6, shift), textcoords="offset points", va="center",
