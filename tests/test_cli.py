@@ -362,6 +362,11 @@ def test_the_package_names_import_on_first_use():
         assert getattr(lowprec, name) is not None, name
     assert lowprec.AdamW is optim_mod.AdamW and lowprec.recipes is recipes
     assert set(lowprec.__all__) <= set(dir(lowprec))
+    # every submodule too, on first use (lowprec.dfp was reachable through recipes' import)
+    code = "import lowprec; print(lowprec.dfp.convert_to_dfp.__name__, lowprec.scaling.__name__)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.split() == ["convert_to_dfp", "lowprec.scaling"], proc.stderr
     with pytest.raises(AttributeError, match="no attribute 'Adam'"):
         _ = lowprec.Adam
     assert recipes.RECIPES == lowprec.config.RECIPES

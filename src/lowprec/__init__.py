@@ -8,6 +8,7 @@ The names below are imported on first use (PEP 562), so that ``import lowprec.co
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -56,7 +57,11 @@ if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
 def __getattr__(name: str) -> Any:
     where = _LAZY.get(name)
     if where is None:
-        raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
+        # Any other submodule (lowprec.dfp, lowprec.distributed, ...) on first use, as the
+        # package's eager imports used to make most of them available.
+        if name.startswith("_") or importlib.util.find_spec(f"lowprec.{name}") is None:
+            raise AttributeError(f"module 'lowprec' has no attribute {name!r}")
+        where = f"lowprec.{name}"
     module = importlib.import_module(where)
     value = module if where == f"lowprec.{name}" else getattr(module, name)
     globals()[name] = value  # (the next lookup is a plain one)
