@@ -309,3 +309,31 @@ def test_update_monitor_reports_what_8bit_state_costs():
     err = by["0.weight"].state_relative_error
     assert 1e-3 < err < 0.1, err
     assert by["0.bias"].state_relative_error is None  # (64 elements: FP32 state)
+
+
+def test_dtensor_parameters_are_refused_clearly(tmp_path):
+    # FSDP2's DTensor parameters: not supported with 8-bit state yet, said at construction (a
+    # one-rank gloo group in a subprocess, to leave this process's default group alone).
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+import lowprec
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+p = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 128).bfloat16(), mesh, [Shard(0)]))
+try:
+    lowprec.AdamW([p], lr=1e-3, state_dtype="8bit")
+except ValueError as e:
+    print("refused:", e)
+lowprec.AdamW([p], lr=1e-3, state_dtype=torch.bfloat16)
+print("bf16 state: fine")
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "not supported for DTensor (FSDP2) parameters" in proc.stdout, proc.stderr
+    assert "bf16 state: fine" in proc.stdout, proc.stderr
