@@ -184,8 +184,8 @@ class _FullStep:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = self._mbufs(group, state)
-        qstate = self._qstate(group, state)  # (8-bit buffers: rows of qstate.BLOCK elements)
-        qkw = {"qstate": qstate} if qstate else {}
+        quantized = self._qstate(group, state)  # (8-bit buffers: rows of qstate.BLOCK elements)
+        qkw = {"qstate": quantized} if quantized else {}
         flags = self._group_flags(group, memo)
         if scaling is None or loss_scale._host_counts(p.device):
             step = int(state["step"].item()) + 1
@@ -215,7 +215,7 @@ class _FullStep:
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
-        scales = {f"{k}_scale" for k, _ in qstate}
+        scales = {f"{k}_scale" for k, _ in quantized}
 
         def flat(d, sl=slice(None)):
             """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""
@@ -230,7 +230,7 @@ class _FullStep:
             try:
                 fused = self._prepare_fused(
                     storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
-                    start=start, shards=shards, qstate=qstate,
+                    start=start, shards=shards, qstate=quantized,
                 )
                 self._run_fused(fused, p.grad, coeffs, c32, lo, hi, extra)
             except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -251,7 +251,7 @@ class _FullStep:
                  start + sl.start)
                 for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
             ]
-        elif qstate:  # (8-bit buffers: flat, their scales one per block)
+        elif quantized:  # (8-bit buffers: flat, their scales one per block)
             pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
         else:
             pieces = [(p, p.grad, sbufs, mbufs, start)]

@@ -56,9 +56,10 @@ _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
 
 
 def qualifies(p: torch.Tensor) -> bool:
-    """Whether parameter ``p`` gets 8-bit state under ``state_dtype="8bit"``."""
+    """Whether parameter ``p`` gets 8-bit state under ``state_dtype="8bit"`` (a contiguous one:
+    its blocks are runs of its flat view)."""
     n = p.numel()
-    return n >= MIN_NUMEL and n % BLOCK == 0
+    return n >= MIN_NUMEL and n % BLOCK == 0 and p.is_contiguous()
 
 
 def encode(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
