@@ -167,10 +167,13 @@ class _Checkpoints:
         dtype = self._state_dtype(group, p, storage)
         for name in self._math_buffers(group):
             t, scale = st.get(name), st.get(f"{name}_scale")
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape or is_dtensor(t):
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 continue
             signed = name not in self._nonnegative_buffers
-            if t.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
+            if is_dtensor(t):  # (no 8-bit state for DTensor parameters: a cast at most)
+                if t.is_floating_point() and dtype.is_floating_point and t.dtype != dtype:
+                    st[name] = t.to(dtype)
+            elif t.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
                 if scale.numel() * qstate.BLOCK == t.numel():
                     rows = t.reshape(-1, qstate.BLOCK)
                     values = qstate.decode(rows, scale.reshape(-1, 1).float(), signed)
