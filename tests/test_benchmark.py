@@ -95,3 +95,21 @@ def test_passes_of_unknown_background_are_kept():
     r = ob.Result(ob.Row("x", "adamw", "torch", torch.float32, None), bg_max=0.3)
     r.windows.extend([*short, quiet])
     assert r.median == 1.0 and len(r.times) == 6
+
+
+def test_the_state_format_benchmark_runs_and_its_maps_are_what_it_says(capsys):
+    """benchmarks/state_formats.py: its table maps hold 256 codes' values in [-1, 1] (the
+    dynamic map's decimal levels reach below 1e-6), and a short run prints a row per format."""
+    path = _PATH.parent / "state_formats.py"
+    spec = importlib.util.spec_from_file_location("state_formats", path)
+    sf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sf)
+    for signed in (True, False):
+        dyn = sf._dynamic_values(signed)
+        assert dyn.numel() == 256 and dyn.max() == 1 and dyn[dyn > 0].min() < 1e-6
+        assert (-1 <= dyn.min() < -0.99) if signed else (dyn.min() == 0)
+        assert sf._float8_values(signed).max() == 1
+    sf.main(["--steps", "3", "--formats", "power,linear", "--threads", "1"])
+    out = capsys.readouterr().out
+    for row in ("fp32 (reference)", "8-bit moments: power", "8-bit moments: linear"):
+        assert row in out, out
