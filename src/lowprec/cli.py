@@ -1,10 +1,11 @@
 """The ``lowprec`` command: ``compare``, ``memory`` and ``numerics``.
 
 The numbers come from ``lowprec.compare``, ``lowprec.memory`` and ``lowprec.demos``, which print
-nothing; this module parses options (argparse), shows progress and tables (rich) and draws the
-loss curves (matplotlib, headless). A user mistake (an unknown recipe, a negative step count)
-ends with one ``lowprec: error: ...`` line and exit status 2, never a traceback; Ctrl-C during
-``compare`` prints the recipes measured so far, saves them, and exits with status 130.
+nothing; this module parses options (argparse) and shows progress and tables (rich);
+``lowprec.plot`` draws the picture (matplotlib, headless). A user mistake (an unknown recipe, a
+negative step count) ends with one ``lowprec: error: ...`` line and exit status 2, never a
+traceback; Ctrl-C during ``compare`` prints the recipes measured so far, saves them, and exits
+with status 130.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec import __version__, config
+from lowprec.plot import plot_losses
 
 # torch, and every lowprec module that needs it, is imported inside the commands: `--help`, the
 # version and a mistyped option answer without the seconds an import of torch takes.
@@ -334,106 +336,6 @@ def _spread(iqr: Sequence[float] | None) -> str:
     return f"{iqr[0]:.2f}-{iqr[1]:.2f}x"
 
 
-def plot_losses(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
-    """The comparison as a picture, three panels: each recipe's gap to FP32's training loss over
-    the steps (in %, each line labelled at its end, so lines near 0 stay apart); the loss curves
-    over the second half of training, where they differ; and each recipe placed by bytes per
-    parameter and step time, marked with its eval-loss gap (the cost half of the decision)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - the cli extra installs matplotlib
-        raise UsageError(_EXTRA_HINT.format(exc)) from None
-
-    def ema(values: Sequence[float]) -> list[float]:
-        out, avg = [], None
-        for v in values:
-            if math.isfinite(v):
-                avg = v if avg is None else 0.95 * avg + 0.05 * v
-            out.append(math.nan if avg is None else avg)
-        return out
-
-    smooth = {r["recipe"]: ema(r["losses"]) for r in records}
-    ref = smooth.get("fp32")
-    colors = {r["recipe"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(records)}
-    fig, (gap, tail, cost) = plt.subplots(1, 3, figsize=(17, 5))
-    fig.suptitle(title, fontsize=11)
-    ends: list[tuple[float, float, str, Any]] = []  # the gap lines' last points and labels
-    n = max(len(v) for v in smooth.values())
-    start = n // 5  # the first fifth (warm-up, fast early descent) would set every scale
-    for r in records:
-        name = r["recipe"]
-        style = {"color": colors[name], "lw": 2.2 if name == "fp32" else 1.4,
-                 "ls": "--" if name == "fp32" else "-"}
-        steps = list(range(1, len(smooth[name]) + 1))
-        half = len(steps) // 2
-        tail.plot(steps[half:], smooth[name][half:], label=name, **style)
-        if ref is not None:
-            pct = [100 * (a - b) / b for a, b in zip(smooth[name], ref, strict=False)]
-            gap.plot(steps[start:len(pct)], pct[start:], label=name, **style)
-            last = next((v for v in reversed(pct) if math.isfinite(v)), None)
-            if last is not None:
-                ends.append((len(pct), last, f"{name} {last:+.2f}%", colors[name]))
-    if ref is not None:
-        # A symmetric log scale: linear within +-0.05 %, logarithmic beyond, so that recipes a
-        # few hundredths of a percent apart separate while a diverging one still fits.
-        gap.set_yscale("symlog", linthresh=0.05, linscale=1.0)
-        gap.axhline(0, color="black", lw=0.6)
-        _labels_apart(gap, ends)
-        gap.set(xlabel="step", ylabel="train loss vs fp32's, % (EMA 0.95)",
-                title="gap to fp32 (above 0: worse), from step " + str(start + 1))
-        gap.margins(x=0.22)
-        gap.legend(fontsize=8, loc="upper left")
-    else:
-        gap.text(0.5, 0.5, "no fp32 run: add fp32 to --recipes", ha="center",
-                 transform=gap.transAxes)
-        gap.set_axis_off()
-    tail.set(xlabel="step", ylabel="train loss (EMA 0.95)",
-             title="training loss, second half")
-    tail.legend(fontsize=8)
-    points = []
-    for r in records:
-        name, b, t = r["recipe"], r["bytes_per_param"]["total"], r["step_time_s"]
-        g = r.get("eval_gap")
-        label = name if g is None or not math.isfinite(g) else f"{name}\n{100 * g:+.2f}%"
-        cost.scatter([b], [1e3 * t], s=70, color=colors[name], zorder=3)
-        points.append((b, 1e3 * t, label, colors[name]))
-    cost.set(xlabel="bytes per parameter (measured)", ylabel="median step, ms",
-             title="cost: bytes and time (label: eval loss vs fp32)")
-    cost.margins(x=0.35, y=0.2)
-    _labels_apart(cost, points, spacing=24)
-    for ax in (gap, tail, cost):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
-
-
-def _labels_apart(ax: Any, points: Sequence[tuple[float, float, str, Any]], *,
-                  spacing: float = 12) -> None:
-    """Label each ``(x, y, text, color)`` just right of its point, moving labels up just enough
-    that none overlaps another of about the same ``x`` (``spacing`` points apart on screen)."""
-    ax.figure.canvas.draw()  # settle the limits and scales first
-    points_per_pixel = 72 / ax.figure.dpi  # (the shifts are offsets in points)
-    placed: list[tuple[float, float]] = []
-    for x, y, text, color in sorted(points, key=lambda p: p[1]):
-        px, py = ax.transData.transform((x, y)) * points_per_pixel
-        shift = 0.0
-        for qx, qy in placed:
-            if abs(qx - px) < 60 and py + shift < qy + spacing:
-                shift = qy + spacing - py
-        placed.append((px, py + shift))
-        ax.annotate(text, (x, y), xytext=(6, shift), textcoords="offset points", va="center",
-                    fontsize=8, color=color)
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
     from lowprec.config import CompareConfig, ModelConfig
 
@@ -538,7 +440,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     _write_json(json_path, payload)
     console.print(f"JSON: {json_path}")
     if plot_path is not None and records:
-        plot_losses(records, plot_path, title=title)
+        try:
+            plot_losses(records, plot_path, title=title)
+        except ImportError as exc:  # pragma: no cover - the cli extra installs matplotlib
+            raise UsageError(_EXTRA_HINT.format(exc)) from None
+        except OSError as exc:
+            raise UsageError(f"cannot write {plot_path}: {exc.strerror or exc}") from None
         console.print(f"Plot: {plot_path}")
     console.print(f"Total {payload['wall_time_s']:.0f} s.")
     return 130 if interrupted else 0
