@@ -383,9 +383,8 @@ class _CompiledStep:
             f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
                                   dtype=torch.int64)
         if qstate:
-            # Rows of a block, each 8-bit buffer's scales a column: the rule, the blocks'
-            # maxima and the codes then share the compiled loops over rows without a full-size
-            # temporary, where flat views made one (and the step 1.8x slower).
+            # Rows of a block, each 8-bit buffer's scales a column (_run_fused_rows steps them
+            # a piece of rows at a time).
             scales = {f"{k}_scale" for k, _ in qstate}
             f.views = ({k: v.view(-1, qstate_mod.BLOCK) for k, v in sbufs.items()},
                        {k: v.view(-1, 1 if k in scales else qstate_mod.BLOCK)
@@ -437,7 +436,7 @@ class _CompiledStep:
         if f.sums_kernel is not None:
             c32 = dict(c32)  # the sums below are this parameter's own
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
-                      inv_scale=extra.get("inv_scale"), **f.qkw)
+                      inv_scale=extra.get("inv_scale"))
             if pairs is None:
                 c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
             else:
@@ -453,7 +452,7 @@ class _CompiledStep:
             extra = {**extra, "base": f.base}
         if pairs is None:
             f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
-                     storage=storage, math=self._math, flags=flags, **extra, **f.qkw)
+                     storage=storage, math=self._math, flags=flags, **extra)
             return
         # 16-bit strategies go through pairs of elements (vectorized); an odd last element
         # takes the eager step, with its own index for the random bits.
@@ -472,28 +471,26 @@ class _CompiledStep:
         writes the new moments and weights to full-size temporaries between its loops over the
         rows; per piece they stay in cache and the allocator reuses them, where a step over a
         16M-element parameter at once took 3.5x as long per element as one over 256K (2.8x
-        faster in all). Each
-        piece's random bits are keyed by its elements' indices in the whole parameter
-        (``base``)."""
+        faster in all). Each piece's random bits are keyed by its elements' indices in the whole
+        parameter (``base``)."""
         pv, gv = _step_view(f, f.p), _step_view(f, grad)
         sv, mv = f.views
         rows = pv.shape[0]
         pieces = [slice(i, min(i + _QROWS, rows)) for i in range(0, rows, _QROWS)]
         cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
-        kw = dict(storage=f.storage, flags=f.flags, **{k: v for k, v in extra.items()
-                                                       if k != "base"}, **f.qkw)
-        if f.sums_kernel is not None:
+        kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
+        if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
             sums = None
             for sl in pieces:
                 part = f.sums_kernel(pv[sl], gv[sl], cut(sv, sl), cut(mv, sl), c32,
-                                     norm_terms=self._norm_terms, **{
-                                         k: v for k, v in kw.items() if k != "skip"})
+                                     norm_terms=self._norm_terms,
+                                     inv_scale=extra.get("inv_scale"), **kw)
                 sums = part if sums is None else sums + part
             c32 = {**c32, "sums": all_reduce_sums(sums, f.shards)}
         keys = _key_tensors(lo, hi)
         for sl, base in zip(pieces, _row_bases(f, pieces), strict=True):
             f.kernel(pv[sl], gv[sl], cut(sv, sl), cut(mv, sl), c32, *keys, math=self._math,
-                     **kw, **({} if base is None else {"base": base}))
+                     **kw, **extra, **({} if base is None else {"base": base}))
 
     def _pairs_plan(
         self, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
