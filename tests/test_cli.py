@@ -319,6 +319,20 @@ def test_memory_table_agrees_with_the_tensors(tmp_path, capsys):
     for name, total in expected.items():
         assert rows[name]["expected"]["total"] == total
         assert rows[name]["measured"]["total"] == pytest.approx(total, abs=0.01)
+    # 8-bit moments: 8 bytes per parameter, plus the block scales and the small parameters'
+    # FP32 moments (0.06 on the built-in model).
+    assert rows["bf16-kahan-8bit"]["measured"]["total"] == pytest.approx(8.06, abs=0.01)
+
+
+def test_memory_with_accumulation_buffers(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    assert cli.main(["memory", "--accumulate", "kahan", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "accumulation" in out and "NO" not in out
+    rows = {r["recipe"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["bf16-kahan"]["measured"]["accumulation"] == pytest.approx(2.0)
+    assert rows["bf16-kahan"]["expected"]["total"] == 12
+    assert rows["fp32"]["measured"]["accumulation"] == 0  # (FP32 gradients need none)
 
 
 def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
