@@ -37,8 +37,6 @@ are correctly rounded in both: ``numerics.sqrt_rn``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lowprec.numerics import sqrt_rn
@@ -96,8 +94,3 @@ def new_state(value: float, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor
     x = torch.full((n // BLOCK, BLOCK), float(value), device=p.device)
     codes, scale = encode(x, signed)
     return codes.view(p.shape), scale.view(-1)
-
-
-def expected(p: torch.Tensor) -> dict[str, Any]:
-    """Shape and dtype of a quantized buffer's two tensors for ``p``."""
-    return {"codes": (tuple(p.shape), torch.uint8), "scale": ((p.numel() // BLOCK,), torch.float32)}
