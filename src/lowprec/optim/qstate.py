@@ -20,7 +20,7 @@ an update most, are kept finest:
   ``128 + sign * k``, ``k`` in 0..127: relative error 0.8% at ``s``, 8% at ``s / 100``, and
   values below ``s / 65000`` round to zero;
 * non-negative buffers (a second moment, Adagrad's sum): ``x = s * (k / 255)**4``, ``k`` in
-  0..255: 0.8% at ``s``, 8% at ``s / 10**4``, zero below ``s / 7 * 10**10``. A second moment
+  0..255: 0.8% at ``s``, 8% at ``s / 10**4``, zero below ``s / (7 * 10**10)``. A second moment
   spans the square of the gradients' range, so it needs the range more than a first moment:
   one rounded to zero would divide an update by ``eps`` alone, and the error of its square root
   (the update's denominator) is half its own.
