@@ -120,7 +120,7 @@ def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) 
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
     names = optimizer._math_buffers(group)
-    cats = dict.fromkeys((*names, *(f"{k}_scale" for k in names)), "optimizer_state")
+    cats = dict.fromkeys((*names, *map(qstate.scale_key, names)), "optimizer_state")
     cats.update(dict.fromkeys(optimizer._storage(group, p).buffers(p), "master"))
     return cats
 

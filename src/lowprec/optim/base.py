@@ -350,34 +350,30 @@ class LowPrecisionOptimizer(
     def _expected_state(self, group, p, storage) -> dict[str, torch.dtype]:
         sd = self._state_dtype(group, p, storage)
         names = self._math_buffers(group)
-        scales = dict.fromkeys((f"{k}_scale" for k in names), torch.float32) if sd == torch.uint8 else {}
+        scales = {}
+        if sd == torch.uint8:  # (8-bit codes: one FP32 scale per block beside each)
+            scales = dict.fromkeys(map(qstate.scale_key, names), torch.float32)
         return {**storage.buffers(p), **dict.fromkeys(names, sd), **scales}
 
     def _qstate(self, group: dict[str, Any], state: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         """The update rule's buffers that ``state`` keeps as 8-bit codes, each with whether it is
         signed (``update._param_update``'s ``qstate``)."""
         return tuple((k, k not in self._nonnegative_buffers) for k in self._math_buffers(group)
-                     if f"{k}_scale" in state)
+                     if qstate.scale_key(k) in state)
 
     def _mbufs(self, group: dict[str, Any], state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The update rule's state tensors of a parameter: its buffers, and the scales of those
         kept as 8-bit codes (``"<name>_scale"``)."""
         names = self._math_buffers(group)
         out = {k: state[k] for k in names}
-        out.update({f"{k}_scale": state[f"{k}_scale"] for k in names if f"{k}_scale" in state})
+        out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
         return out
 
     def _math_state(self, group, p, state) -> dict[str, torch.Tensor]:
         """The update rule's buffers of ``p`` as FP32 values (8-bit codes decoded)."""
         signed = dict(self._qstate(group, state))
-        out = {}
-        for k in self._math_buffers(group):
-            t = state[k]
-            if k in signed:
-                rows = t.reshape(-1, qstate.BLOCK)
-                t = qstate.decode(rows, state[f"{k}_scale"].view(-1, 1), signed[k]).view(p.shape)
-            out[k] = t.float()
-        return out
+        return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)], signed[k])
+                if k in signed else state[k].float() for k in self._math_buffers(group)}
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
@@ -395,12 +391,13 @@ class LowPrecisionOptimizer(
         missing = tuple(
             name for name in self._math_buffers(group) if state.get(name, None) is None
         )
+        # (an 8-bit buffer's scales: one per block, missing with their buffer)
+        scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
         for name, dtype in expected.items():
             t = state.get(name)
-            if name in missing or name[:-6] in missing:  # (a buffer's "_scale" with it)
+            if name in missing or scale_of.get(name) in missing:
                 continue
-            scale = name.endswith("_scale") and expected.get(name[:-6]) == torch.uint8
-            shape = (p.numel() // qstate.BLOCK,) if scale else p.shape
+            shape = (p.numel() // qstate.BLOCK,) if name in scale_of else p.shape
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = (
                     f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
@@ -430,7 +427,7 @@ class LowPrecisionOptimizer(
         value = self._init_math_buffer(name, p, group)
         if dtype == torch.uint8:
             codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers)
-            return {name: codes, f"{name}_scale": scale}
+            return {name: codes, qstate.scale_key(name): scale}
         return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
     def _first_use_coefficients(self, group: dict[str, Any], step: Any) -> dict[str, Any]:

@@ -38,9 +38,10 @@ def _by_size(work: list) -> tuple[list, list]:
     """``step()``'s order of its work list: the large parameters, largest first, then the small
     ones (up to ``_SMALL`` elements, batched). Parameters are independent (the random key is a
     parameter's index, not its position here), so only the batches depend on this order."""
-    work = sorted(work, key=lambda item: -item[1].numel())
-    large = [item for item in work if item[1].numel() > _SMALL or _eight_bit(item)]
-    return large, [item for item in work if not (item[1].numel() > _SMALL or _eight_bit(item))]
+    large, small = [], []
+    for item in sorted(work, key=lambda item: -item[1].numel()):
+        (large if item[1].numel() > _SMALL or _eight_bit(item) else small).append(item)
+    return large, small
 
 
 def _eight_bit(item: tuple) -> bool:

@@ -166,7 +166,8 @@ class _Checkpoints:
         ``_check_state`` to refuse."""
         dtype = self._state_dtype(group, p, storage)
         for name in self._math_buffers(group):
-            t, scale = st.get(name), st.get(f"{name}_scale")
+            key = qstate.scale_key(name)
+            t, scale = st.get(name), st.get(key)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 continue
             signed = name not in self._nonnegative_buffers
@@ -175,13 +176,10 @@ class _Checkpoints:
                     st[name] = t.to(dtype)
             elif t.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
                 if scale.numel() * qstate.BLOCK == t.numel():
-                    rows = t.reshape(-1, qstate.BLOCK)
-                    values = qstate.decode(rows, scale.reshape(-1, 1).float(), signed)
-                    st[name] = values.view(p.shape).to(dtype)
-                    del st[f"{name}_scale"]
+                    st[name] = qstate.from_codes(t, scale, signed).to(dtype)
+                    del st[key]
             elif dtype == torch.uint8 and t.is_floating_point():
-                codes, scale = qstate.encode(t.float().reshape(-1, qstate.BLOCK), signed)
-                st[name], st[f"{name}_scale"] = codes.view(p.shape), scale.view(-1)
+                st[name], st[key] = qstate.to_codes(t, signed)
             elif t.is_floating_point() and t.dtype != dtype:
                 st[name] = t.to(dtype)
 

@@ -385,7 +385,7 @@ class _CompiledStep:
         if qstate:
             # Rows of a block, each 8-bit buffer's scales a column (_run_fused_rows steps them
             # a piece of rows at a time).
-            scales = {f"{k}_scale" for k, _ in qstate}
+            scales = {qstate_mod.scale_key(k) for k, _ in qstate}
             f.views = ({k: v.view(-1, qstate_mod.BLOCK) for k, v in sbufs.items()},
                        {k: v.view(-1, 1 if k in scales else qstate_mod.BLOCK)
                         for k, v in mbufs.items()})

@@ -215,7 +215,7 @@ class _FullStep:
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
-        scales = {f"{k}_scale" for k, _ in quantized}
+        scales = {qstate.scale_key(k) for k, _ in quantized}
 
         def flat(d, sl=slice(None)):
             """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""

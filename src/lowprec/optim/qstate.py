@@ -41,7 +41,8 @@ import torch
 
 from lowprec.numerics import sqrt_rn
 
-__all__ = ["BLOCK", "EIGHT_BIT", "MIN_NUMEL", "decode", "encode", "qualifies"]
+__all__ = ["BLOCK", "EIGHT_BIT", "MIN_NUMEL", "decode", "encode", "from_codes", "qualifies",
+           "scale_key", "to_codes"]
 
 #: The ``state_dtype`` value that asks for 8-bit state.
 EIGHT_BIT = "8bit"
@@ -51,6 +52,11 @@ BLOCK = 256
 MIN_NUMEL = 4096
 #: The largest root-scale code of a signed buffer (about 0, +-127) and of a non-negative one.
 _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
+
+
+def scale_key(name: str) -> str:
+    """The state entry holding the scales of buffer ``name``'s codes."""
+    return f"{name}_scale"
 
 
 def qualifies(p: torch.Tensor) -> bool:
@@ -87,10 +93,19 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tens
     return q * q.abs() * scale
 
 
+def to_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole buffer ``x`` (any shape, a multiple of ``BLOCK`` elements, contiguous) as it is
+    kept in state: codes shaped as ``x`` and scales flat, ``[numel / BLOCK]``."""
+    codes, scale = encode(x.float().reshape(-1, BLOCK), signed)
+    return codes.view(x.shape), scale.view(-1)
+
+
+def from_codes(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The FP32 values of a whole buffer kept as ``to_codes`` keeps it, shaped as ``codes``."""
+    rows = codes.reshape(-1, BLOCK)
+    return decode(rows, scale.reshape(-1, 1).float(), signed).view(codes.shape)
+
+
 def new_state(value: float, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales (flat, ``[numel / BLOCK]``) of a buffer of ``p``'s shape filled with
-    ``value``."""
-    n = p.numel()
-    x = torch.full((n // BLOCK, BLOCK), float(value), device=p.device)
-    codes, scale = encode(x, signed)
-    return codes.view(p.shape), scale.view(-1)
+    """Codes and scales (``to_codes``) of a buffer of ``p``'s shape filled with ``value``."""
+    return to_codes(torch.full(p.shape, float(value), device=p.device), signed)

@@ -48,21 +48,18 @@ def _inputs(
     (those in ``qstate`` decoded from their 8-bit codes and scales)."""
     g = grad.float() if inv_scale is None else grad.float() * inv_scale
     signed = dict(qstate)
-    m = {}
-    for k, v in mbufs.items():
-        if k in signed:
-            m[k] = qstate_mod.decode(v, mbufs[f"{k}_scale"], signed[k])
-        elif not (k.endswith("_scale") and k[:-6] in signed):
-            m[k] = v.float()
+    scales = set(map(qstate_mod.scale_key, signed))
+    m = {k: qstate_mod.decode(v, mbufs[qstate_mod.scale_key(k)], signed[k]) if k in signed
+         else v.float() for k, v in mbufs.items() if k not in scales}
     return storage.load(p, sbufs), g, m
 
 
 def _blocks(p, grad, sbufs, mbufs, qstate) -> tuple[Any, ...]:
     """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements, the
     scales of its 8-bit buffers as a column: the shapes ``encode``/``decode`` take."""
-    scales = {f"{k}_scale" for k, _ in qstate}
-    # (Told that the size is a multiple of the block, the compiler indexes rows without a modulo
-    # and steps the rule, the blocks' maxima and the codes in one loop over the rows.)
+    scales = {qstate_mod.scale_key(k) for k, _ in qstate}
+    # (Told that the size is a multiple of the block, the compiler indexes the rows without a
+    # modulo.)
     torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = lambda t: t.view(-1, qstate_mod.BLOCK)  # noqa: E731
     return (rows(p), rows(grad), {k: rows(v) for k, v in sbufs.items()},
@@ -156,7 +153,7 @@ def _param_update(
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
     new_q = {}  # (8-bit buffers: their codes and scales, written as they are)
     for k, signed in qstate:
-        new_q[k], new_q[f"{k}_scale"] = qstate_mod.encode(new_m.pop(k), signed)
+        new_q[k], new_q[qstate_mod.scale_key(k)] = qstate_mod.encode(new_m.pop(k), signed)
     if skip is not None:  # a skipped step writes back what was there, bit for bit
         new_p = torch.where(skip, p, new_p)
         new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
