@@ -6,6 +6,7 @@ Run it with torchrun, one process per rank::
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy split --checkpoint ckpt
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy split --resume ckpt --steps 400
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan --resume ckpt --steps 400
+    torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan --state-dtype 8bit
 
 (on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). The backend is NCCL
 when CUDA is available (one GPU per rank, ``LOCAL_RANK``) and gloo on CPU otherwise.
@@ -19,6 +20,9 @@ with the same number of processes (and, for the elementwise state lowprec keeps,
 Resumed with another ``--strategy`` (start exact with split, go on lean with kahan), the
 optimizer's state is converted: the FP32 master rebuilt from the saved one and stored the new
 way, exactly into ``fp32`` and ``split``, to 16 significant bits into ``kahan``.
+``--state-dtype 8bit`` keeps AdamW's moments as 8-bit codes on the shards of the layers whose
+rows are whole blocks of 256 (the middle one; the others keep FP32 moments); resumed with
+another ``--state-dtype``, the moments are encoded or decoded.
 The task is a small MLP regressing a fixed random teacher network; each rank draws its own
 batches.
 """
@@ -55,11 +59,14 @@ def teacher_batch(n: int, *, seed: int, device: torch.device) -> tuple[torch.Ten
     return x.to(device), y.to(device)
 
 
-def saved_strategy(path: Path) -> str | None:
-    """The ``--strategy`` a checkpoint was saved with (None for one saved without it)."""
-    entry = {"strategy": ""}
+STATE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "8bit": "8bit"}
+
+
+def saved_options(path: Path) -> dict[str, str]:
+    """The ``--strategy`` and ``--state-dtype`` a checkpoint was saved with (those it holds)."""
+    entry = {"strategy": "", "state_dtype": ""}
     dcp.load(entry, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
-    return entry["strategy"] or None
+    return {k: v for k, v in entry.items() if v}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="MLP width (default: 256)")
     p.add_argument("--strategy", default="kahan", choices=MASTER_CHOICES,
                    help="the optimizer's master= strategy for the BF16 weights (default: kahan)")
+    p.add_argument("--state-dtype", default="auto", choices=list(STATE_DTYPES),
+                   help="AdamW's moments: auto (the strategy's), bf16, or 8bit codes with a "
+                        "scale per block of 256 (default: auto)")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="compiled optimizer step (torch.compile), or --no-fused for the eager one "
                         "(default: lowprec's, compiled where a compiler is found)")
@@ -109,18 +119,20 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    def optimizer(strategy: str) -> lowprec.optim.AdamW:
+    def optimizer(strategy: str, state_dtype: str) -> lowprec.optim.AdamW:
         return lowprec.optim.AdamW(model.parameters(), lr=args.lr, master=strategy,
-                                   fused=args.fused)
+                                   state_dtype=STATE_DTYPES[state_dtype], fused=args.fused)
 
-    opt, start = optimizer(args.strategy), 0
+    mine = {"strategy": args.strategy, "state_dtype": args.state_dtype}
+    opt, start = optimizer(**mine), 0
     if args.resume is not None:
         # DCP loads into tensors shaped as this optimizer's state: under the strategy the
         # checkpoint was saved with. Under another, the state is loaded as saved, then handed
         # to this run's optimizer, whose load_state_dict converts each rank's shards (the FP32
-        # master rebuilt, then kept the new way: exact into fp32 and split).
-        saved = saved_strategy(args.resume) or args.strategy
-        loader = opt if saved == args.strategy else optimizer(saved)
+        # master rebuilt, then kept the new way: exact into fp32 and split; the moments cast,
+        # encoded to 8-bit codes or decoded).
+        saved = {**mine, **saved_options(args.resume)}
+        loader = opt if saved == mine else optimizer(**saved)
         model_sd, opt_sd = get_state_dict(model, loader)
         state = {"model": model_sd, "optim": opt_sd, "step": torch.zeros((), dtype=torch.int64)}
         dcp.load(state, checkpoint_id=str(args.resume))
@@ -131,7 +143,10 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
             opt.load_state_dict(loader.state_dict())
             del loader
             if rank == 0:
-                print(f"resumed a master {saved} checkpoint as master {args.strategy}", flush=True)
+                print(f"resumed a master {saved['strategy']} checkpoint as master "
+                      f"{args.strategy}" + (f" (moments {saved['state_dtype']} as "
+                                            f"{args.state_dtype})" if saved["state_dtype"]
+                                            != args.state_dtype else ""), flush=True)
 
     t0, loss = time.perf_counter(), torch.zeros(())
     for step in range(start, args.steps):
@@ -150,11 +165,12 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
     if args.checkpoint is not None:
         model_sd, opt_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(args.steps),
-                 "strategy": args.strategy}
+                 "strategy": args.strategy, "state_dtype": args.state_dtype}
         dcp.save(state, checkpoint_id=str(args.checkpoint))  # every rank writes its shards
     if rank == 0:
         print(f"done: {world} ranks, {args.steps - start} steps in "
-              f"{time.perf_counter() - t0:.1f} s, master {args.strategy}, eval loss {eval_loss:.8g}")
+              f"{time.perf_counter() - t0:.1f} s, master {args.strategy}, moments "
+              f"{args.state_dtype}, eval loss {eval_loss:.8g}")
         if args.checkpoint is not None:
             print(f"checkpoint: {args.checkpoint}")
     return eval_loss

@@ -201,9 +201,13 @@ def worker_sharded(rank: int, world: int, out: Path, configs: dict[str, dict[str
     _exit_now()
 
 
-def _mlp() -> nn.Module:
+def _mlp(wide: bool = False) -> nn.Module:
+    """A small BF16 MLP. ``wide``: one more layer, whose weight ``"4.weight"`` (64 x 256) is the
+    only one with 8-bit state under ``state_dtype="8bit"``, sharded or not: its rows are whole
+    blocks (``lowprec.optim.qstate``), and the other weights are under 4096 elements."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+    head = (nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 256)) if wide else (nn.Linear(16, 64),)
+    return nn.Sequential(*head, nn.ReLU(), nn.Linear(256 if wide else 64, 64), nn.ReLU(),
                          nn.Linear(64, 4)).to(torch.bfloat16)
 
 
@@ -216,8 +220,9 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
     from torch.distributed.fsdp import fully_shard
 
     out = {}
-    for name, kw in runs.items():
-        model, replica = _mlp(), _mlp()
+    for name, run in runs.items():
+        kw = {k: v for k, v in run.items() if k != "wide"}
+        model, replica = _mlp(run.get("wide", False)), _mlp(run.get("wide", False))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
@@ -240,6 +245,8 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
         out[name] = {
             "sharded": {n: p.full_tensor() for n, p in model.named_parameters()},
             "unsharded": {n: p.detach().clone() for n, p in replica.named_parameters()},
+            "state_dtypes": {n: opt.state[p]["exp_avg"].dtype
+                             for n, p in model.named_parameters()},
         }
     return out
 
@@ -259,7 +266,7 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
     from torch.distributed.fsdp import fully_shard
 
     def build(kw: dict[str, Any]) -> tuple[nn.Module, Any]:
-        model = _mlp()
+        model = _mlp(wide)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
@@ -279,7 +286,8 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
 
     results = {}
     for name, run in runs.items():
-        kw = {k: v for k, v in run.items() if k != "resume_as"}
+        kw = {k: v for k, v in run.items() if k not in ("resume_as", "wide")}
+        wide = run.get("wide", False)
         model, opt = build(kw)
         train(model, opt, range(4))
         straight = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -308,6 +316,9 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
         results[name] = {"straight": straight, "resumed": resumed,
                          "straight_masters": straight_masters, "resumed_masters": masters(opt),
                          "resumed_state": {n: opt.state[p]["master"]
-                                           for n, p in model.named_parameters()}, **conversion}
+                                           for n, p in model.named_parameters()},
+                         "resumed_dtypes": {n: opt.state[p]["exp_avg"].dtype
+                                            for n, p in model.named_parameters()},
+                         **conversion}
     torch.save(results, out / f"rank{rank}.pt")
     _exit_now()

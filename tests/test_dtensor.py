@@ -69,6 +69,17 @@ CONFIGS = {
     "lamb-stochastic-fused": {"cls": "Lamb", "dtype": B, "kw": {"lr": 1e-2, "seed": 2,
                                                                 "master": "stochastic",
                                                                 "fused": True}},
+    # 8-bit state: "big"'s shards are whole rows of whole blocks, so they keep 8-bit codes with
+    # the unsharded run's bits and scales sharded as the rows; the small ones FP32 state.
+    "adamw-kahan-8bit-fused": {"cls": "AdamW", "dtype": B,
+                               "kw": {"lr": 1e-2, "master": "kahan", "state_dtype": "8bit",
+                                      "fused": True}},
+    "lamb-stochastic-8bit-fused": {"cls": "Lamb", "dtype": B,
+                                   "kw": {"lr": 1e-2, "seed": 2, "master": "stochastic",
+                                          "state_dtype": "8bit", "fused": True}},
+    "sgd-split-8bit-resume": {"cls": "SGD", "dtype": B, "resume": True,
+                              "kw": {**SGD, "master": "split", "state_dtype": "8bit",
+                                     "fused": False}},
     # A checkpoint of the full tensors is refused for sharded parameters, nothing loaded.
     "sgd-kahan-load-plain": {"cls": "SGD", "dtype": B, "load_plain": True,
                              "kw": {**SGD, "master": "kahan"}},
@@ -156,7 +167,10 @@ def check_sharded(cfg, ranks, name):
             assert set(got["state"][n]) == set(want), (rank, n)
             for k, v in want.items():
                 if isinstance(v, torch.Tensor):
-                    assert torch.equal(got["state"][n][k], v), (rank, n, k)
+                    # (an 8-bit buffer's scales: flat here, a row per row of the DTensor there)
+                    g = got["state"][n][k]
+                    assert torch.equal(g.view(v.shape) if k.endswith("_scale") else g, v), (
+                        rank, n, k)
                     if k != "step":  # (parameter-shaped state: a DTensor placed as the parameter)
                         assert got["placements"][n][k] == got["param_placements"][n], (n, k)
                 else:
@@ -186,6 +200,8 @@ def test_what_a_shard_cannot_do_is_refused_and_changes_nothing(sharded, name):
 
 FSDP2_RUNS = {f"{m}-{'fused' if f else 'eager'}": {"master": m, "fused": f}
               for m in ("split", "stochastic", "kahan") for f in (False, True)}
+FSDP2_RUNS["kahan-8bit-fused"] = {"master": "kahan", "fused": True, "state_dtype": "8bit",
+                                  "wide": True}
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +225,11 @@ def test_fsdp2_training(fsdp2, master):
 
 
 DCP_RUNS = {"split": {"master": "split"}, "stochastic": {"master": "stochastic"},
+            "kahan-8bit-fused": {"master": "kahan", "fused": True, "state_dtype": "8bit",
+                                 "wide": True},
+            # BF16 moments saved, resumed as 8-bit codes (each rank encodes its shards).
+            "bf16-as-8bit": {"master": "kahan", "state_dtype": torch.bfloat16, "wide": True,
+                             "resume_as": {"state_dtype": "8bit"}},
             "fp32": {"master": "fp32"},
             "kahan-fused": {"master": "kahan", "fused": True},
             "stochastic-fused": {"master": "stochastic", "fused": True},
@@ -233,6 +254,34 @@ def test_fsdp2_distributed_checkpoint_resumes_bit_for_bit(dcp_runs, name):
         straight, resumed = results[name]["straight"], results[name]["resumed"]
         for n, w in straight.items():
             assert torch.equal(resumed[n], w), (rank, n)
+
+
+def test_fsdp2_training_with_8bit_state(fsdp2):
+    """FSDP2 with 8-bit state: the weight whose rows are whole blocks keeps its shards as 8-bit
+    codes, and the sharded steps give the unsharded model's bits (the small weights: FP32 state
+    alike)."""
+    start = dict(shard._mlp(wide=True).named_parameters())
+    for rank, results in enumerate(fsdp2):
+        got = results["kahan-8bit-fused"]
+        assert {n for n, d in got["state_dtypes"].items() if d == torch.uint8} == {"4.weight"}
+        for n, w in got["unsharded"].items():
+            assert torch.equal(got["sharded"][n], w), (rank, n)
+            assert not torch.equal(w, start[n].detach()), (rank, n)
+
+
+def test_a_dcp_checkpoint_of_bf16_moments_resumes_as_8bit_state(dcp_runs):
+    """A DCP checkpoint of BF16 moments handed to an 8-bit optimizer: each rank encodes its
+    shards, and the resumed run steps with 8-bit codes, near the straight BF16 run."""
+    for rank, results in enumerate(dcp_runs):
+        run = results["bf16-as-8bit"]
+        assert run["resumed_dtypes"]["4.weight"] == torch.uint8, rank
+        assert run["resumed_dtypes"]["0.weight"] == torch.float32, rank
+        for n, w in run["straight_masters"].items():
+            # (the 2 steps after the switch: the 8-bit run moves as the BF16 one, within a
+            # tenth of how far both moved)
+            moved = (w - run["loaded"][n]).norm()
+            off = (run["resumed_masters"][n] - w).norm()
+            assert 0 < off < 0.1 * moved, (rank, n, float(off), float(moved))
 
 
 def test_a_dcp_checkpoint_resumes_under_another_master_strategy(dcp_runs):
@@ -278,7 +327,7 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
         converted = "resumed a master split checkpoint as master kahan" in done.stdout
-        return (*re.search(r"done: 2 ranks, (\d+) steps .* master (\S+), eval loss (\S+)",
+        return (*re.search(r"done: 2 ranks, (\d+) steps .* master (\S+), moments \S+, eval loss (\S+)",
                            done.stdout).groups(), converted)
 
     ckpt = tmp_path / "ckpt"

@@ -311,29 +311,41 @@ def test_update_monitor_reports_what_8bit_state_costs():
     assert by["0.bias"].state_relative_error is None  # (64 elements: FP32 state)
 
 
-def test_dtensor_parameters_are_refused_clearly(tmp_path):
-    # FSDP2's DTensor parameters: not supported with 8-bit state yet, said at construction (a
-    # one-rank gloo group in a subprocess, to leave this process's default group alone).
+def test_which_dtensor_parameters_get_8bit_state(tmp_path):
+    # FSDP2's DTensor parameters: 8-bit state where every shard is whole rows of whole blocks
+    # (sharded along the first dimension, rows a multiple of 256), FP32 state otherwise, even
+    # where a plain parameter of that size gets 8-bit state; the scales a DTensor placed as the
+    # parameter, a row per row (a one-rank gloo group in a subprocess, to leave this process's
+    # default group alone; tests/test_dtensor.py steps sharded 8-bit state on 2 and 3 ranks).
     import subprocess
     import sys
 
     code = f"""
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import distribute_tensor, Shard
+from torch.distributed.tensor import DTensor, distribute_tensor, Shard
 import lowprec
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
-p = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 128).bfloat16(), mesh, [Shard(0)]))
-try:
-    lowprec.AdamW([p], lr=1e-3, state_dtype="8bit")
-except ValueError as e:
-    print("refused:", e)
-lowprec.AdamW([p], lr=1e-3, state_dtype=torch.bfloat16)
-print("bf16 state: fine")
+shapes = {{"rows": ((64, 256), 0), "dim1": ((64, 256), 1), "short": ((64, 128), 0)}}
+ps = {{n: torch.nn.Parameter(distribute_tensor(torch.randn(s).bfloat16(), mesh, [Shard(d)]))
+      for n, (s, d) in shapes.items()}}
+ps["plain"] = torch.nn.Parameter(torch.randn(64, 128).bfloat16())
+opt = lowprec.AdamW(list(ps.values()), lr=1e-3, state_dtype="8bit")
+for p in ps.values():
+    p.grad = torch.ones_like(p)
+opt.step()
+for n, p in ps.items():
+    st = opt.state[p]
+    sc = st.get("exp_avg_scale")
+    where = tuple(sc.placements) if isinstance(sc, DTensor) else None
+    print(n, st["exp_avg"].dtype, None if sc is None else tuple(sc.shape), where)
 dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
-    assert "not supported for DTensor (FSDP2) parameters" in proc.stdout, proc.stderr
-    assert "bf16 state: fine" in proc.stdout, proc.stderr
+    lines = set(proc.stdout.splitlines())
+    assert "rows torch.uint8 (64, 1) (Shard(dim=0),)" in lines, (proc.stdout, proc.stderr)
+    assert "dim1 torch.float32 None None" in lines, (proc.stdout, proc.stderr)
+    assert "short torch.float32 None None" in lines, (proc.stdout, proc.stderr)
+    assert "plain torch.uint8 (32,) None" in lines, (proc.stdout, proc.stderr)

@@ -67,7 +67,14 @@ from lowprec.optim.options import (
     _step_tensor,
 )
 from lowprec.optim.replay import _Replay
-from lowprec.optim.shards import init_state_local, is_dtensor, local, local_shards, wrap_like
+from lowprec.optim.shards import (
+    init_state_local,
+    is_dtensor,
+    local,
+    local_shards,
+    mark_blocks,
+    wrap_like,
+)
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -196,6 +203,9 @@ class LowPrecisionOptimizer(
             raise
         if any(is_dtensor(p) for p in params):
             self._has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
+            for p in params:
+                if is_dtensor(p):
+                    mark_blocks(p)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
         """Validate a group's options and parameters; returns each parameter's storage strategy
@@ -242,11 +252,6 @@ class LowPrecisionOptimizer(
             raise ValueError(
                 f"{where}: state_dtype must be None, '8bit' or one of torch.float32, "
                 f"torch.bfloat16, torch.float16, torch.float64; got {sd!r}."
-            )
-        if sd == qstate.EIGHT_BIT and any(is_dtensor(p) for p in group["params"]):
-            raise ValueError(
-                f"{where}: state_dtype='8bit' is not supported for DTensor (FSDP2) parameters "
-                "yet; use state_dtype=torch.bfloat16 for lean moments there."
             )
         if group["fused"] not in (None, True, False):
             raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
@@ -397,7 +402,7 @@ class LowPrecisionOptimizer(
             t = state.get(name)
             if name in missing or scale_of.get(name) in missing:
                 continue
-            shape = (p.numel() // qstate.BLOCK,) if name in scale_of else p.shape
+            shape = qstate.scale_shape(p) if name in scale_of else p.shape
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = (
                     f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)

@@ -23,7 +23,14 @@ from lowprec.optim import qstate
 from lowprec.optim.batches import _by_size
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.plan import _flat_state
-from lowprec.optim.shards import check_loaded_state, is_dtensor, local, wrap_like
+from lowprec.optim.shards import (
+    check_loaded_state,
+    is_dtensor,
+    local,
+    mark_blocks,
+    wrap_like,
+    wrap_state,
+)
 from lowprec.optim.storage import STORAGES, convert
 
 # The options that say how the state is stored rather than how the rule steps: an optimizer
@@ -102,6 +109,7 @@ class _Checkpoints:
                 storage = self._storage(merged, p)
                 where = f"parameter {sid!r}"
                 if is_dtensor(p):
+                    mark_blocks(p)
                     check_loaded_state(moved, p, where)
                 if "master" not in moved:  # torch.optim's state: see _adopt_state
                     moved = self._adopt_state(moved, merged, p, storage, where)
@@ -165,22 +173,29 @@ class _Checkpoints:
         8-bit codes, or encoded to them (``qstate``). A buffer not shaped as ``p`` is left for
         ``_check_state`` to refuse."""
         dtype = self._state_dtype(group, p, storage)
+        # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
+        lp = local(p) if is_dtensor(p) else p
+
+        def keep(name: str, value: torch.Tensor) -> Any:
+            return wrap_state(name, value, lp, p) if is_dtensor(p) else value
+
         for name in self._math_buffers(group):
             key = qstate.scale_key(name)
             t, scale = st.get(name), st.get(key)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 continue
             signed = name not in self._nonnegative_buffers
-            if is_dtensor(t):  # (no 8-bit state for DTensor parameters: a cast at most)
-                if t.is_floating_point() and dtype.is_floating_point and t.dtype != dtype:
-                    st[name] = t.to(dtype)
-            elif t.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
-                if scale.numel() * qstate.BLOCK == t.numel():
-                    st[name] = qstate.from_codes(t, scale, signed).to(dtype)
+            lt = local(t) if is_dtensor(t) else t
+            if lt.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
+                ls = local(scale) if is_dtensor(scale) else scale
+                if ls.numel() * qstate.BLOCK == lt.numel():
+                    st[name] = keep(name, qstate.from_codes(lt, ls, signed).to(dtype))
                     del st[key]
-            elif dtype == torch.uint8 and t.is_floating_point():
-                st[name], st[key] = qstate.to_codes(t, signed)
-            elif t.is_floating_point() and t.dtype != dtype:
+            elif dtype == torch.uint8 and lt.is_floating_point():
+                codes, scales = qstate.to_codes(lt, signed)
+                st[name] = keep(name, codes)
+                st[key] = keep(key, scales.view(qstate.scale_shape(lp)))
+            elif lt.is_floating_point() and lt.dtype != dtype:
                 st[name] = t.to(dtype)
 
     def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:

@@ -37,12 +37,14 @@ are correctly rounded in both: ``numerics.sqrt_rn``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lowprec.numerics import sqrt_rn
 
 __all__ = ["BLOCK", "EIGHT_BIT", "MIN_NUMEL", "decode", "encode", "from_codes", "qualifies",
-           "scale_key", "to_codes"]
+           "scale_key", "scale_shape", "to_codes"]
 
 #: The ``state_dtype`` value that asks for 8-bit state.
 EIGHT_BIT = "8bit"
@@ -52,6 +54,10 @@ BLOCK = 256
 MIN_NUMEL = 4096
 #: The largest root-scale code of a signed buffer (about 0, +-127) and of a non-negative one.
 _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
+#: The attribute in which ``lowprec.optim.shards`` notes, on a DTensor parameter and on its local
+#: tensor, whether the parameter gets 8-bit state: decided from the whole parameter, so that
+#: every rank keeps its shard's state alike (``shards.mark_blocks``).
+SHARDED = "_lowprec_8bit"
 
 
 def scale_key(name: str) -> str:
@@ -61,9 +67,22 @@ def scale_key(name: str) -> str:
 
 def qualifies(p: torch.Tensor) -> bool:
     """Whether parameter ``p`` gets 8-bit state under ``state_dtype="8bit"`` (a contiguous one:
-    its blocks are runs of its flat view)."""
+    its blocks are runs of its flat view; for a DTensor parameter and its shard, what
+    ``shards.mark_blocks`` decided for the whole parameter)."""
+    decided = getattr(p, SHARDED, None)
+    if decided is not None:
+        return decided
     n = p.numel()
     return n >= MIN_NUMEL and n % BLOCK == 0 and p.is_contiguous()
+
+
+def scale_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the scales of ``p``'s 8-bit buffers: one per block of ``p`` flattened, and
+    for a DTensor parameter (and its shard) a row of them per row of ``p`` (its rows are whole
+    blocks), so that the scales shard along the first dimension as ``p`` does."""
+    if getattr(p, SHARDED, None):
+        return (p.shape[0], math.prod(p.shape[1:]) // BLOCK)
+    return (p.numel() // BLOCK,)
 
 
 def encode(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,5 +126,7 @@ def from_codes(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
 
 
 def new_state(value: float, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales (``to_codes``) of a buffer of ``p``'s shape filled with ``value``."""
-    return to_codes(torch.full(p.shape, float(value), device=p.device), signed)
+    """Codes and scales (``to_codes``, the scales shaped by ``scale_shape``) of a buffer of
+    ``p``'s shape filled with ``value``."""
+    codes, scale = to_codes(torch.full(p.shape, float(value), device=p.device), signed)
+    return codes, scale.view(scale_shape(p))

@@ -18,6 +18,14 @@ shard that is not one block of the parameter's flattened elements (e.g. sharded 
 other than the first), since its random bits are keyed by the element's index in the whole
 parameter, so that a sharded run rounds as an unsharded one; and stochastic rounding with seeds
 that differ between the ranks of a mesh (``_check_seeds``).
+
+8-bit state (``state_dtype="8bit"``, ``lowprec.optim.qstate``) is decided from the whole
+parameter (``mark_blocks``): a parameter sharded along its first dimension only, whose rows are
+whole blocks, keeps each rank's shard as 8-bit codes with one scale per block, so that a shard's
+blocks are the whole parameter's and a sharded step gives an unsharded one's bits. The scales
+are kept as a DTensor of one row per row of the parameter, placed as the parameter, so that
+distributed checkpointing reshards them with the codes. Other DTensor parameters keep FP32
+state, as small ones do.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from lowprec.optim import qstate
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.base import LowPrecisionOptimizer
@@ -68,6 +78,33 @@ def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
 
 
+def wrap_state(name: str, value: Any, lp: torch.Tensor, p: Any) -> Any:
+    """State entry ``name`` of shard ``lp`` as ``p``'s state keeps it: a per-element buffer, or
+    the scales of an 8-bit one (a row per row of the shard: ``qstate.scale_shape``), as a
+    DTensor placed as ``p``; anything else as it is."""
+    if _param_shaped(name, value, lp):
+        return wrap_like(value, p)
+    if (isinstance(value, torch.Tensor) and name != "step" and qstate.qualifies(lp)
+            and value.shape == qstate.scale_shape(lp)):
+        shape = qstate.scale_shape(p)
+        with torch.no_grad():
+            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                      shape=shape, stride=(shape[1], 1))
+    return value
+
+
+def mark_blocks(p: Any) -> None:
+    """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
+    (``qstate.qualifies`` reads it): when every shard is whole rows of ``p`` (``_block_sharded``),
+    its rows are whole blocks, and ``p`` is as large as ``qstate.MIN_NUMEL``. Decided from the
+    parameter's shape and placements, so every rank decides alike (an empty shard too)."""
+    lp = local(p)
+    ok = (_block_sharded(p) and p.dim() >= 1 and p.numel() >= qstate.MIN_NUMEL
+          and math.prod(p.shape[1:]) % qstate.BLOCK == 0 and lp.is_contiguous())
+    setattr(p, qstate.SHARDED, ok)
+    setattr(lp, qstate.SHARDED, ok)
+
+
 def _block_sharded(p: Any) -> bool:
     """Whether every rank's shard of ``p`` is one block of consecutive elements of ``p``
     flattened: each placement replicates or shards the first dimension (decided from the
@@ -96,6 +133,7 @@ class _Shard:
 
     def __init__(self, p: Any, lp: torch.Tensor) -> None:
         self.p, self.local, self.lstate = p, lp, {}
+        mark_blocks(p)
         self.placements = tuple(p.placements)
         self.offset = flat_offset(p) if _block_sharded(p) else None
         mesh = p.device_mesh
@@ -252,13 +290,12 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                 continue
             dstate = saved_state[p]
             for k, v in list(lstate.items()):
-                if _param_shaped(k, v, lp):
-                    d = dstate.get(k)
-                    if not (is_dtensor(d) and local(d) is v):
-                        d = dstate[k] = wrap_like(v, p)
-                        lstate[k] = local(d)
-                else:
-                    dstate[k] = v
+                d = dstate.get(k)
+                if is_dtensor(d) and local(d) is v:
+                    continue
+                d = dstate[k] = wrap_state(k, v, lp, p)
+                if is_dtensor(d):
+                    lstate[k] = local(d)
 
 
 def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[Any]:
@@ -295,8 +332,7 @@ def check_loaded_state(state: dict[str, Any], p: Any, where: str) -> None:
 
 def init_state_local(opt: LowPrecisionOptimizer, group: dict[str, Any], p: Any, storage: Any):
     """``opt._init_state`` for DTensor ``p``: computed on its shard, kept as DTensors."""
+    mark_blocks(p)
     lp = local(p)
     st = opt._init_state(group, lp, storage)
-    return {
-        k: wrap_like(v, p) if _param_shaped(k, v, lp) else v for k, v in st.items()
-    }
+    return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
