@@ -100,7 +100,7 @@ class _Runs:
             elif how == "cls":
                 trainer = Trainer(
                     model=gpt2(dtype=torch.bfloat16), args=_args(out), train_dataset=TRAIN,
-                    optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, "master": master}),
+                    optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, **kw}),
                 )
             else:  # how == "tuple": the caller's optimizer and scheduler
                 model = gpt2(dtype=torch.bfloat16)
@@ -172,9 +172,14 @@ def test_trainer_with_optimizers_tuple_uses_the_callers_optimizer_and_scheduler(
 
 @pytest.mark.parametrize(
     ("master", "how"),
-    [("kahan", "cls"), ("split", "cls"), ("stochastic", "cls"), ("stochastic", "tuple")],
+    [("kahan", "cls"), ("split", "cls"), ("stochastic", "cls"), ("stochastic", "tuple"),
+     ("split-8bit", "cls")],
 )
 def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how):
+    # ("split-8bit": 8-bit moments, codes and scales in Trainer's optimizer.pt)
+    kw = {"master": master.removesuffix("-8bit")}
+    if master.endswith("-8bit"):
+        kw["state_dtype"] = "8bit"
     steps, half = 8, 4
     options = dict(
         max_steps=steps, save_strategy="steps", save_steps=half, lr_scheduler_type="cosine",
@@ -187,11 +192,11 @@ def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how):
         if how == "cls":
             return Trainer(
                 model=model, args=args, train_dataset=TRAIN,
-                optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, "master": master}),
+                optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, **kw}),
             )
         # A seed of its own (its default, torch.initial_seed(), is 0 here): the checkpoint's
         # must win.
-        opt = lowprec.AdamW(model.parameters(), lr=LR, master=master, seed=100 + seed)
+        opt = lowprec.AdamW(model.parameters(), lr=LR, seed=100 + seed, **kw)
         sched = get_cosine_schedule_with_warmup(opt, 2, steps)
         return Trainer(model=model, args=args, train_dataset=TRAIN, optimizers=(opt, sched))
 
@@ -212,6 +217,8 @@ def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how):
         masters(resumed.model, resumed_opt), masters(whole.model, whole_opt), "master weight"
     )
     assert_bit_equal(state_tensors(resumed_opt), state_tensors(whole_opt), "optimizer state")
+    if "state_dtype" in kw:  # (the large weights' moments are codes: nothing fell back to FP32)
+        assert any(t.dtype == torch.uint8 for t in state_tensors(whole_opt).values())
     assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
     seeds = [g["seed"] for g in whole_opt.param_groups]
     assert [g["seed"] for g in resumed_opt.param_groups] == seeds
