@@ -11,6 +11,8 @@ of ``BLOCK``, as
 so a moment costs 1 + 4 / ``BLOCK`` bytes per element instead of 2 (BF16) or 4 (FP32). Smaller
 parameters (biases, norms) and those of another size keep FP32 state, as bitsandbytes' and
 torchao's 8-bit optimizers do: they are a small part of a model's bytes and the most sensitive.
+A DTensor parameter (FSDP2) qualifies when its shards are whole rows of whole blocks, and then
+keeps its scales a row per row of the parameter (``scale_shape``; ``lowprec.optim.shards``).
 
 A code is an integer on a power-law scale of the block's largest magnitude ``s`` (the scale
 kept per block), so that small values keep codes of their own while the large ones, which move
