@@ -90,6 +90,18 @@ PEAK_TARGET = 1.05
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+#: Where the parameters live (``--device``): the CPU, or a GPU whose steps run asynchronously,
+#: so every clock reading first waits for its queued work.
+DEVICE = torch.device("cpu")
+
+
+def _now() -> float:
+    """``time.perf_counter()`` once the device's queued work is done."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
+
+
 # ------------------------------------------------------------------------------------- rows
 
 
@@ -123,8 +135,8 @@ def _under_scaler(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
     gradients' values from step to step (the cost does not depend on the scale)."""
     def made(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = make(params)
-        opt.grad_scale = torch.ones(())
-        opt.found_inf = torch.zeros(())
+        opt.grad_scale = torch.ones((), device=DEVICE)
+        opt.found_inf = torch.zeros((), device=DEVICE)
         return opt
     return made
 
@@ -492,8 +504,8 @@ class BaseTensors:
     def params(self, dtype: torch.dtype) -> list[torch.Tensor]:
         ps = []
         for v, g in zip(self.values, self.grads, strict=True):
-            p = v.to(dtype, copy=True).requires_grad_()
-            p.grad = g.to(dtype, copy=True)
+            p = v.to(DEVICE, dtype, copy=True).requires_grad_()
+            p.grad = g.to(DEVICE, dtype, copy=True)
             ps.append(p)
         return ps
 
@@ -596,9 +608,9 @@ class Window:
 @contextlib.contextmanager
 def _window(times: list[float] | None = None) -> Iterator[Window]:
     w = Window(times if times is not None else [], [])
-    busy0, cpu0, wall0 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+    busy0, cpu0, wall0 = _cpu_busy_s(), time.process_time(), _now()
     yield w
-    busy1, cpu1, wall1 = _cpu_busy_s(), time.process_time(), time.perf_counter()
+    busy1, cpu1, wall1 = _cpu_busy_s(), time.process_time(), _now()
     w.wall, w.cpu = wall1 - wall0, cpu1 - cpu0
     w.busy = None if busy0 is None or busy1 is None else busy1 - busy0
 
@@ -735,14 +747,14 @@ class PeakRSS:
 
 def axpy_bandwidth(n: int, reps: int) -> Window:
     """Times of ``a.add_(b, alpha=s)`` (reads a and b, writes a: 12 bytes per element)."""
-    a = torch.randn(n)
-    b = torch.randn(n)
+    a = torch.randn(n, device=DEVICE)
+    b = torch.randn(n, device=DEVICE)
     a.add_(b, alpha=1e-3)
     with _window() as w:  # long enough for bg: 10 reps of >= 16M elements
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = _now()
             a.add_(b, alpha=1e-3)
-            w.times.append(time.perf_counter() - t0)
+            w.times.append(_now() - t0)
     del a, b
     gc.collect()
     return w
@@ -766,9 +778,9 @@ class Companions:
         return None
 
     def axpy(self) -> float:
-        t0 = time.perf_counter()
+        t0 = _now()
         self.a.add_(self.b, alpha=1e-3)
-        return time.perf_counter() - t0
+        return _now() - t0
 
 
 @dataclass
@@ -830,13 +842,13 @@ def run_row(row: Row, base: BaseTensors, args: argparse.Namespace, result: Resul
     The row's first pass also measures the peak RSS of one more (untimed) step with ``peak_rss``.
     With ``companions`` (--paired) each timed step is followed by the reference's and an axpy.
     """
-    t0 = time.perf_counter()
+    t0 = _now()
     _run_pass(row, base, args, result, peak_rss, companions)
-    result.pass_seconds.append(time.perf_counter() - t0)
+    result.pass_seconds.append(_now() - t0)
 
 
 def _snapshot() -> tuple[float | None, float, float]:
-    return _cpu_busy_s(), time.process_time(), time.perf_counter()
+    return _cpu_busy_s(), time.process_time(), _now()
 
 
 def _paired_reference(row: Row, base: BaseTensors, companions: Companions | None,
@@ -847,7 +859,7 @@ def _paired_reference(row: Row, base: BaseTensors, companions: Companions | None
         return None, 0.0
     ref = companions.reference_for(row)
     opt = None
-    t0 = time.perf_counter()
+    t0 = _now()
     if ref is not None and ref.name == row.name:
         result.paired_ref = row.name  # its own reference: x fused is 1 by definition
     elif ref is not None:
@@ -859,7 +871,7 @@ def _paired_reference(row: Row, base: BaseTensors, companions: Companions | None
         except Exception:  # the reference's own pass reports its error
             opt = None
     companions.axpy()
-    return opt, time.perf_counter() - t0
+    return opt, _now() - t0
 
 
 def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Result,
@@ -879,9 +891,9 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
                 # second step too (the redone step's shared calls), so it warms up with both.
                 if i > (1 if row.compiled else 0) and spent > budget / 2:
                     break
-                t0 = time.perf_counter()
+                t0 = _now()
                 opt.step()
-                result.warmup_times.append(time.perf_counter() - t0)
+                result.warmup_times.append(_now() - t0)
                 spent += result.warmup_times[-1]
                 if i == 0:
                     # bg of a short timed window is taken from here on instead: after the first
@@ -903,16 +915,16 @@ def _run_pass(row: Row, base: BaseTensors, args: argparse.Namespace, result: Res
             steps = max(min_steps, min(steps, int(budget / est)))
         with _window() as win:
             for _ in range(steps):
-                c0, t0 = time.process_time(), time.perf_counter()
+                c0, t0 = time.process_time(), _now()
                 opt.step()
-                t1, c1 = time.perf_counter(), time.process_time()
+                t1, c1 = _now(), time.process_time()
                 win.times.append(t1 - t0)
                 win.cpu_times.append(c1 - c0)
                 if companions is not None:
                     if ref_opt is not None:
-                        t0 = time.perf_counter()
+                        t0 = _now()
                         ref_opt.step()
-                        win.ref_times.append(time.perf_counter() - t0)
+                        win.ref_times.append(_now() - t0)
                     win.axpy_times.append(companions.axpy())
         if win.wall < MIN_BG_WINDOW_S:
             busy0, cpu0, wall0 = steady
@@ -1012,6 +1024,7 @@ def header(args: argparse.Namespace, d: int, blocks: int, numel: int, n_tensors:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_capability": _cpu_capability(),
+        "device": (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"),
         "threads": torch.get_num_threads(),
         "params": numel,
         "tensors": n_tensors,
@@ -1175,9 +1188,9 @@ def ab_ratios(num: Row, den: Row, base: BaseTensors, args: argparse.Namespace,
                 times = {}
                 for name, opt in ((("a", a), ("b", b)) if turn % 2 == 0
                                   else (("b", b), ("a", a))):
-                    t0 = time.perf_counter()
+                    t0 = _now()
                     opt.step()
-                    times[name] = time.perf_counter() - t0
+                    times[name] = _now() - t0
                     if companions is not None:
                         companions.axpy()
                 ratios.append(times["a"] / times["b"])
@@ -1237,6 +1250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--params-millions", type=float, default=25.0,
                    help="parameter count to aim for; sets the number of blocks (default: 25)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
+    p.add_argument("--device", default="cpu",
+                   help="where the parameters, gradients and state live: cpu, or cuda[:N] "
+                        "(default: cpu; the peak-RSS column then measures host memory only)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per row (default: 15)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first; they create the state (default: 3)")
@@ -1296,6 +1312,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        print(f"--device {args.device}: this torch sees no CUDA device; run on a GPU machine or "
+              "leave --device out for the CPU", file=sys.stderr)
+        return 2
     variants = [v for v in args.lowprec_variants.split(",") if v]
     rows = peer_rows() + lowprec_rows(variants)
     if args.rows:
@@ -1314,7 +1336,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no row matches --rows", file=sys.stderr)
         return 2
 
-    t_start = time.perf_counter()
+    t_start = _now()
     load_start = _loadavg()
     d, blocks, shapes = layout(args.params_millions)
     base = BaseTensors.make(shapes)
@@ -1325,6 +1347,7 @@ def main(argv: list[str] | None = None) -> int:
           f"torchao {info['torchao']}, timm {info['timm']}")
     print(f"cpu: {info['cpu']} ({info['cpu_capability']}), {info['cpu_count']} logical cpus, "
           f"torch threads {info['threads']}; load average at start {load_start}")
+    print(f"device: {info['device']}")
     print(f"params: {numel / 1e6:.2f}M in {len(shapes)} tensors ({blocks} blocks, d_model {d}); "
           f"{args.warmup} warmup + up to {args.steps} timed steps per row"
           f" (fewer past {args.row_seconds:g} s), {args.rounds} round(s)")
@@ -1348,20 +1371,20 @@ def main(argv: list[str] | None = None) -> int:
                               bg_max=args.bg_max) for r in rows}
     companions = None
     if args.paired:
-        companions = Companions({r.name: r for r in rows}, results, torch.randn(n_axpy),
-                                torch.randn(n_axpy))
+        companions = Companions({r.name: r for r in rows}, results, torch.randn(n_axpy, device=DEVICE),
+                                torch.randn(n_axpy, device=DEVICE))
 
     def one_pass(label: str, todo: list[Row], deadline: float = math.inf) -> None:
         for r in todo:
             res = results[r.name]
-            t0 = time.perf_counter()
+            t0 = _now()
             if res.pass_seconds and t0 + res.pass_seconds[-1] > deadline:
                 continue  # would overrun the retry budget
             run_row(r, base, args, res, peak_rss, companions)
             if res.status == "ok":
                 w = res.windows[-1]
                 print(f"  {label}{r.name}: {statistics.median(w.times) * 1e3:.1f} ms median of "
-                      f"{len(w.times)}, bg {_fmt(w.bg, '.1f')} ({time.perf_counter() - t0:.1f} s)",
+                      f"{len(w.times)}, bg {_fmt(w.bg, '.1f')} ({_now() - t0:.1f} s)",
                       file=sys.stderr, flush=True)
             else:
                 print(f"  {label}{r.name}: {res.status}: {res.note}", file=sys.stderr, flush=True)
@@ -1370,13 +1393,13 @@ def main(argv: list[str] | None = None) -> int:
         one_pass(f"round {rnd + 1}/{args.rounds} " if args.rounds > 1 else "",
                  [r for r in rows if results[r.name].status == "ok"])
         axpy.append(axpy_bandwidth(n_axpy, reps=10))
-    deadline = time.perf_counter() + args.retry_seconds
+    deadline = _now() + args.retry_seconds
     for rt in range(args.retries):
         todo = [r for r in rows if results[r.name].status == "ok" and results[r.name].contended]
         todo.sort(key=lambda r: results[r.name].pass_seconds[-1])
         if _is_contended(axpy, args.bg_max):
             axpy.append(axpy_bandwidth(n_axpy, reps=10))
-        if not todo or time.perf_counter() >= deadline:
+        if not todo or _now() >= deadline:
             break
         one_pass(f"retry {rt + 1}/{args.retries} (contended) ", todo, deadline)
 
@@ -1396,7 +1419,7 @@ def main(argv: list[str] | None = None) -> int:
     axpy_ref = statistics.median([axpy_bw(w) for w in axpy_used])
     records, lines = build_table(ordered, axpy_ref, 12 * n_axpy)
     comp_records, comp_lines = comparisons(ordered, ab)
-    runtime = time.perf_counter() - t_start
+    runtime = _now() - t_start
     print(f"axpy over the run: {', '.join(f'{axpy_bw(w) / 1e9:.1f}' for w in axpy)} GB/s "
           f"(bg {', '.join(_fmt(w.bg, '.1f') for w in axpy)}); reference for %axpy: "
           f"{axpy_ref / 1e9:.1f} GB/s (median of "

@@ -113,3 +113,16 @@ def test_the_state_format_benchmark_runs_and_its_maps_are_what_it_says(capsys):
     out = capsys.readouterr().out
     for row in ("fp32 (reference)", "8-bit moments: power", "8-bit moments: linear"):
         assert row in out, out
+
+
+def test_the_device_option_refuses_cuda_without_a_gpu(capsys):
+    # (on a GPU machine the same call lists the rows it would time there)
+    try:
+        rc = ob.main(["--device", "cuda", "--list", "--threads", str(torch.get_num_threads())])
+    finally:
+        ob.DEVICE = torch.device("cpu")
+    out = capsys.readouterr()
+    if torch.cuda.is_available():
+        assert rc == 0 and "lowprec-adamw-bf16-kahan-state8bit-default" in out.out
+    else:
+        assert rc == 2 and "sees no CUDA device" in out.err

@@ -100,7 +100,7 @@ class _Runs:
             elif how == "cls":
                 trainer = Trainer(
                     model=gpt2(dtype=torch.bfloat16), args=_args(out), train_dataset=TRAIN,
-                    optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, **kw}),
+                    optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, "master": master}),
                 )
             else:  # how == "tuple": the caller's optimizer and scheduler
                 model = gpt2(dtype=torch.bfloat16)
