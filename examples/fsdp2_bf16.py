@@ -131,7 +131,8 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
         # to this run's optimizer, whose load_state_dict converts each rank's shards (the FP32
         # master rebuilt, then kept the new way: exact into fp32 and split; the moments cast,
         # encoded to 8-bit codes or decoded).
-        saved = {**mine, **saved_options(args.resume)}
+        # (a checkpoint without the entry was saved before --state-dtype existed: "auto")
+        saved = {**mine, "state_dtype": "auto", **saved_options(args.resume)}
         loader = opt if saved == mine else optimizer(**saved)
         model_sd, opt_sd = get_state_dict(model, loader)
         state = {"model": model_sd, "optim": opt_sd, "step": torch.zeros((), dtype=torch.int64)}

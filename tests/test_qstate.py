@@ -237,6 +237,22 @@ def test_moments_convert_between_8bit_and_full_precision_on_load(device):
     assert "exp_avg_sq_scale" not in full.state[p]
 
 
+def test_a_torch_optim_checkpoint_loads_into_8bit_state():
+    # torch.optim.AdamW's FP32 moments adopted by an 8-bit AdamW: encoded, as an 8-bit step
+    # would keep them (they were cast to uint8 before, which truncated them to zero).
+    params = make_params(torch.float32, SHAPES)
+    ref = torch.optim.AdamW(params, lr=1e-2)
+    run(ref, params, grad_sequence(SHAPES, 3))
+    eight = AdamW(params, lr=1e-2, state_dtype="8bit")
+    eight.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for p in (params[0], params[2]):
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            codes, scale = qstate.to_codes(ref.state[p][name], signed)
+            assert torch.equal(eight.state[p][name], codes), name
+            assert torch.equal(eight.state[p][qstate.scale_key(name)], scale), name
+    assert torch.equal(eight.state[params[1]]["exp_avg"], ref.state[params[1]]["exp_avg"])
+
+
 def test_bad_8bit_state_is_refused_before_anything_changes():
     params = make_params(torch.bfloat16, SHAPES)
     opt = AdamW(params, lr=1e-2, state_dtype="8bit")
@@ -314,9 +330,11 @@ def test_update_monitor_reports_what_8bit_state_costs():
 def test_which_dtensor_parameters_get_8bit_state(tmp_path):
     # FSDP2's DTensor parameters: 8-bit state where every shard is whole rows of whole blocks
     # (sharded along the first dimension, rows a multiple of 256), FP32 state otherwise, even
-    # where a plain parameter of that size gets 8-bit state; the scales a DTensor placed as the
-    # parameter, a row per row (a one-rank gloo group in a subprocess, to leave this process's
-    # default group alone; tests/test_dtensor.py steps sharded 8-bit state on 2 and 3 ranks).
+    # where a plain parameter of that size gets 8-bit state (with a warning naming them); the
+    # scales a DTensor placed as the parameter, a row per row, which a plain optimizer loads
+    # as its flat scales; a shard that is not contiguous refused by the step (a one-rank gloo
+    # group in a subprocess, to leave this process's default group alone;
+    # tests/test_dtensor.py steps sharded 8-bit state on 2 and 3 ranks).
     import subprocess
     import sys
 
@@ -331,15 +349,42 @@ shapes = {{"rows": ((64, 256), 0), "dim1": ((64, 256), 1), "short": ((64, 128), 
 ps = {{n: torch.nn.Parameter(distribute_tensor(torch.randn(s).bfloat16(), mesh, [Shard(d)]))
       for n, (s, d) in shapes.items()}}
 ps["plain"] = torch.nn.Parameter(torch.randn(64, 128).bfloat16())
-opt = lowprec.AdamW(list(ps.values()), lr=1e-3, state_dtype="8bit")
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt = lowprec.AdamW(list(ps.values()), lr=1e-3, state_dtype="8bit")
+print("warned:", [str(w.message) for w in caught])
 for p in ps.values():
-    p.grad = torch.ones_like(p)
+    p.grad = torch.randn(p.shape).bfloat16() if not isinstance(p, DTensor) else distribute_tensor(
+        torch.randn(p.shape).bfloat16(), mesh, p.placements)
 opt.step()
 for n, p in ps.items():
     st = opt.state[p]
     sc = st.get("exp_avg_scale")
     where = tuple(sc.placements) if isinstance(sc, DTensor) else None
     print(n, st["exp_avg"].dtype, None if sc is None else tuple(sc.shape), where)
+# The sharded 8-bit state as full tensors (a row of scales per row) into a plain optimizer
+# (flat scales): the same moments.
+full = {{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in opt.state[ps["rows"]].items()}}
+q = torch.nn.Parameter(ps["rows"].full_tensor())
+plain = lowprec.AdamW([q], lr=1e-3, state_dtype="8bit")
+sd = plain.state_dict()
+sd["state"] = {{0: full}}
+plain.load_state_dict(sd)
+got = plain.state[q]
+print("plain load:", tuple(got["exp_avg_scale"].shape),
+      torch.equal(got["exp_avg"], full["exp_avg"]),
+      torch.equal(got["exp_avg_scale"], full["exp_avg_scale"].view(-1)))
+# A rank's shard that is not contiguous: refused by the step, nothing written.
+t = DTensor.from_local(torch.randn(256, 64).bfloat16().t(), mesh, [Shard(0)], run_check=False)
+r = torch.nn.Parameter(t)
+bad = lowprec.AdamW([r], lr=1e-3, state_dtype="8bit")
+r.grad = DTensor.from_local(torch.ones(64, 256).bfloat16(), mesh, [Shard(0)], run_check=False)
+before = r.full_tensor().clone()
+try:
+    bad.step()
+except NotImplementedError as e:
+    print("refused:", e, torch.equal(r.full_tensor(), before), not bad.state[r])
 dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -349,3 +394,10 @@ dist.destroy_process_group()
     assert "dim1 torch.float32 None None" in lines, (proc.stdout, proc.stderr)
     assert "short torch.float32 None None" in lines, (proc.stdout, proc.stderr)
     assert "plain torch.uint8 (32,) None" in lines, (proc.stdout, proc.stderr)
+    assert "plain load: (64,) True True" in lines, (proc.stdout, proc.stderr)
+    warned = [ln for ln in lines if ln.startswith("warned:")]
+    assert len(warned) == 1 and "keeps FP32 state for 2 DTensor parameter(s)" in warned[0], warned
+    assert "(64, 256), (64, 128)" in warned[0], warned
+    refused = [ln for ln in lines if ln.startswith("refused:")]
+    assert len(refused) == 1 and "is not contiguous" in refused[0], (proc.stdout, proc.stderr)
+    assert refused[0].endswith("True True"), refused  # (the parameter and state unchanged)

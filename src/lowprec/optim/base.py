@@ -48,6 +48,7 @@ that one, so that one ``monkeypatch.setattr`` reaches every reader.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -206,6 +207,7 @@ class LowPrecisionOptimizer(
             for p in params:
                 if is_dtensor(p):
                     mark_blocks(p)
+            _warn_fp32_shards(added, len(self.param_groups) - 1)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
         """Validate a group's options and parameters; returns each parameter's storage strategy
@@ -522,6 +524,25 @@ class LowPrecisionOptimizer(
         if not state:
             return p.detach().float().clone()
         return storage.load(p, {k: state[k] for k in storage.buffers(p)}).clone()
+
+
+def _warn_fp32_shards(group: dict[str, Any], index: int) -> None:
+    """Under ``state_dtype="8bit"``, say which large DTensor parameters keep FP32 state (their
+    shards are not whole rows of whole blocks: ``shards.mark_blocks``), 4x the moments' bytes."""
+    if group["state_dtype"] != qstate.EIGHT_BIT:
+        return
+    big = [tuple(p.shape) for p in group["params"]
+           if is_dtensor(p) and p.numel() >= qstate.MIN_NUMEL and not qstate.qualifies(p)]
+    if big:
+        shown = ", ".join(map(str, big[:4])) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
+        warnings.warn(
+            f"parameter group {index}: state_dtype='8bit' keeps FP32 state for {len(big)} "
+            f"DTensor parameter(s) of {qstate.MIN_NUMEL} elements or more ({shown}): a sharded "
+            f"parameter gets 8-bit state when it is sharded along its first dimension only and "
+            f"its rows are a multiple of {qstate.BLOCK} elements, so that each rank's blocks "
+            "are the whole parameter's.",
+            RuntimeWarning, stacklevel=4,
+        )
 
 
 def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) -> dict[str, Any]:

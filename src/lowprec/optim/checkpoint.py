@@ -184,6 +184,11 @@ class _Checkpoints:
             t, scale = st.get(name), st.get(key)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 continue
+            if (isinstance(scale, torch.Tensor) and not is_dtensor(scale)
+                    and scale.numel() * qstate.BLOCK == t.numel()):
+                # (scales saved as another layout keeps them: an FSDP2 run's full state dict
+                # holds a row per row, a plain parameter's are flat)
+                st[key] = scale.reshape(qstate.scale_shape(p))
             signed = name not in self._nonnegative_buffers
             lt = local(t) if is_dtensor(t) else t
             if lt.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
@@ -226,7 +231,9 @@ class _Checkpoints:
                     f"{where}: state {name!r} should be a {tuple(p.shape)} tensor, got {got}; "
                     "the state does not belong to this parameter."
                 )
-            state[name] = t.to(device=p.device, dtype=state[name].dtype, copy=True)
+            # (8-bit state: the FP32 moments, which _cast_math_buffers encodes next)
+            dtype = torch.float32 if state[name].dtype == torch.uint8 else state[name].dtype
+            state[name] = t.to(device=p.device, dtype=dtype, copy=True)
         step = st.get("step")
         if step is None:
             step = 1.0 if any(st.get(name) is not None for name in names) else 0.0

@@ -72,6 +72,11 @@ def qualifies(p: torch.Tensor) -> bool:
     its blocks are runs of its flat view; for a DTensor parameter and its shard, what
     ``shards.mark_blocks`` decided for the whole parameter)."""
     decided = getattr(p, SHARDED, None)
+    if decided is None and hasattr(p, "device_mesh"):  # a DTensor the optimizer has not noted
+        from lowprec.optim.shards import mark_blocks
+
+        mark_blocks(p)
+        decided = getattr(p, SHARDED)
     if decided is not None:
         return decided
     n = p.numel()

@@ -97,10 +97,11 @@ def mark_blocks(p: Any) -> None:
     """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
     (``qstate.qualifies`` reads it): when every shard is whole rows of ``p`` (``_block_sharded``),
     its rows are whole blocks, and ``p`` is as large as ``qstate.MIN_NUMEL``. Decided from the
-    parameter's shape and placements, so every rank decides alike (an empty shard too)."""
+    parameter's shape and placements alone, so every rank decides alike (an empty shard too; a
+    step refuses a shard that is not contiguous: ``_refusal``)."""
     lp = local(p)
     ok = (_block_sharded(p) and p.dim() >= 1 and p.numel() >= qstate.MIN_NUMEL
-          and math.prod(p.shape[1:]) % qstate.BLOCK == 0 and lp.is_contiguous())
+          and math.prod(p.shape[1:]) % qstate.BLOCK == 0)
     setattr(p, qstate.SHARDED, ok)
     setattr(lp, qstate.SHARDED, ok)
 
@@ -146,9 +147,15 @@ class _Shard:
         return self.p is p and self.local is local(p) and tuple(p.placements) == self.placements
 
 
-def _refusal(where: str, shard: _Shard, storage: Any):
+def _refusal(where: str, shard: _Shard, storage: Any, eight_bit: bool):
     """The error a step of this shard must raise under these options, or None."""
     placements = shard.placements
+    if eight_bit and qstate.qualifies(shard.p) and not shard.local.is_contiguous():
+        return NotImplementedError(
+            f"{where}: this rank's shard of the parameter is not contiguous, and 8-bit state "
+            "(state_dtype='8bit') steps a shard's blocks as runs of its memory. Shard it as "
+            "FSDP2 does (contiguous local tensors), or pass another state_dtype for it."
+        )
     if storage.needs_random_bits and shard.offset is None:
         return NotImplementedError(
             f"{where}: stochastic rounding keys its random bits by the element's index in the "
@@ -227,11 +234,12 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             shards[id(p)] = shard
             where = f"parameter group {gi}, parameter {pi}"
             _check_grad(where, p)
-            options = (id(group), group["master"], p.dtype)
+            options = (id(group), group["master"], p.dtype, group["state_dtype"])
             if shard.verdict is None or shard.verdict[0] != options:
                 opt._validate_options(group, gi)
                 storage = opt._storage(group, p)
-                shard.verdict = (options, _refusal(where, shard, storage),
+                eight_bit = group["state_dtype"] == qstate.EIGHT_BIT
+                shard.verdict = (options, _refusal(where, shard, storage, eight_bit),
                                  storage.needs_random_bits)
             if shard.verdict[1] is not None:
                 raise shard.verdict[1]
