@@ -806,6 +806,55 @@ def test_an_optimizer_left_at_auto_keeps_the_checkpoints_master(device):
     assert all(st["master"] == "split" for st in other.state.values())
 
 
+def test_state_dtype_by_name_and_in_a_state_dict(tmp_path):
+    # A dtype's name is the dtype (a configuration file's "bfloat16"); a state dict keeps the
+    # name, which torch.distributed.checkpoint's full state dict needs (it takes no torch.dtype
+    # values: FSDP2's get_optimizer_state_dict(full_state_dict=True) raised on
+    # state_dtype=torch.bfloat16), and loads back as the dtype.
+    import subprocess
+    import sys
+
+    params = make_params(torch.bfloat16, [(8, 3)])
+    named = AdamW(params, lr=1e-2, master="kahan", state_dtype="bfloat16")
+    assert named.param_groups[0]["state_dtype"] is torch.bfloat16
+    run(named, params, grad_sequence([(8, 3)], 2))
+    sd = named.state_dict()
+    assert sd["param_groups"][0]["state_dtype"] == "bfloat16"
+    assert named.param_groups[0]["state_dtype"] is torch.bfloat16  # (the live group as given)
+    other = AdamW([p.detach().clone().requires_grad_() for p in params], lr=1e-2)
+    other.load_state_dict(copy.deepcopy(sd))
+    assert other.param_groups[0]["state_dtype"] is torch.bfloat16
+    assert other.state[other.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="or their names"):
+        AdamW(params, lr=1e-2, state_dtype="bf16x")
+    code = f"""
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+import lowprec
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+m = nn.Linear(256, 64).bfloat16()
+for n, p in list(m.named_parameters()):
+    setattr(m, n, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+opt = lowprec.AdamW(m.parameters(), lr=1e-3, master="kahan", state_dtype=torch.bfloat16)
+for p in m.parameters():
+    p.grad = distribute_tensor(torch.randn(p.shape).bfloat16(), mesh, [Shard(0)])
+opt.step()
+full = StateDictOptions(full_state_dict=True)
+sd = get_optimizer_state_dict(m, opt, options=full)
+set_optimizer_state_dict(m, opt, sd, options=full)
+print("full state dict:", sd["param_groups"][0]["state_dtype"], opt.param_groups[0]["state_dtype"])
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert "full state dict: bfloat16 torch.bfloat16" in proc.stdout, proc.stderr
+
+
 def test_pickle_and_setstate_fill_new_options(device):
     opt, _, _ = _trained_pair(device=device)
     state = opt.__getstate__()

@@ -65,6 +65,7 @@ from lowprec.optim.options import (
     _STATE_DTYPES,
     _TORCH_ONLY_OPTIONS,
     _check_torch_options,
+    _state_dtype_value,
     _step_tensor,
 )
 from lowprec.optim.replay import _Replay
@@ -249,11 +250,12 @@ class LowPrecisionOptimizer(
                 f"{where}: unknown master={group['master']!r}; choose one of "
                 f"{', '.join(MASTER_CHOICES)}."
             )
-        sd = group["state_dtype"]
+        sd = group["state_dtype"] = _state_dtype_value(group["state_dtype"])
         if sd is not None and sd != qstate.EIGHT_BIT and sd not in _STATE_DTYPES:
             raise ValueError(
                 f"{where}: state_dtype must be None, '8bit' or one of torch.float32, "
-                f"torch.bfloat16, torch.float16, torch.float64; got {sd!r}."
+                f"torch.bfloat16, torch.float16, torch.float64 (or their names, 'bfloat16'); "
+                f"got {sd!r}."
             )
         if group["fused"] not in (None, True, False):
             raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")

@@ -39,7 +39,19 @@ _STORAGE_OPTIONS = ("master", "state_dtype")
 
 
 class _Checkpoints:
-    """``LowPrecisionOptimizer``'s ``load_state_dict``, keeping every state tensor's dtype."""
+    """``LowPrecisionOptimizer``'s ``state_dict`` and ``load_state_dict``, keeping every state
+    tensor's dtype."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
+        its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
+        ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
+        values. ``load_state_dict`` reads either."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            if isinstance(group.get("state_dtype"), torch.dtype):
+                group["state_dtype"] = str(group["state_dtype"]).removeprefix("torch.")
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's dtype.

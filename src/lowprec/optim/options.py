@@ -17,6 +17,15 @@ from typing import Any
 import torch
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: Those dtypes by name: how a state dict keeps a group's state_dtype (torch.distributed.checkpoint's
+#: full state dict takes no torch.dtype values) and how a configuration file may give it.
+_STATE_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _STATE_DTYPES}
+
+
+def _state_dtype_value(value: Any) -> Any:
+    """A group's ``state_dtype`` as lowprec keeps it: a dtype's name (``"bfloat16"``) as the
+    dtype, anything else as it is (``_validate_options`` checks it)."""
+    return _STATE_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
 _COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
 # Options of torch.optim's implementations (how its step runs), accepted for code written for
 # torch.optim and kept out of lowprec's groups: lowprec chooses its own implementation.
