@@ -375,6 +375,13 @@ got = plain.state[q]
 print("plain load:", tuple(got["exp_avg_scale"].shape),
       torch.equal(got["exp_avg"], full["exp_avg"]),
       torch.equal(got["exp_avg_scale"], full["exp_avg_scale"].view(-1)))
+# lowprec.memory.measure counts the shards: 8 bytes per element and the scales.
+m = torch.nn.Module()
+m.w = torch.nn.Parameter(distribute_tensor(torch.randn(64, 256).bfloat16(), mesh, [Shard(0)]))
+o = lowprec.AdamW(m.parameters(), lr=1e-3, master="kahan", state_dtype="8bit")
+m.w.grad = distribute_tensor(torch.randn(64, 256).bfloat16(), mesh, [Shard(0)])
+o.step()
+print("memory:", round(lowprec.memory.measure(m, o).bytes_per_param["total"], 4))
 # A rank's shard that is not contiguous: refused by the step, nothing written.
 t = DTensor.from_local(torch.randn(256, 64).bfloat16().t(), mesh, [Shard(0)], run_check=False)
 r = torch.nn.Parameter(t)
@@ -395,6 +402,8 @@ dist.destroy_process_group()
     assert "short torch.float32 None None" in lines, (proc.stdout, proc.stderr)
     assert "plain torch.uint8 (32,) None" in lines, (proc.stdout, proc.stderr)
     assert "plain load: (64,) True True" in lines, (proc.stdout, proc.stderr)
+    # (weights, grads, compensation 2 each; codes 2 + scales 2 * 4 / 256; the step count 4 / 16384)
+    assert "memory: 8.0315" in lines, (proc.stdout, proc.stderr)
     warned = [ln for ln in lines if ln.startswith("warned:")]
     assert len(warned) == 1 and "keeps FP32 state for 2 DTensor parameter(s)" in warned[0], warned
     assert "(64, 256), (64, 128)" in warned[0], warned

@@ -19,7 +19,9 @@ other              everything else in optimizer state, in practice the 0-d ``ste
 
 Each tensor is counted once by its storage (``untyped_storage()``: its data pointer and size), so
 tied weights and views are not counted twice, and a tensor is charged for the whole storage it
-keeps alive. Figures per element divide by the number of distinct parameter elements.
+keeps alive. Figures per element divide by the number of distinct parameter elements. For
+DTensor parameters and state (FSDP2) the tensors are this rank's shards, so the figures are this
+rank's bytes per element it holds.
 
 ``expected`` gives the same categories analytically for a model whose parameters are all in a
 recipe's weight dtype, derived from the optimizer's own choices (its master strategy's buffers,
@@ -40,6 +42,7 @@ from torch import nn
 from lowprec import recipes
 from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.shards import is_dtensor, local
 
 __all__ = [
     "CATEGORIES",
@@ -93,6 +96,7 @@ class _Counter:
         self._seen: set[tuple[str, int]] = set()
 
     def add(self, category: str, t: torch.Tensor) -> None:
+        t = local(t) if is_dtensor(t) else t  # (this rank's shard: a DTensor has no storage)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
@@ -111,6 +115,7 @@ class _Counter:
 
 
 def _param_key(p: torch.Tensor) -> tuple[Any, ...]:
+    p = local(p) if is_dtensor(p) else p
     return (str(p.device), p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape),
             p.stride())
 
@@ -168,12 +173,13 @@ def measure(
         if key in seen_params:
             continue
         seen_params.add(key)
-        numel += p.numel()
+        numel += (local(p) if is_dtensor(p) else p).numel()
         counter.add("weights", p)
         if p.grad is not None:
             counter.add("grads", p.grad)
         elif assume_grads and p.requires_grad:
-            counter.add_bytes("grads", p.numel() * p.element_size())
+            counter.add_bytes("grads", (local(p) if is_dtensor(p) else p).numel()
+                              * p.element_size())
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:
