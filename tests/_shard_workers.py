@@ -8,6 +8,7 @@ reference: the same steps on the same full tensors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -221,7 +222,7 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
 
     out = {}
     for name, run in runs.items():
-        kw = {k: v for k, v in run.items() if k != "wide"}
+        kw = {k: v for k, v in run.items() if k not in ("wide", "monitor")}
         model, replica = _mlp(run.get("wide", False)), _mlp(run.get("wide", False))
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -230,6 +231,11 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
         opt = lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=11, **kw)
         ref = lowprec.optim.AdamW(replica.parameters(), lr=1e-2, seed=11, **kw)
         twins = dict(replica.named_parameters())
+        monitors = []
+        if run.get("monitor"):  # (UpdateMonitor on both: the shards' counts added over ranks)
+            from lowprec.updates import UpdateMonitor
+
+            monitors = [UpdateMonitor(model, opt), UpdateMonitor(replica, ref)]
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
             x = torch.randn(12, 16, generator=g).to(torch.bfloat16)
@@ -238,15 +244,16 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
             (model(xs).float() - ys).pow(2).mean().backward()
             for n, p in model.named_parameters():
                 twins[n].grad = p.grad.full_tensor()
-            opt.step()
-            opt.zero_grad()
-            ref.step()
-            ref.zero_grad()
+            for mon, o in zip(monitors or (None, None), (opt, ref), strict=True):
+                with mon.step() if mon is not None else contextlib.nullcontext():
+                    o.step()
+                o.zero_grad()
         out[name] = {
             "sharded": {n: p.full_tensor() for n, p in model.named_parameters()},
             "unsharded": {n: p.detach().clone() for n, p in replica.named_parameters()},
             "state_dtypes": {n: opt.state[p]["exp_avg"].dtype
                              for n, p in model.named_parameters()},
+            "reports": [m.report().as_dict() for m in monitors],
         }
     return out
 

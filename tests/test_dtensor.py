@@ -201,7 +201,7 @@ def test_what_a_shard_cannot_do_is_refused_and_changes_nothing(sharded, name):
 FSDP2_RUNS = {f"{m}-{'fused' if f else 'eager'}": {"master": m, "fused": f}
               for m in ("split", "stochastic", "kahan") for f in (False, True)}
 FSDP2_RUNS["kahan-8bit-fused"] = {"master": "kahan", "fused": True, "state_dtype": "8bit",
-                                  "wide": True}
+                                  "wide": True, "monitor": True}
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +267,29 @@ def test_fsdp2_training_with_8bit_state(fsdp2):
         for n, w in got["unsharded"].items():
             assert torch.equal(got["sharded"][n], w), (rank, n)
             assert not torch.equal(w, start[n].detach()), (rank, n)
+
+
+def test_update_monitor_on_fsdp2_counts_as_on_the_unsharded_model(fsdp2):
+    """UpdateMonitor around the FSDP2 steps (previewed on each rank's shards, the counts and
+    sums added over the ranks) reports what it reports for the unsharded model: the same
+    counts, and errors equal but for the order of the sums."""
+    import math
+
+    for rank, results in enumerate(fsdp2):
+        sharded, whole = results["kahan-8bit-fused"]["reports"]
+        assert sharded["steps_monitored"] == whole["steps_monitored"] == 3
+        assert [p["name"] for p in sharded["params"]] == [p["name"] for p in whole["params"]]
+        for got, want in zip(sharded["params"], whole["params"], strict=True):
+            for k in ("numel", "steps", "updated", "lost", "master_lost"):
+                assert got[k] == want[k], (rank, got["name"], k)
+            for k in ("relative_error", "master_relative_error", "state_relative_error"):
+                if want[k] is None:
+                    assert got[k] is None, (rank, got["name"], k)
+                else:
+                    assert math.isclose(got[k], want[k], rel_tol=1e-9), (rank, got["name"], k)
+        by_name = {p["name"]: p for p in whole["params"]}
+        assert by_name["4.weight"]["state_relative_error"] is not None  # (its 8-bit state)
+        assert whole["updated"] > 0
 
 
 def test_a_dcp_checkpoint_of_bf16_moments_resumes_as_8bit_state(dcp_runs):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.shards import all_reduce_sums, is_dtensor, local, local_shards
 
 __all__ = ["LOST_UPDATE_THRESHOLD", "ParamUpdates", "UpdateMonitor", "UpdateReport"]
 
@@ -210,6 +211,11 @@ class UpdateMonitor:
     update is unknown: an element counts as attempted when its gradient is nonzero, and the
     intended-update figures are None.
 
+    DTensor parameters (FSDP2) are previewed and compared on each rank's shards, as the step
+    takes them, and the counts and sums added over the ranks holding the shards (one
+    ``all_reduce`` per parameter and monitored step), so every rank reports the whole
+    parameters.
+
     A step counts as skipped (and records nothing) when ``optimizer.step()`` was not called
     (a loss scaler skipped it; the monitor registers a step post-hook on the optimizer, which
     ``close()`` removes) or, for a lowprec optimizer, when a parameter's step count did not advance
@@ -332,11 +338,15 @@ class UpdateMonitor:
         if self._lowprec:
             inv = self._inverse_scale()
             opt: LowPrecisionOptimizer = self.optimizer  # type: ignore[assignment]
-            # _collect validates like the step itself (clear errors) and writes nothing.
-            for group, p, _index, storage in opt._collect():
-                if id(p) not in self._names:
-                    continue
-                snaps[id(p)] = self._preview(opt, group, p, storage, inv)
+            # (DTensor parameters: previewed on this rank's shards, as the step takes them)
+            sharded = opt.__dict__.get("_has_dtensors")
+            with local_shards(opt) if sharded else contextlib.nullcontext():
+                owner = {id(s.local): pid for pid, s in (opt.__dict__.get("_shards") or {}).items()}
+                # _collect validates like the step itself (clear errors) and writes nothing.
+                for group, p, _index, storage in opt._collect():
+                    pid = owner.get(id(p), id(p))
+                    if pid in self._names:
+                        snaps[pid] = self._preview(opt, group, p, storage, inv)
         else:
             for pid, p in self._params.items():
                 if p.grad is None:
@@ -457,31 +467,43 @@ class UpdateMonitor:
         t.lost += int((attempted & unchanged).sum())
 
     def _record_lowprec(self, pid: int, p: torch.Tensor, snap: dict[str, Any]) -> None:
+        opt = self.optimizer
         old, w, new_w = snap["old"], snap["w"], snap["new_w"]
+        master = opt.master_weight(p)  # type: ignore[attr-defined]
+        state = opt.state[p]
+        groups = ()
+        if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
+            p, master = local(p), local(master)
+            state = {k: local(v) if is_dtensor(v) else v for k, v in state.items()}
+            groups = opt._shards[pid].groups  # type: ignore[attr-defined]
         new = p.detach()
         attempted = new_w != w
         unchanged = _bits(old) == _bits(new)
-        master = self.optimizer.master_weight(p)  # type: ignore[attr-defined]
         master_unchanged = _bits(master) == _bits(w)
         intended = new_w.double() - w.double()
         err = (new.double() - old.double()) - intended
         master_err = (master.double() - w.double()) - intended
+        sums = [attempted.sum(), (attempted & unchanged).sum(),
+                (attempted & master_unchanged).sum(), err.square().sum(),
+                master_err.square().sum(), intended.square().sum()]
+        if snap["new_state"]:
+            stored = opt._math_state(opt._group_of(self._params[pid]), p, state)
+            sums.append(sum((stored[k].double() - v.double()).square().sum()
+                            for k, v in snap["new_state"].items()))
+            sums.append(sum(v.double().square().sum() for v in snap["new_state"].values()))
+        total = all_reduce_sums(torch.stack([s.double() for s in sums]), groups).tolist()
         t = self._tallies[pid]
         t.storage = snap["storage"]
         t.steps += 1
-        t.updated += int(attempted.sum())
-        t.lost += int((attempted & unchanged).sum())
-        t.master_lost = _add(t.master_lost, int((attempted & master_unchanged).sum()))
-        t.err_sq = _add(t.err_sq, float(err.square().sum()))
-        t.master_err_sq = _add(t.master_err_sq, float(master_err.square().sum()))
-        t.intended_sq = _add(t.intended_sq, float(intended.square().sum()))
+        t.updated += int(total[0])
+        t.lost += int(total[1])
+        t.master_lost = _add(t.master_lost, int(total[2]))
+        t.err_sq = _add(t.err_sq, total[3])
+        t.master_err_sq = _add(t.master_err_sq, total[4])
+        t.intended_sq = _add(t.intended_sq, total[5])
         if snap["new_state"]:
-            opt = self.optimizer
-            stored = opt._math_state(opt._group_of(p), p, opt.state[p])  # type: ignore[attr-defined]
-            for k, v in snap["new_state"].items():
-                t.state_err_sq = _add(t.state_err_sq,
-                                      float((stored[k].double() - v.double()).square().sum()))
-                t.state_sq = _add(t.state_sq, float(v.double().square().sum()))
+            t.state_err_sq = _add(t.state_err_sq, total[6])
+            t.state_sq = _add(t.state_sq, total[7])
 
     # ------------------------------------------------------------------ results
 
