@@ -42,7 +42,7 @@ from torch import nn
 from lowprec import recipes
 from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.shards import is_dtensor, local
+from lowprec.optim.shards import local
 
 __all__ = [
     "CATEGORIES",
@@ -96,7 +96,7 @@ class _Counter:
         self._seen: set[tuple[str, int]] = set()
 
     def add(self, category: str, t: torch.Tensor) -> None:
-        t = local(t) if is_dtensor(t) else t  # (this rank's shard: a DTensor has no storage)
+        t = local(t)  # (this rank's shard: a DTensor has no storage)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0:
@@ -115,7 +115,7 @@ class _Counter:
 
 
 def _param_key(p: torch.Tensor) -> tuple[Any, ...]:
-    p = local(p) if is_dtensor(p) else p
+    p = local(p)
     return (str(p.device), p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape),
             p.stride())
 
@@ -173,13 +173,12 @@ def measure(
         if key in seen_params:
             continue
         seen_params.add(key)
-        numel += (local(p) if is_dtensor(p) else p).numel()
+        numel += local(p).numel()
         counter.add("weights", p)
         if p.grad is not None:
             counter.add("grads", p.grad)
         elif assume_grads and p.requires_grad:
-            counter.add_bytes("grads", (local(p) if is_dtensor(p) else p).numel()
-                              * p.element_size())
+            counter.add_bytes("grads", local(p).numel() * p.element_size())
     if optimizer is not None:
         for group in optimizer.param_groups:
             for p in group["params"]:

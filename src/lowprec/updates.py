@@ -474,7 +474,7 @@ class UpdateMonitor:
         groups = ()
         if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
             p, master = local(p), local(master)
-            state = {k: local(v) if is_dtensor(v) else v for k, v in state.items()}
+            state = {k: local(v) for k, v in state.items()}
             groups = opt._shards[pid].groups  # type: ignore[attr-defined]
         new = p.detach()
         attempted = new_w != w

@@ -133,7 +133,7 @@ class _Checkpoints:
             new_state[p] = moved
         with torch.no_grad():  # (every check has passed: now the parameters may change)
             for p, value in writes:
-                (local(p) if is_dtensor(p) else p).copy_(value)
+                local(p).copy_(value)
         self._step_plan = None
         self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
         # What torch's load_state_dict does once it has cast the state, which here keeps its
@@ -186,7 +186,7 @@ class _Checkpoints:
         ``_check_state`` to refuse."""
         dtype = self._state_dtype(group, p, storage)
         # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
-        lp = local(p) if is_dtensor(p) else p
+        lp = local(p)
 
         def keep(name: str, value: torch.Tensor) -> Any:
             return wrap_state(name, value, lp, p) if is_dtensor(p) else value
@@ -202,9 +202,9 @@ class _Checkpoints:
                 # holds a row per row, a plain parameter's are flat)
                 st[key] = scale.reshape(qstate.scale_shape(p))
             signed = name not in self._nonnegative_buffers
-            lt = local(t) if is_dtensor(t) else t
+            lt = local(t)
             if lt.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
-                ls = local(scale) if is_dtensor(scale) else scale
+                ls = local(scale)
                 if ls.numel() * qstate.BLOCK == lt.numel():
                     st[name] = keep(name, qstate.from_codes(lt, ls, signed).to(dtype))
                     del st[key]

@@ -55,8 +55,11 @@ def is_dtensor(t: Any) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's elements of DTensor ``t``: the same object every call (the
-    step writes into it in place). ``to_local()`` hands a parameter a fresh view each time, so a
-    parameter's own local tensor is taken as DTensor's no-grad ``to_local`` takes it."""
+    step writes into it in place); ``t`` itself when it is not a DTensor. ``to_local()`` hands a
+    parameter a fresh view each time, so a parameter's own local tensor is taken as DTensor's
+    no-grad ``to_local`` takes it."""
+    if not is_dtensor(t):
+        return t
     lt = getattr(t, "_local_tensor", None)
     if isinstance(lt, torch.Tensor):
         return lt
@@ -262,7 +265,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
         for k in [k for k in lstate if k not in dstate]:
             del lstate[k]
         for k, v in dstate.items():
-            v = local(v) if is_dtensor(v) else v
+            v = local(v)
             if lstate.get(k) is not v:
                 lstate[k] = v
         state[lp] = lstate
