@@ -171,7 +171,7 @@ class _Checkpoints:
                     f"converted to this optimizer's master={storage.name!r}. Load a checkpoint "
                     "of this model's parameters."
                 )
-            bufs[name] = local(t) if is_dtensor(p) else t
+            bufs[name] = local(t)
         value, new_bufs = convert(old, storage, lp, bufs)
         out = {k: v for k, v in st.items() if k not in bufs}
         out["master"] = storage.name
