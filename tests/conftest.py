@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests._devices import DEVICES
+from tests._fallback import fallbacks_are_errors
 
 # The suite steps optimizers eagerly unless a test asks for the fused step (fused=True) or tests
 # the default itself (tests/test_fused_default.py): the fused step's equality with the eager one
@@ -16,9 +17,33 @@ os.environ.setdefault("LOWPREC_FUSED", "0")
 os.environ.setdefault("LOWPREC_COMPILE_BUDGET", "inf")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "fused: the test claims that compiled (fused) steps ran, so a compiled step that falls "
+        "back to eager fails it (tests/_fallback.py; -m fused selects these tests)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "fallback: the test makes a compiled step fall back on purpose (exempt from 'fused')",
+    )
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback(request):
+    """Under the ``fused`` marker (and not ``fallback``) a compiled step may not quietly become
+    eager: its fallback raises (tests/_fallback.py)."""
+    node = request.node
+    if node.get_closest_marker("fused") is None or node.get_closest_marker("fallback"):
+        yield
+        return
+    with fallbacks_are_errors():
+        yield
 
 
 @pytest.fixture(params=DEVICES)

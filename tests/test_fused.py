@@ -7,6 +7,11 @@ Tests that take ``device`` compare the two steps on each device present (the CPU
 present: the ``device`` fixture), where the fused step is Inductor's C++ or Triton code; initial
 values and gradients are drawn on the CPU and moved. The pairs of elements, the shared calls of
 small parameters and OpenMP loops are the CPU's fused step only, so their tests stay on the CPU.
+
+The module is marked ``fused`` (tests/conftest.py, tests/_fallback.py): a compiled step that falls
+back to eager fails the test instead of passing with eager bits (but in the tests marked
+``fallback``, which make it fall back on purpose). That the mark works and that ``fused=True``
+really runs compiled kernels are tested at the end.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, update
 from tests._same import assert_same, bits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.fused]
 
 OPTIMIZERS = [
     (SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
@@ -131,6 +136,7 @@ def test_non_contiguous_params_use_eager():
     assert torch.equal(w.detach(), ref.param_groups[0]["params"][0].detach())
 
 
+@pytest.mark.fallback
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, device):
     def broken(*args, **kwargs):
         def kernel(*a, **k):
@@ -459,3 +465,159 @@ def test_step_inside_torch_compile_is_the_step_itself(cls, master, fused, device
     pa, oa = run(False)
     pb, ob = run(True)
     assert_same(pa, oa, pb, ob)
+
+
+# ------------------------------------------------ compiled kernels ran, and a fallback is an error
+
+#: Two large parameters of one kernel variant (a recorded step redoes them with one shared call,
+#: plan._Many) and a small one (batched on the CPU).
+RAN_SHAPES = [(300, 256), (256, 300), (64,)]
+
+
+def _steps(params, opt, steps, device):
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype).to(device)
+        opt.step()
+
+
+def test_a_fused_step_runs_compiled_kernels(monkeypatch, device):
+    """``fused=True`` compiles and runs compiled code, which the bits alone cannot show (a step
+    that fell back to eager gives the same): every ``compiled._Kernel`` the steps made was called
+    and finished its first call (``warm``: compiled without error), among them the shared call of
+    a recorded step; Dynamo captured a graph for each and Inductor generated kernels for them
+    (C++ on the CPU, Triton on CUDA); and the parameters and state are the eager step's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    monkeypatch.setattr(compiled, "_KERNELS", {})  # (every kernel new: compiled by this test)
+    called = []
+    real = compiled._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        called.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    init = [torch.randn(s).to(torch.bfloat16).to(device) for s in RAN_SHAPES]
+    runs = []
+    for fused in (False, True):
+        graphs, generated = counters["stats"]["unique_graphs"], metrics.generated_kernel_count
+        params = [x.clone().requires_grad_() for x in init]
+        opt = AdamW(params, lr=1e-2, master="kahan", fused=fused, seed=3)
+        _steps(params, opt, 3, device)
+        runs.append((params, opt))
+    assert_same(*runs[0], *runs[1])
+    kernels = set(called)
+    assert kernels == set(compiled._KERNELS.values()), "a kernel was made but never called"
+    assert all(k.warm for k in kernels), [k.name for k in kernels if not k.warm]
+    assert any("update_many" in k.name for k in kernels), [k.name for k in kernels]
+    assert counters["stats"]["unique_graphs"] - graphs >= len(kernels)
+    assert metrics.generated_kernel_count - generated >= len(kernels)
+
+
+def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device):
+    """What the ``fused`` mark does (this module has it): a kernel that fails to compile, whose
+    step would fall back to eager with the same bits, makes the step raise its warning (having
+    written nothing); so does ``fused=None`` finding no compiler, even where the once-per-process
+    warning was already given; and a shared call that fails to compile, which falls back to a
+    call per parameter without a warning, raises too."""
+    from lowprec.optim import plan
+    from tests._fallback import fallbacks_are_errors
+
+    def make(fused):
+        params = [torch.randn(s).to(torch.bfloat16).to(device).requires_grad_()
+                  for s in RAN_SHAPES]
+        return params, AdamW(params, lr=1e-2, master="kahan", fused=fused)
+
+    real = compiled._compiled_kernel
+
+    def failing(*args, **kwargs):
+        def kernel(*a, **k):
+            raise RuntimeError("simulated compile failure")
+        return kernel
+
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "_compiled_kernel", failing)
+        params, opt = make(True)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = bits(params[0]).clone()
+        with pytest.raises(RuntimeWarning, match=r"lowprec: the fused .*simulated compile fail"):
+            opt.step()
+        assert torch.equal(bits(params[0]), before)
+
+    # fused=None without a compiler: lowprec warns once per process (here as if an earlier test
+    # had been warned already); fallbacks_are_errors (the mark's) makes it warn, and raise, again.
+    missing = "no C++ compiler for torch.compile (simulated)"
+    with monkeypatch.context() as m:
+        m.delenv("LOWPREC_FUSED", raising=False)
+        m.setattr(compiled, "_compiler", lambda device_type: missing)
+        m.setattr(compiled, "_WARNED", {missing})
+        for inside in (False, True):
+            params, opt = make(None)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            if not inside:
+                opt.step()  # (already warned: silently eager)
+                continue
+            with fallbacks_are_errors(), pytest.raises(RuntimeWarning, match=r"no C\+\+ compiler"):
+                opt.step()
+
+    # A shared call that cannot compile (the other kernels compile): the recorded step's first
+    # redo raises.
+    def shared_fails(*args, **kwargs):
+        fn = kwargs.get("fn")
+        return failing() if fn is not None and fn.__name__ == "_update_many" else real(
+            *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "_compiled_kernel", shared_fails)
+        m.setattr(plan, "_MANY_SEEN", {})
+        m.setattr(plan, "_MANY_BROKEN", set())
+        params, opt = make(True)
+        _steps(params, opt, 1, device)  # (the full step: the parameters' own calls)
+        with pytest.raises(AssertionError, match=r"shared compiled call .* fell back"):
+            _steps(params, opt, 1, device)
+
+
+@pytest.mark.fallback
+def test_the_fallback_filter_matches_every_fallback_warning(monkeypatch):
+    """``FALLBACK_WARNING`` (the filter behind the ``fused`` mark) matches the start of each
+    message lowprec gives where a compiled step does not run: the optimizer's fallback (a compile
+    error, the compile budget), ``fused=None`` without a C++ compiler, without Triton or on a
+    device with no fused step, and the 1-bit hook's fallback; and no other lowprec warning."""
+    import re
+    import types
+
+    from torch._inductor import cpp_builder
+    from torch.utils import _triton
+
+    from lowprec.distributed import kernels, stages
+    from tests._fallback import FALLBACK_WARNING
+
+    def no_compiler():
+        raise RuntimeError("simulated: no C++ compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    monkeypatch.setattr(_triton, "has_triton", lambda: False)
+    messages = [f"lowprec: {compiled._compiler.__wrapped__(d)}" for d in ("cpu", "cuda", "mps")]
+
+    def fails(*variant):
+        def kernel(*args):
+            raise RuntimeError("simulated compile failure")
+        return kernel
+
+    monkeypatch.setattr(kernels, "compiled", fails)
+    monkeypatch.setattr(kernels, "probe", lambda x: x, raising=False)
+    state = types.SimpleNamespace(_fused_active=True, bits=1, rule="range")
+    with pytest.warns(RuntimeWarning) as caught:
+        compiled._disable_fused(types.SimpleNamespace(), RuntimeError("simulated"))
+        compiled._disable_fused(types.SimpleNamespace(), compiled.CompileBudgetExceeded("spent"))
+        assert stages.run(state, "probe", torch.zeros(2)) is not None
+    messages += [str(w.message) for w in caught]
+    assert len(messages) == 6 and all(m.startswith("lowprec: ") for m in messages), messages
+    fallback = re.compile(FALLBACK_WARNING, re.I)  # (a warnings filter's flags)
+    assert all(fallback.match(m) for m in messages), messages
+    assert not fallback.match("lowprec: parameter group 0: state_dtype='8bit' keeps FP32 state")
