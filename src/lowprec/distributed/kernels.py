@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -247,9 +248,34 @@ def _settings(dynamo_config: Any, fx_config: Any) -> Any:
     stack.enter_context(fx_config.patch(use_duck_shape=False))
     # Integer arguments (the code width) are constants: the packed kernels' innermost dimension
     # is 8 // bits long, and only a constant length vectorizes (5-8x slower symbolic).
-    stack.enter_context(dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                            specialize_int=True))
+    settings: dict[str, Any] = {"specialize_int": True}
+    limit = _recompile_limit_name(dynamo_config)
+    if limit is not None:
+        settings[limit] = RECOMPILE_LIMIT
+    stack.enter_context(dynamo_config.patch(**settings))
     return stack
+
+
+def _recompile_limit_name(dynamo_config: Any) -> str | None:
+    """The name of Dynamo's per-function recompile budget in this torch: ``recompile_limit``
+    (torch 2.7 on), ``cache_size_limit`` before; None, with one warning, where it has neither
+    (the kernels then keep Dynamo's own budget, and a variant past it steps eagerly)."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            return name
+    if not _WARNED_LIMIT:
+        _WARNED_LIMIT.append(True)
+        warnings.warn(
+            f"lowprec: torch {torch.__version__}'s Dynamo has no recompile_limit (nor "
+            f"cache_size_limit), so the 1-bit hook's compiled kernels keep Dynamo's default "
+            f"recompile budget instead of {RECOMPILE_LIMIT}; a kernel that reaches it runs eagerly "
+            "from then on, with the same results more slowly.",
+            RuntimeWarning, stacklevel=2,
+        )
+    return None
+
+
+_WARNED_LIMIT: list[bool] = []
 
 
 #: Compilations allowed per kernel variant (the sizes and offsets of 0 or 1 give a few each).

@@ -168,10 +168,45 @@ def _default_mode() -> str:
     return mode
 
 
+def inductor_options() -> dict[str, bool]:
+    """Each Inductor option the compiled step is built with (``numerics.INDUCTOR_OPTIONS``) and
+    whether the installed torch's Inductor has it (a dotted name is looked up part by part). The
+    default step compiles only where every one exists (``_compiler``): Inductor refuses an
+    option it does not know, and without them the compiled step would not round as the eager one.
+    """
+    from lowprec.numerics import INDUCTOR_OPTIONS
+
+    try:
+        from torch._inductor import config
+    except Exception:  # (a torch without Inductor)
+        return dict.fromkeys(INDUCTOR_OPTIONS, False)
+    found = {}
+    for name in INDUCTOR_OPTIONS:
+        obj: Any = config
+        for part in name.split("."):
+            obj = getattr(obj, part, _NO_OPTION)
+            if obj is _NO_OPTION:
+                break
+        found[name] = obj is not _NO_OPTION
+    return found
+
+
+_NO_OPTION = object()
+
+
 @functools.cache
 def _compiler(device_type: str) -> str:
-    """Why the default step cannot be compiled on ``device_type`` ("" where it can): the CPU
-    needs the C++ compiler Inductor looks for, CUDA needs Triton; other devices step eagerly."""
+    """Why the default step cannot be compiled on ``device_type`` ("" where it can): Inductor
+    must have every option the step sets (``inductor_options``), the CPU needs the C++ compiler
+    Inductor looks for, CUDA needs Triton; other devices step eagerly."""
+    if device_type in ("cpu", "cuda"):
+        missing = [name for name, found in inductor_options().items() if not found]
+        if missing:
+            return (f"no fused step with torch {torch.__version__}: its Inductor lacks the "
+                    f"option(s) {', '.join(missing)} that lowprec's fused step is compiled with, "
+                    "so the optimizers' default step stays eager, with the same results more "
+                    "slowly. The fused step needs torch>=2.11: upgrade torch for it, or set "
+                    "LOWPREC_FUSED=0 to silence this warning.")
     if device_type == "cpu":
         try:
             from torch._inductor.cpp_builder import get_cpp_compiler

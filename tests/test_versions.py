@@ -1,0 +1,154 @@
+"""The torch versions lowprec claims: what an older torch lacks is found, said once, and done
+without (the fused step's Inductor options, the 1-bit hook's recompile budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+import warnings
+
+import pytest
+import torch
+
+from lowprec.distributed import kernels
+from lowprec.numerics import COMPILED_AS_EAGER, INDUCTOR_OPTIONS
+from lowprec.optim import SGD, AdamW, compiled
+from lowprec.optim.storage import STORAGES
+from tests._fallback import FALLBACK_WARNING
+from tests._same import assert_same
+
+SHAPES = [(300, 256), (64,), (7,)]
+
+
+def _run(fused, steps=3):
+    torch.manual_seed(0)
+    params = [(torch.randn(s) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+    opt = AdamW(params, lr=1e-2, master="kahan", seed=3, fused=fused)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16)
+        opt.step()
+    return params, opt
+
+
+@pytest.fixture
+def fresh_compiler():
+    """``compiled._compiler`` asked afresh in this test and after it (it caches its answer)."""
+    compiled._compiler.cache_clear()
+    yield
+    compiled._compiler.cache_clear()
+
+
+def test_the_listed_options_are_those_the_kernels_are_compiled_with(monkeypatch):
+    seen = []
+
+    def compile_spy(fn, **kwargs):
+        seen.append(kwargs.get("options") or {})
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    compiled._compiled_kernel(SGD, STORAGES["kahan"], {"nesterov": False})
+    kernels.compiled("encode", 1, "range", torch.float32)
+    step, hook = seen
+    assert set(step) == set(INDUCTOR_OPTIONS)
+    assert all(v is True for v in step.values())
+    assert hook == COMPILED_AS_EAGER and set(hook) <= set(INDUCTOR_OPTIONS)
+
+
+def test_the_installed_torch_has_every_option(fresh_compiler):
+    found = compiled.inductor_options()
+    assert list(found) == list(INDUCTOR_OPTIONS)
+    assert all(found.values()), found
+    assert compiled._compiler("cpu") == ""  # (this machine has the C++ compiler Inductor uses)
+
+
+@pytest.mark.parametrize("option", ["emulate_precision_casts", "eager_numerics.disable_ftz"])
+def test_an_option_this_torch_lacks_is_found_by_its_dotted_name(monkeypatch, option):
+    *parents, leaf = option.split(".")
+    owner = torch._inductor.config
+    for part in parents:
+        owner = getattr(owner, part)
+    monkeypatch.delattr(owner, leaf)  # (Inductor's config hides it, as if this torch lacked it)
+    found = compiled.inductor_options()
+    assert found == {name: name != option for name in INDUCTOR_OPTIONS}
+
+
+@pytest.mark.parametrize("option", ["cpp.dynamic_threads", "eager_numerics.division_rounding"])
+def test_without_an_option_the_default_step_warns_once_and_stays_eager(
+    monkeypatch, fresh_compiler, option
+):
+    monkeypatch.delenv("LOWPREC_FUSED", raising=False)
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    calls = []
+    real = compiled._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    *parents, leaf = option.split(".")
+    owner = torch._inductor.config
+    for part in parents:
+        owner = getattr(owner, part)
+    monkeypatch.delattr(owner, leaf)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pa, oa = _run(None)
+        _run(None)  # a second optimizer: no second warning
+    ours = [str(w.message) for w in caught if str(w.message).startswith("lowprec")]
+    assert len(ours) == 1, ours
+    message = ours[0]
+    assert option in message and torch.__version__ in message and "torch>=2.11" in message
+    # The tests that claim a fused step ran turn this warning into an error (tests/_fallback.py).
+    assert re.match(FALLBACK_WARNING, message)
+    assert calls == []
+    pb, ob = _run(False)
+    assert_same(pa, oa, pb, ob)
+
+
+class _DynamoConfig(types.SimpleNamespace):
+    """A stand-in for ``torch._dynamo.config`` with only the given settings."""
+
+    def patch(self, **settings):
+        self.patched = settings
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", ["recompile_limit", "cache_size_limit"])
+def test_the_hook_sets_the_recompile_budget_by_this_torch_s_name(monkeypatch, name):
+    monkeypatch.setattr(kernels, "_WARNED_LIMIT", [])
+    config = _DynamoConfig(**{name: 8, "specialize_int": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels._recompile_limit_name(config) == name
+
+
+def test_without_a_recompile_budget_the_hook_warns_once_and_patches_the_rest(monkeypatch):
+    monkeypatch.setattr(kernels, "_WARNED_LIMIT", [])
+    config = _DynamoConfig(specialize_int=False)
+    fx_config = _DynamoConfig(use_duck_shape=True)
+    with pytest.warns(RuntimeWarning, match="recompile_limit") as caught:
+        kernels._settings(config, fx_config)
+        kernels._settings(config, fx_config)
+    assert len(caught) == 1
+    assert torch.__version__ in str(caught[0].message)
+    assert config.patched == {"specialize_int": True}
+    assert fx_config.patched == {"use_duck_shape": False}
+
+
+def test_the_hook_s_settings_apply_to_the_installed_dynamo():
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.recompile_limit
+    with kernels.compile_settings():
+        assert dynamo_config.recompile_limit == kernels.RECOMPILE_LIMIT
+        assert dynamo_config.specialize_int is True
+    assert dynamo_config.recompile_limit == before
+
