@@ -3,7 +3,9 @@
 Each configuration steps parameters that ``distribute_tensor`` shards over a 1-D CPU mesh (gloo
 ranks started by ``tests._dist_workers.launch``), with gradients placed as the parameters and
 the same full values on every rank, so that the unsharded run in the test process is the
-reference: the same steps on the same full tensors.
+reference: the same steps on the same full tensors. The runs that ask for the fused step take it
+under ``tests._fallback.fallbacks_are_errors``: a compiled step that falls back to eager is an
+error there (recorded in the run's results, or the worker's failure), not eager bits that pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import lowprec
+from tests._fallback import fallbacks_are_errors
 
 #: First dimensions that 2 or 3 ranks split unevenly, an odd flat length, a parameter above the
 #: fused step's small-parameter batch size (65536 elements), one kept replicated.
@@ -91,6 +94,11 @@ def compiled_calls(opt: Any) -> tuple[int, int]:
     return len(fused) + len(plan.batches), sum(f.base is not None for f in fused)
 
 
+def _compiled_only(fused: Any) -> contextlib.AbstractContextManager[None]:
+    """A run that asks for the fused step (``fused=True``) may not fall back to eager."""
+    return fallbacks_are_errors() if fused else contextlib.nullcontext()
+
+
 def make(cfg: dict[str, Any], params: list[torch.Tensor]) -> lowprec.optim.SGD:
     cls = getattr(lowprec.optim, cfg["cls"])
     return cls(params, **cfg["kw"])
@@ -135,37 +143,38 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     opt = make(cfg, list(params.values()))
     scaler = new_scaler(cfg)
     out: dict[str, Any] = {}
-    try:
-        for step in range(STEPS):
-            for n, g in grads_for_step(cfg, step, scaler).items():
-                params[n].grad = g if n in plain else distribute_tensor(
-                    g, mesh, params[n].placements
-                )
-            out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
-            out["compiled"] = compiled_calls(opt)
-            if step == 1 and cfg.get("resume"):
-                # A checkpoint in the middle: copied, saved to bytes and loaded back (as each
-                # rank's torch.save and torch.load would), into a new optimizer.
-                saved = copy.deepcopy(opt.state_dict())
-                buf = io.BytesIO()
-                torch.save(saved, buf)
-                buf.seek(0)
-                opt = make(cfg, list(params.values()))
-                opt.load_state_dict(torch.load(buf))
-        if cfg.get("load_plain"):  # a checkpoint of the full tensors, not sharded
-            plain = opt.state_dict()
-            plain["state"] = {
-                i: {k: _full(v) if isinstance(v, DTensor) else v for k, v in st.items()}
-                for i, st in plain["state"].items()
-            }
-            fresh = make(cfg, list(params.values()))
-            try:
-                fresh.load_state_dict(plain)
-            except ValueError as e:
-                out["load_error"] = str(e)
-            out["load_left_state"] = bool(fresh.state)
-    except Exception as e:  # (the test checks the message and that nothing changed)
-        out["error"] = f"{type(e).__name__}: {e}"
+    with _compiled_only(cfg["kw"].get("fused")):
+        try:
+            for step in range(STEPS):
+                for n, g in grads_for_step(cfg, step, scaler).items():
+                    params[n].grad = g if n in plain else distribute_tensor(
+                        g, mesh, params[n].placements
+                    )
+                out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
+                out["compiled"] = compiled_calls(opt)
+                if step == 1 and cfg.get("resume"):
+                    # A checkpoint in the middle: copied, saved to bytes and loaded back (as each
+                    # rank's torch.save and torch.load would), into a new optimizer.
+                    saved = copy.deepcopy(opt.state_dict())
+                    buf = io.BytesIO()
+                    torch.save(saved, buf)
+                    buf.seek(0)
+                    opt = make(cfg, list(params.values()))
+                    opt.load_state_dict(torch.load(buf))
+            if cfg.get("load_plain"):  # a checkpoint of the full tensors, not sharded
+                plain = opt.state_dict()
+                plain["state"] = {
+                    i: {k: _full(v) if isinstance(v, DTensor) else v for k, v in st.items()}
+                    for i, st in plain["state"].items()
+                }
+                fresh = make(cfg, list(params.values()))
+                try:
+                    fresh.load_state_dict(plain)
+                except ValueError as e:
+                    out["load_error"] = str(e)
+                out["load_left_state"] = bool(fresh.state)
+        except Exception as e:  # (the test checks the message and that nothing changed)
+            out["error"] = f"{type(e).__name__}: {e}"
     out["params"] = {n: _whole(p) for n, p in params.items()}
     out["masters"] = {n: _whole(opt.master_weight(p)) for n, p in params.items()}
     state: dict[str, dict[str, Any]] = {}
@@ -245,7 +254,8 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
             for n, p in model.named_parameters():
                 twins[n].grad = p.grad.full_tensor()
             for mon, o in zip(monitors or (None, None), (opt, ref), strict=True):
-                with mon.step() if mon is not None else contextlib.nullcontext():
+                with (mon.step() if mon is not None else contextlib.nullcontext(),
+                      _compiled_only(run.get("fused"))):
                     o.step()
                 o.zero_grad()
         out[name] = {
@@ -285,7 +295,8 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
             g = torch.Generator().manual_seed(step)
             x = torch.randn(12, 16, generator=g).to(torch.bfloat16)
             model(x.chunk(world)[rank]).float().pow(2).mean().backward()
-            opt.step()
+            with _compiled_only(opt.defaults.get("fused")):
+                opt.step()
             opt.zero_grad()
 
     def masters(opt: Any) -> dict[str, torch.Tensor]:

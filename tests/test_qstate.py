@@ -18,6 +18,9 @@ from lowprec import memory
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, qstate
 from tests.test_optim import feed, grad_sequence, make_params, run
 
+# A compiled step that falls back to eager fails these tests (tests/_fallback.py).
+pytestmark = [pytest.mark.fused]
+
 B = qstate.BLOCK
 SHAPES = [(40, 128), (300,), (64, 96)]  # 8-bit state, FP32 state (small), 8-bit state
 

@@ -21,6 +21,9 @@ import torch
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, loss_scale
 from tests._host import no_host_reads
 
+# A compiled step that falls back to eager fails these tests (tests/_fallback.py).
+pytestmark = [pytest.mark.fused]
+
 OPTIMIZERS = {
     "sgd": (SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
     "adamw": (AdamW, dict(lr=1e-2, weight_decay=0.1)),
