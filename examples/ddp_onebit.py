@@ -6,8 +6,10 @@ Run it with torchrun, one process per rank::
     torchrun --nproc-per-node 2 examples/ddp_onebit.py --loss-scaler --checkpoint ckpt.pt
     torchrun --nproc-per-node 2 examples/ddp_onebit.py --resume ckpt.pt --steps 400
 
-(on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). The backend is NCCL
-when CUDA is available (one GPU per rank, ``LOCAL_RANK``) and gloo on CPU otherwise.
+(on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). ``--device auto``
+(the default) trains on CUDA with NCCL where the node has a GPU for each of its ranks (rank
+``LOCAL_RANK`` on GPU ``LOCAL_RANK``), and on the CPU with gloo otherwise (2 ranks on a 1-GPU
+machine: the CPU); ``--device cpu`` or ``cuda`` chooses. The first line printed says which.
 
 The task is a small MLP regressing a fixed random teacher network; each rank draws its own batches.
 The gradients are averaged by the 1-bit hook after ``--warmup-steps`` uncompressed steps. With
@@ -49,6 +51,28 @@ def teacher_batch(n: int, *, seed: int, device: torch.device, d_in: int = 32,
     return x.to(device), y.to(device)
 
 
+def choose_device(want: str) -> tuple[torch.device, str, str]:
+    """This rank's device and the process group's backend, and why: with ``want="auto"`` CUDA and
+    NCCL where this node has a GPU for each of its ranks (torchrun's ``LOCAL_WORLD_SIZE``; rank
+    ``LOCAL_RANK`` takes that GPU), else the CPU and gloo, so that 2 ranks on a 1-GPU machine
+    train on the CPU instead of failing on a device ordinal that does not exist. ``"cpu"`` and
+    ``"cuda"`` choose; ``"cuda"`` without a GPU per rank (or without NCCL) is refused."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_available() and dist.is_nccl_available()
+    seen = f"{gpus} GPU(s) for {local_world} rank(s) on this node" + ("" if nccl else ", no NCCL")
+    why = f"--device {want}: {seen}"
+    enough = nccl and gpus >= local_world
+    if want == "cuda" and not enough:
+        raise SystemExit(f"--device cuda needs NCCL and a GPU per rank on each node ({seen}): "
+                         "use --device cpu (gloo), or fewer ranks per node")
+    if want == "cuda" or (want == "auto" and enough):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl", why
+    return torch.device("cpu"), "gloo", why
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="last step to train to (default: 300)")
@@ -67,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-scaler", action="store_true", help="use lowprec.LossScaler")
     p.add_argument("--checkpoint", type=Path, help="save a checkpoint here at the end")
     p.add_argument("--resume", type=Path, help="resume from this checkpoint")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA with NCCL where this node has a GPU per rank, else the CPU "
+                        "with gloo; cpu or cuda to choose (default: auto)")
     p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     p.add_argument("--timeout-s", type=float, default=300.0,
@@ -78,13 +105,10 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("run me with torchrun, e.g. torchrun --nproc-per-node 2 " + __file__)
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend, why = choose_device(args.device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    if dist.get_rank() == 0:
+        print(f"device: {device.type}, backend {backend} ({why})", flush=True)
     try:
         return train(args, device)
     finally:

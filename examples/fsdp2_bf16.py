@@ -8,8 +8,10 @@ Run it with torchrun, one process per rank::
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan --resume ckpt --steps 400
     torchrun --nproc-per-node 2 examples/fsdp2_bf16.py --strategy kahan --state-dtype 8bit
 
-(on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). The backend is NCCL
-when CUDA is available (one GPU per rank, ``LOCAL_RANK``) and gloo on CPU otherwise.
+(on one machine, ``--master-addr 127.0.0.1`` keeps the traffic on loopback). ``--device auto``
+(the default) trains on CUDA with NCCL where the node has a GPU for each of its ranks (rank
+``LOCAL_RANK`` on GPU ``LOCAL_RANK``), and on the CPU with gloo otherwise (2 ranks on a 1-GPU
+machine: the CPU); ``--device cpu`` or ``cuda`` chooses. The first line printed says which.
 
 The parameters are BF16 DTensors, each rank holding a shard of every layer; the optimizer steps
 each rank's shards and keeps its state sharded alike (``master="kahan"``: a BF16 compensation,
@@ -42,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lowprec
@@ -57,6 +60,28 @@ def teacher_batch(n: int, *, seed: int, device: torch.device) -> tuple[torch.Ten
     x = torch.randn(n, 32, generator=g)
     y = torch.tanh(x @ w1) @ w2
     return x.to(device), y.to(device)
+
+
+def choose_device(want: str) -> tuple[torch.device, str, str]:
+    """This rank's device and the process group's backend, and why: with ``want="auto"`` CUDA and
+    NCCL where this node has a GPU for each of its ranks (torchrun's ``LOCAL_WORLD_SIZE``; rank
+    ``LOCAL_RANK`` takes that GPU), else the CPU and gloo, so that 2 ranks on a 1-GPU machine
+    train on the CPU instead of failing on a device ordinal that does not exist. ``"cpu"`` and
+    ``"cuda"`` choose; ``"cuda"`` without a GPU per rank (or without NCCL) is refused."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_available() and dist.is_nccl_available()
+    seen = f"{gpus} GPU(s) for {local_world} rank(s) on this node" + ("" if nccl else ", no NCCL")
+    why = f"--device {want}: {seen}"
+    enough = nccl and gpus >= local_world
+    if want == "cuda" and not enough:
+        raise SystemExit(f"--device cuda needs NCCL and a GPU per rank on each node ({seen}): "
+                         "use --device cpu (gloo), or fewer ranks per node")
+    if want == "cuda" or (want == "auto" and enough):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl", why
+    return torch.device("cpu"), "gloo", why
 
 
 STATE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "8bit": "8bit"}
@@ -85,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: lowprec's, compiled where a compiler is found)")
     p.add_argument("--checkpoint", type=Path, help="save a DCP checkpoint (a directory) at the end")
     p.add_argument("--resume", type=Path, help="resume from this DCP checkpoint")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA with NCCL where this node has a GPU per rank, else the CPU "
+                        "with gloo; cpu or cuda to choose (default: auto)")
     p.add_argument("--log-every", type=int, default=50, help="steps between log lines (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     return p.parse_args(argv)
@@ -94,13 +122,10 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise SystemExit("run me with torchrun, e.g. torchrun --nproc-per-node 2 " + __file__)
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend, why = choose_device(args.device)
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    if dist.get_rank() == 0:
+        print(f"device: {device.type}, backend {backend} ({why})", flush=True)
     try:
         return train(args, device)
     finally:
@@ -115,10 +140,13 @@ def train(args: argparse.Namespace, device: torch.device) -> float:
     torch.manual_seed(args.seed)  # the same initial model, and the same rounding seed, everywhere
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                           nn.ReLU(), nn.Linear(args.hidden, 8)).to(device, torch.bfloat16)
+    # The mesh on this run's device: without one, fully_shard makes a CUDA mesh wherever CUDA is
+    # visible, and would move a gloo run's model onto the GPU.
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     def optimizer(strategy: str, state_dtype: str) -> lowprec.optim.AdamW:
         return lowprec.optim.AdamW(model.parameters(), lr=args.lr, master=strategy,
                                    state_dtype=STATE_DTYPES[state_dtype], fused=args.fused)

@@ -62,7 +62,11 @@ def _entry(rank: int, fn: Any, world_size: int, port: int, out_dir: str, args: t
 def launch(fn: Any, world_size: int, out_dir: str | Path, *args: Any,
            backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` processes of a ``backend``
-    process group (gloo, or NCCL with one GPU per rank); re-raise."""
+    process group (gloo, or NCCL with one GPU per rank); re-raise. NCCL with fewer GPUs than ranks
+    is refused here, not left to a rank's "invalid device ordinal"."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and world_size > gpus:
+        raise ValueError(f"{world_size} NCCL ranks need a GPU each; {gpus} visible")
     mp.spawn(_entry, args=(fn, world_size, free_port(), str(out_dir), args, backend),
              nprocs=world_size, join=True)
 

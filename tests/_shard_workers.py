@@ -221,22 +221,30 @@ def _mlp(wide: bool = False) -> nn.Module:
                          nn.Linear(64, 4)).to(torch.bfloat16)
 
 
+def _fully_shard(model: nn.Module, world: int) -> None:
+    """FSDP2's ``fully_shard`` on each linear layer of ``model`` and on the whole, over a CPU mesh
+    of the gloo ranks: without a mesh it makes a CUDA one wherever CUDA is visible, and moves the
+    model to the GPU (on a 1-GPU machine, both ranks' to GPU 0, over gloo)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
               rank: int, steps: int = 3) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """``steps`` of a small BF16 MLP under FSDP2's ``fully_shard`` on a fixed batch split over
     the ranks, per run; beside it an unsharded copy of the model and optimizer stepped with the
     gradients FSDP2 reduced (gathered whole), the reference for the sharded steps. The full
     parameters of both after the steps."""
-    from torch.distributed.fsdp import fully_shard
-
     out = {}
     for name, run in runs.items():
         kw = {k: v for k, v in run.items() if k not in ("wide", "monitor")}
         model, replica = _mlp(run.get("wide", False)), _mlp(run.get("wide", False))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        _fully_shard(model, world)
         opt = lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=11, **kw)
         ref = lowprec.optim.AdamW(replica.parameters(), lr=1e-2, seed=11, **kw)
         twins = dict(replica.named_parameters())
@@ -280,14 +288,10 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
     optimizer built with those options (another ``master=``) before the last 2 steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     def build(kw: dict[str, Any]) -> tuple[nn.Module, Any]:
         model = _mlp(wide)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+        _fully_shard(model, world)
         return model, lowprec.optim.AdamW(model.parameters(), lr=1e-2, seed=3, **kw)
 
     def train(model: nn.Module, opt: Any, steps: range) -> None:

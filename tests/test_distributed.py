@@ -918,7 +918,9 @@ def test_example_runs_under_torchrun(tmp_path, backend):
     hook and the loss scaler, saves a checkpoint, and resumes from it both ways: with the loss
     scaler, and without one (issue 22: the residuals, in units of the scaled gradient, drove that
     run to NaN). Rescaled by a power of two, the second resume ends where the first does. The
-    example takes NCCL where it sees CUDA: the gloo run hides the GPUs from it."""
+    example chooses its device itself (``--device auto``: NCCL only with a GPU per rank), so the
+    gloo run leaves the choice to it where fewer than 2 GPUs are visible (a 1-GPU machine
+    included) and asks for the CPU where 2 are; it says what it chose."""
     import os
     import subprocess
     import sys
@@ -926,17 +928,20 @@ def test_example_runs_under_torchrun(tmp_path, backend):
 
     script = Path(__file__).resolve().parents[1] / "examples" / "ddp_onebit.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    if backend == "gloo":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    choice = "cpu" if backend == "gloo" and cuda_count() >= 2 else "auto"
+    device = {"gloo": "cpu", "nccl": "cuda"}[backend]
     ckpt = tmp_path / "ckpt.pt"
 
     def torchrun(*args: str, scaler: bool = True) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(workers.free_port()), str(script), "--log-every", "5",
-               "--warmup-steps", "3", *(["--loss-scaler"] if scaler else []), *args]
+               "--warmup-steps", "3", "--device", choice, *(["--loss-scaler"] if scaler else []),
+               *args]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert f"device: {device}, backend {backend} (--device {choice}: " in done.stdout, (
+            done.stdout)
         return done.stdout
 
     first = torchrun("--steps", "10", "--checkpoint", str(ckpt))
@@ -952,3 +957,59 @@ def test_example_runs_under_torchrun(tmp_path, backend):
     assert "saved with --loss-scaler and this run is without" in unscaled, unscaled
     eval_loss = re.compile(r"eval loss (\S+),")
     assert eval_loss.search(unscaled)[1] == eval_loss.search(second)[1], (second, unscaled)
+
+
+def _example(name: str):
+    """The module of ``examples/<name>.py``, imported from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("example", ["ddp_onebit", "fsdp2_bf16"])
+@pytest.mark.parametrize(
+    ("gpus", "nccl", "env", "want", "expected"),
+    [
+        (1, True, {"LOCAL_WORLD_SIZE": "2"}, "auto", ("cpu", "gloo")),  # (2 ranks, 1 GPU)
+        (2, True, {"LOCAL_WORLD_SIZE": "2"}, "auto", ("cuda:1", "nccl")),
+        (8, True, {"LOCAL_WORLD_SIZE": "2"}, "auto", ("cuda:1", "nccl")),
+        (0, True, {"LOCAL_WORLD_SIZE": "2"}, "auto", ("cpu", "gloo")),
+        (2, False, {"LOCAL_WORLD_SIZE": "2"}, "auto", ("cpu", "gloo")),  # (no NCCL)
+        (2, True, {"LOCAL_WORLD_SIZE": "2"}, "cpu", ("cpu", "gloo")),
+        (2, True, {"LOCAL_WORLD_SIZE": "2"}, "cuda", ("cuda:1", "nccl")),
+        (1, True, {"WORLD_SIZE": "2"}, "auto", ("cpu", "gloo")),  # (no LOCAL_WORLD_SIZE)
+        (1, True, {"LOCAL_WORLD_SIZE": "2"}, "cuda", "a GPU per rank"),
+        (0, True, {"LOCAL_WORLD_SIZE": "2"}, "cuda", "a GPU per rank"),
+    ],
+)
+def test_examples_take_cuda_only_with_a_gpu_per_rank(example, gpus, nccl, env, want, expected,
+                                                     monkeypatch):
+    """The examples' device choice (``choose_device``) for rank 1 of 2 on a node, as the GPUs
+    seen make it: NCCL and the rank's own GPU only where each rank has one (and NCCL exists),
+    else gloo on the CPU (2 ranks on a 1-GPU machine: rank 1's GPU would not exist); ``--device
+    cuda`` where the GPUs do not suffice is refused with the fix."""
+    module = _example(example)
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    if isinstance(expected, str):
+        with pytest.raises(SystemExit, match=expected):
+            module.choose_device(want)
+        assert not chosen
+        return
+    device, backend, why = module.choose_device(want)
+    assert (str(device), backend) == expected
+    assert chosen == ([1] if backend == "nccl" else [])
+    assert why.startswith(f"--device {want}: {gpus} GPU(s) for 2 rank(s) on this node"), why

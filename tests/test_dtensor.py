@@ -334,15 +334,21 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path):
     """examples/fsdp2_bf16.py with ``torchrun --nproc-per-node 2`` on 127.0.0.1: a DCP checkpoint
     after 6 steps, resumed to 10, ends where 10 straight steps end, to the last bit; resumed
     with another --strategy (kahan), it says so and trains on from the converted state
-    (issue 22: it ended in a traceback, a missing 'compensation' key)."""
+    (issue 22: it ended in a traceback, a missing 'compensation' key). The example chooses its
+    device (``--device auto``): NCCL and CUDA only with a GPU per rank, so on a machine with
+    fewer than 2 GPUs (one GPU included) gloo on the CPU; it says which."""
     import os
     import re
     import subprocess
     import sys
     from pathlib import Path
 
+    from tests._devices import cuda_count
+
     script = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_bf16.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    nccl = cuda_count() >= 2 and torch.distributed.is_nccl_available()
+    chosen = "device: cuda, backend nccl" if nccl else "device: cpu, backend gloo"
 
     def torchrun(*args: str, strategy: str = "split") -> tuple[str, ...]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -351,6 +357,7 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path):
                "--log-every", "5", *args]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert f"{chosen} (--device auto: " in done.stdout, done.stdout
         converted = "resumed a master split checkpoint as master kahan" in done.stdout
         return (*re.search(r"done: 2 ranks, (\d+) steps .* master (\S+), moments \S+, eval loss (\S+)",
                            done.stdout).groups(), converted)
