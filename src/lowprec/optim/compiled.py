@@ -41,6 +41,7 @@ from lowprec.optim.update import (
     _param_update,
     _param_update_pairs,
 )
+from lowprec.optim.vector_casts import vector_casts
 
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
@@ -269,7 +270,8 @@ class _Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.warm:
-            return self.fn(*args, **kwargs)
+            with vector_casts():  # (a call can recompile: a new pattern of sizes)
+                return self.fn(*args, **kwargs)
         try:
             budget = _compile_budget()
         except ValueError as e:  # (raised mid-step, it would leave the step half taken)
@@ -281,7 +283,8 @@ class _Kernel:
             )
         start = time.perf_counter()
         try:
-            out = self.fn(*args, **kwargs)
+            with vector_casts():
+                out = self.fn(*args, **kwargs)
         finally:
             _COMPILE_SPENT[0] += time.perf_counter() - start
         self.warm = True
