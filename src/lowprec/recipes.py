@@ -7,7 +7,7 @@ A recipe is small and explicit, in the manner of Lightning's precision plugins::
     optimizer = recipe.optimizer("adamw", model.parameters(), lr=1e-3)
     for x, y in data:
         optimizer.zero_grad()
-        with recipe.autocast():                     # torch.autocast for the amp-* recipes
+        with recipe.autocast():                     # torch.autocast on the model's device
             loss = loss_fn(model(x), y)             # outputs come back in FP32
         recipe.backward(loss)                       # scaled backward where the recipe scales
         if recipe.step(optimizer):                  # False when a step was skipped
@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,6 +199,12 @@ class Recipe:
             self.scaler = LossScaler(
                 dynamic=self.loss_scaling == "dynamic", **self.scaler_options
             )
+        # The model ``convert`` returned, whose device ``autocast()`` follows (weakly held: the
+        # recipe does not keep a model alive).
+        self._converted: weakref.ref[nn.Module] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_converted": None}  # (a weak reference does not pickle)
 
     # ------------------------------------------------------------------ the model
 
@@ -223,6 +231,7 @@ class Recipe:
             model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
         if dtype == torch.float32:
             model._lowprec_recipe = self.name
+            self._converted = weakref.ref(model)
             return model
         kept = [m for m in model.modules() if isinstance(m, self.keep_fp32)]
         kept_ids = {id(t) for m in kept for t in (*m.parameters(), *m.buffers())}
@@ -239,6 +248,7 @@ class Recipe:
         model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
         model.register_forward_hook(lambda _m, _a, out: _cast_floats(out, torch.float32))
         model._lowprec_recipe = self.name
+        self._converted = weakref.ref(model)
         return model
 
     # ------------------------------------------------------------------ the optimizer
@@ -265,15 +275,44 @@ class Recipe:
 
     # ------------------------------------------------------------------ the step
 
-    def autocast(self, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    def autocast(self, device: str | torch.device | None = None
+                 ) -> contextlib.AbstractContextManager:
         """The forward context: ``torch.autocast`` for the amp-* recipes; for FP16 weights on
-        CPU, ``HalfProductsInFP32`` (FP16 products summed in FP32, as FP16 hardware does); else a
-        no-op."""
+        CPU, ``HalfProductsInFP32`` (FP16 products summed in FP32, as FP16 hardware does; a GPU
+        has FP16 hardware); else a no-op.
+
+        Args:
+            device: Where the forward runs: a device type (``"cuda"``, ``"cpu"``), a device
+                (``"cuda:1"``, a ``torch.device``), or None for the device of the model that
+                ``convert`` returned, read at this call (so a model moved after ``convert``
+                is followed) (default: None).
+
+        Raises:
+            ValueError: ``device`` is None where the recipe needs a device (autocast, FP16
+                weights) and it has converted no model, or that model has no tensors.
+        """
+        if self.autocast_dtype is None and self.param_dtype != torch.float16:
+            return contextlib.nullcontext()
+        device_type = self._device_type() if device is None else torch.device(device).type
         if self.autocast_dtype is not None:
             return torch.autocast(device_type, dtype=self.autocast_dtype)
-        if self.param_dtype == torch.float16 and device_type == "cpu":
+        if device_type == "cpu":
             return HalfProductsInFP32()
         return contextlib.nullcontext()
+
+    def _device_type(self) -> str:
+        """The device type of the model ``convert`` returned (its first tensor's)."""
+        model = self._converted() if self._converted is not None else None
+        first = None
+        if model is not None:
+            first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        if first is None:
+            raise ValueError(
+                f"recipe {self.name!r}: autocast() needs the device the forward runs on; "
+                "convert the model with this recipe first (recipe.convert(model)), or name the "
+                "device: recipe.autocast('cuda')."
+            )
+        return first.device.type
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled where the recipe scales."""
