@@ -9,11 +9,12 @@ its recipes are the ones named here.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "RECIPES",
-           "CompareConfig", "ModelConfig"]
+__all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "RECIPES", "SIZES",
+           "CompareConfig", "ModelConfig", "Size", "check_device", "sized"]
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
@@ -48,6 +49,85 @@ class ModelConfig:
                 f"d_model={self.d_model} must be a multiple of n_head={self.n_head}."
             )
 
+    @property
+    def num_parameters(self) -> int:
+        """The model's parameter count, from its shapes (``lowprec.task.CharTransformer``: byte
+        and position embeddings, ``n_layer`` blocks of 12 d^2 + 13 d, a final norm, a 256-way
+        head); torch-free, so that ``--help`` can print it."""
+        d, vocab = self.d_model, 256
+        return vocab * d + self.context * d + self.n_layer * (12 * d * d + 13 * d) + 2 * d \
+            + d * vocab + vocab
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model size for ``lowprec compare --size``: the model and a batch size that suit it.
+
+    Attributes:
+        model: The model's shape.
+        batch_size: Windows per batch.
+        note: One line for ``--help`` and the docs.
+    """
+
+    model: ModelConfig
+    batch_size: int
+    note: str
+
+
+#: ``--size`` presets. ``default`` is the built-in model the README's figures come from (2
+#: threads of a CPU run it in minutes); the others are for a GPU. ``small`` has nanoGPT's
+#: character-level shape; ``gpt2-small`` has GPT-2 small's layers (12 x d_model 768, 12 heads,
+#: a 1024-byte context), but a 256-byte vocabulary, so 86M parameters instead of GPT-2's 124M
+#: (whose 50257-token embedding is 39M of them).
+SIZES: dict[str, Size] = {
+    "default": Size(ModelConfig(), 16, "the built-in model"),
+    "small": Size(ModelConfig(d_model=384, n_layer=6, n_head=6, context=256), 32,
+                  "nanoGPT's character-level shape"),
+    "medium": Size(ModelConfig(d_model=512, n_layer=8, n_head=8, context=512), 16,
+                   "between the two"),
+    "gpt2-small": Size(ModelConfig(d_model=768, n_layer=12, n_head=12, context=1024), 8,
+                       "GPT-2 small's layers, a byte vocabulary"),
+}
+
+
+def sized(size: str = "default", *, batch_size: int | None = None,
+          **model: int | None) -> tuple[ModelConfig, int]:
+    """The model and batch size of a ``SIZES`` preset, with any of them given explicitly.
+
+    Args:
+        size: A key of ``SIZES`` (default: ``"default"``).
+        batch_size: Windows per batch, or None for the preset's (default: None).
+        **model: ``d_model``, ``n_layer``, ``n_head``, ``context``: None keeps the preset's.
+
+    Raises:
+        ValueError: An unknown size, or a model the overrides make invalid.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}.")
+    preset = SIZES[size]
+    unknown = set(model) - {"d_model", "n_layer", "n_head", "context"}
+    if unknown:
+        raise TypeError(f"sized() got unknown options {sorted(unknown)}.")
+    chosen = replace(preset.model, **{k: v for k, v in model.items() if v is not None})
+    return chosen, preset.batch_size if batch_size is None else batch_size
+
+
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it names where ``compare`` can run: ``"auto"`` (CUDA where torch finds it,
+    else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Only the spelling is checked here
+    (without torch); ``lowprec.compare.resolve_device`` checks that the device exists.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N "
+                         "(N: the GPU's index).")
+    return device
+
 
 #: What ``lowprec compare`` runs by default: the reference, the BF16 recipes and the 2017 FP16
 #: recipe. Left out (run them with ``--recipes``): ``amp-fp16``, whose FP16 matmuls have no
@@ -78,8 +158,8 @@ class CompareConfig:
         lr: Peak learning rate (default: None, the optimizer's default for this task).
         seed: Seed of the initial weights and the batches (default: 0).
         batch_size: Windows per batch (default: 16).
-        model: Model size (default: ``ModelConfig()``).
-        threads: torch threads (default: 2).
+        model: Model size (default: ``ModelConfig()``; ``sized()`` gives a preset's).
+        threads: torch threads, on the CPU only (default: 2).
         eval_batches: Evaluation batches at the end (default: 8).
         monitor_every: Measure lost updates every k steps, 0 for never (default: 10).
         warmup: Fraction of steps with linear warm-up; then cosine decay to 10% (default: 0.05).
@@ -89,6 +169,9 @@ class CompareConfig:
             median step time), None is the library default (compiled where torch.compile has
             a compiler, C++ or Triton; see ``lowprec.optim``), False the eager step
             (default: None).
+        device: Where the models, batches and steps run: ``"auto"`` (CUDA where
+            ``torch.cuda.is_available()``, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
+            (default: ``"auto"``).
     """
 
     recipes: Sequence[str] = DEFAULT_RECIPES
@@ -104,6 +187,7 @@ class CompareConfig:
     warmup: float = 0.05
     text_bytes: int = 2_000_000
     fused: bool | None = None
+    device: str = "auto"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -130,6 +214,7 @@ class CompareConfig:
             raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup!r}.")
         if self.fused not in (None, True, False):
             raise ValueError(f"fused must be True, False or None, got {self.fused!r}.")
+        check_device(self.device)
 
     @property
     def peak_lr(self) -> float:
