@@ -8,6 +8,13 @@ and speed-up over FP32 (with their interquartile ranges), bytes per parameter by
 machine whose load changes during the run slows them alike, and the background load is
 measured. The CLI (``lowprec compare``) prints, plots and saves these records; nothing here
 prints.
+
+Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
+the models (built on the CPU from one seeded FP32 state, so every device starts from the same
+weights, then moved), the batches and the eval batches; each recipe's autocast is entered for
+that device's type, and its loss scaler lives where its loss does. On CUDA a step's time is read
+after ``torch.cuda.synchronize``, so it is the step's run time, not the time its kernels took to
+be queued.
 """
 
 from __future__ import annotations
@@ -31,11 +38,70 @@ from lowprec.config import (
     DEFAULT_TOLERANCE,
     OPTIMIZERS,
     CompareConfig,
+    ModelConfig,
+    check_device,
 )
 from lowprec.task import Batches, CharTransformer, load_text
 
 __all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "compare",
-           "recommend", "run_recipe"]
+           "device_info", "recommend", "resolve_device", "run_recipe", "task_loss"]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """The ``torch.device`` that ``device`` (``CompareConfig.device``) names on this machine.
+
+    ``"auto"`` is the current CUDA device where ``torch.cuda.is_available()``, else the CPU.
+
+    Raises:
+        ValueError: A spelling ``config.check_device`` refuses, CUDA asked for where torch finds
+            none, or a GPU index this machine does not have.
+    """
+    check_device(device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "torch finds no CUDA GPU")
+        raise ValueError(f"no CUDA device: {why} (torch {torch.__version__}); train on the CPU "
+                         "(--device cpu, or auto, which picks CUDA only where there is one), "
+                         "or on a machine with a GPU and a CUDA build of torch.")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"no CUDA device {dev.index}: this machine has {count} CUDA "
+                         f"device(s): choose cuda:0 to cuda:{count - 1}.")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What ran the steps, for the JSON and the header: ``{"device": "cuda:0", "type": "cuda",
+    "name": the GPU's name (``torch.cuda.get_device_name``) or the CPU's model}``, and for a GPU
+    its memory, compute capability and torch's CUDA version."""
+    info: dict[str, Any] = {"device": str(device), "type": device.type}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=torch.cuda.get_device_name(device), total_memory=props.total_memory,
+                    capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    else:
+        info["name"] = _cpu_name()
+    return info
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), or "CPU"."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
 
 def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
     warm = max(1, int(cfg.warmup * cfg.steps))
@@ -54,12 +120,23 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
+              seed: int = 0) -> Callable[[torch.nn.Module], torch.Tensor]:
+    """``loss_fn(model)``: the built-in task's loss on one fixed batch of random bytes on
+    ``device``, for ``memory.cuda_peak`` (a step's memory does not depend on which bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 256, (batch_size, model.context + 1), generator=gen).to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    return lambda m: _loss(m, x, y)
+
+
 @torch.no_grad()
-def _evaluate(model, recipe, batches) -> float:
+def _evaluate(model, recipe, batches, device: torch.device) -> float:
     model.eval()
     try:
-        with recipe.autocast():
-            return statistics.fmean(float(_loss(model, x, y)) for x, y in batches)
+        with recipe.autocast(device.type):
+            return statistics.fmean(float(_loss(model, x.to(device), y.to(device)))
+                                    for x, y in batches)
     finally:
         model.train()
 
@@ -72,10 +149,11 @@ class _Run:
         from lowprec import diagnostics
 
         self.name, self.cfg = name, cfg
+        self.device = resolve_device(cfg.device)
         self.recipe = recipe = recipes_mod.get(name)
         model = CharTransformer(cfg.model)
         model.load_state_dict(initial)
-        self.model = model = recipe.convert(model)
+        self.model = model = recipe.convert(model.to(self.device))
         hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
         if cfg.optimizer == "sgd":
             hp["momentum"] = 0.9
@@ -95,9 +173,10 @@ class _Run:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One training step on batch ``(x, y)``; returns its loss (NaN for inf or NaN)."""
         recipe, model, opt, monitor = self.recipe, self.model, self.opt, self.monitor
-        start = time.perf_counter()
+        x, y = x.to(self.device), y.to(self.device)  # (no copy where they are there already)
+        start = self._clock()
         opt.zero_grad(set_to_none=True)
-        with recipe.autocast():
+        with recipe.autocast(self.device.type):
             loss = _loss(model, x, y)
         recipe.backward(loss)
         with monitor.step() if monitor is not None else contextlib.nullcontext():
@@ -106,11 +185,18 @@ class _Run:
             self.sched.step()
         else:
             self.skipped += 1
-        self.times.append(time.perf_counter() - start)
+        self.times.append(self._clock() - start)
         value = float(loss.detach())
         value = value if math.isfinite(value) else float("nan")
         self.losses.append(value)
         return value
+
+    def _clock(self) -> float:
+        """``time.perf_counter()`` once the device has finished the work queued on it (on CUDA
+        the calls return when the kernels are queued, not run)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def record(self, batches: Batches) -> dict[str, Any]:
         """The run's record (the steps taken so far), with its eval loss and memory."""
@@ -134,7 +220,8 @@ class _Run:
         return {
             "recipe": self.name,
             "final_loss": statistics.fmean(tail) if tail else float("nan"),
-            "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches)),
+            "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches),
+                                   self.device),
             "step_time_s": median,
             "step_time_iqr_s": _quartiles(steady),
             # What the first steps took beyond two steady ones: the fused step's compilation.
@@ -192,10 +279,13 @@ def compare(
     given), then the interrupt is raised again.
     """
     cfg.validate()
-    torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":  # (the CPU kernels' threads: a GPU run leaves torch's own)
+        torch.set_num_threads(cfg.threads)
     out = records if records is not None else []
     text = load_text(cfg.text_bytes)
-    batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=cfg.seed)
+    batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=cfg.seed,
+                      device=device)
     torch.manual_seed(cfg.seed)
     initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
     runs = []

@@ -62,17 +62,21 @@ class Batches:
         context: Window length in bytes.
         batch_size: Windows per batch.
         seed: Seed of the window positions (default: 0).
+        device: Where the batches go; the windows are drawn on the CPU, so every device gets
+            the same ones (default: None, the CPU).
     """
 
-    def __init__(self, text: torch.Tensor, *, context: int, batch_size: int, seed: int = 0):
+    def __init__(self, text: torch.Tensor, *, context: int, batch_size: int, seed: int = 0,
+                 device: torch.device | str | None = None):
         cut = int(len(text) * 0.9)
         self.train, self.eval = text[:cut].long(), text[cut:].long()
         self.context, self.batch_size, self.seed = context, batch_size, seed
+        self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def _windows(self, data: torch.Tensor, gen: torch.Generator, n: int):
         starts = torch.randint(0, len(data) - self.context - 1, (n,), generator=gen)
         idx = starts[:, None] + torch.arange(self.context + 1)
-        chunk = data[idx]
+        chunk = data[idx].to(self.device)
         return chunk[:, :-1], chunk[:, 1:]
 
     def train_batches(self, steps: int):
@@ -109,7 +113,10 @@ class _Block(nn.Module):
 
 
 class CharTransformer(nn.Module):
-    """A GPT-style byte-level language model: embeddings, pre-norm blocks, a linear head."""
+    """A GPT-style byte-level language model: embeddings, pre-norm blocks, a linear head.
+
+    It has ``cfg.num_parameters`` parameters (``lowprec.config.SIZES`` lists the presets').
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
