@@ -27,11 +27,16 @@ rank's bytes per element it holds.
 recipe's weight dtype, derived from the optimizer's own choices (its master strategy's buffers,
 its ``state_dtype`` default, the buffers its update rule keeps) rather than from a hand-written
 table; ``table`` lists every recipe, optionally beside a measurement of a real model.
+
+On CUDA, ``cuda_peak`` adds what the tensor accounting leaves out: the allocator's peak during a
+real training step (activations, temporaries, the allocator's rounding), from
+``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,6 +53,7 @@ __all__ = [
     "CATEGORIES",
     "DEFAULT_HYPERPARAMETERS",
     "MemoryReport",
+    "cuda_peak",
     "expected",
     "measure",
     "table",
@@ -331,6 +337,7 @@ def table(
     keep_fp32: tuple[type[nn.Module], ...] | None = None,
     seed: int = 0,
     accumulate: str | None = None,
+    loss_fn: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> list[dict[str, Any]]:
     """Bytes per parameter element of every recipe with one optimizer, expected and measured.
 
@@ -347,15 +354,19 @@ def table(
         seed: Seed of the synthetic gradients (default: 0).
         accumulate: ``lowprec.accumulate``'s ``how`` for every recipe with BF16 or FP16
             weights (default: None, no accumulation buffers).
+        loss_fn: ``loss_fn(model) -> loss`` on a batch, for a model on a CUDA device: each row
+            then adds the allocator's bytes of a real training step (``cuda_peak``)
+            (default: None, no peak).
 
     Returns:
         One dict per recipe, in ``recipes.RECIPES`` order: ``"recipe"``, ``"optimizer"``,
         ``"expected"`` (``expected()``'s dict), ``"measured"`` (``MemoryReport.bytes_per_param``
-        after one step, or None without a model) and ``"measured_bytes"``
-        (``MemoryReport.bytes``, or None).
+        after one step, or None without a model), ``"measured_bytes"``
+        (``MemoryReport.bytes``, or None) and ``"cuda_peak"`` (``cuda_peak()``'s dict, or None
+        without ``loss_fn``).
 
     Raises:
-        ValueError: An unknown optimizer name.
+        ValueError: An unknown optimizer name, or ``loss_fn`` without a model on CUDA.
         TypeError: ``model`` is neither a module nor a function returning one.
     """
     key = _check_optimizer_name(optimizer_name)
@@ -374,6 +385,9 @@ def table(
                 f"returning {type(sample).__name__}."
             )
         numels = [p.numel() for p in sample.parameters() if p.requires_grad]
+    if loss_fn is not None and (model is None or not _on_cuda(sample)):
+        raise ValueError("loss_fn measures the CUDA allocator's peak: give a model on a CUDA "
+                         "device (model.cuda()), or leave loss_fn out.")
     rows = []
     for name in recipes.RECIPES:
         row: dict[str, Any] = {
@@ -383,11 +397,85 @@ def table(
                                  accumulate=accumulate),
             "measured": None,
             "measured_bytes": None,
+            "cuda_peak": None,
         }
         if model is not None:
             report = _measured_after_one_step(key, name, model, hp, keep_fp32, seed,
                                               accumulate)
             row["measured"] = report.bytes_per_param
             row["measured_bytes"] = report.bytes
+        if loss_fn is not None:
+            row["cuda_peak"] = cuda_peak(key, name, model, loss_fn, hyperparameters=hp,
+                                         keep_fp32=keep_fp32)
         rows.append(row)
     return rows
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type == "cuda"
+
+
+def cuda_peak(
+    optimizer_name: str,
+    recipe_name: str,
+    model: nn.Module | Callable[[], nn.Module],
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    *,
+    hyperparameters: dict[str, Any] | None = None,
+    keep_fp32: tuple[type[nn.Module], ...] | None = None,
+) -> dict[str, int]:
+    """The CUDA allocator's bytes for one training step of a recipe: held between steps, and
+    the peak during a step.
+
+    A copy of ``model`` (on a CUDA device; a module is deep-copied, a function called) is
+    converted by the recipe, given its optimizer, and trained one step: ``loss_fn(model)`` under
+    the recipe's autocast, its (scaled) backward and step, which creates the optimizer's state
+    (and compiles a fused step). Then ``torch.cuda.reset_peak_memory_stats`` and a second step,
+    gradients set to None first as a training loop does. Both figures are counted from what the
+    device held before the copy was made, so the process's other tensors are left out.
+
+    Args:
+        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
+        model: A model on a CUDA device, or a function returning a fresh one.
+        loss_fn: ``loss_fn(model) -> loss``: the forward on a batch of the caller's.
+        hyperparameters: The optimizer's (default: None, ``DEFAULT_HYPERPARAMETERS``).
+        keep_fp32: Layer types the recipe keeps in FP32 (default: None, the recipe's own).
+
+    Returns:
+        ``{"held": bytes allocated after the first step (weights, gradients, optimizer state,
+        the scaler's), "peak": torch.cuda.max_memory_allocated during the second step}``; the
+        peak is at least the held bytes.
+
+    Raises:
+        ValueError: An unknown optimizer or recipe name, or a model not on a CUDA device.
+    """
+    key = _check_optimizer_name(optimizer_name)
+    hp = _hyperparameters(key, hyperparameters)
+    overrides = {} if keep_fp32 is None else {"keep_fp32": tuple(keep_fp32)}
+    recipe = recipes.get(recipe_name, **overrides)
+    gc.collect()  # (the copies of the rows before: freed, so not in the baseline)
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    base = {i: torch.cuda.memory_allocated(i) for i in gpus}  # (before the copy is made)
+    fresh = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
+    if not isinstance(fresh, nn.Module) or not _on_cuda(fresh):
+        raise ValueError("cuda_peak() measures a model on a CUDA device: move it there first "
+                         "(model.cuda()), or pass a function that builds it there.")
+    device = next(fresh.parameters()).device
+    fresh = recipe.convert(fresh)
+    opt = recipe.optimizer(key, [p for p in fresh.parameters() if p.requires_grad], **hp)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with recipe.autocast(device.type):
+            loss = loss_fn(fresh)
+        recipe.backward(loss)
+        recipe.step(opt)
+        torch.cuda.synchronize(device)
+
+    step()  # the optimizer's state is created lazily, by the first step
+    held = torch.cuda.memory_allocated(device) - base[device.index]
+    torch.cuda.reset_peak_memory_stats(device)  # (the peak starts again from what is held now)
+    step()
+    return {"held": held, "peak": torch.cuda.max_memory_allocated(device) - base[device.index]}
