@@ -352,7 +352,8 @@ def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
 
 @pytest.mark.parametrize("args", [["--help"], ["compare", "--help"], ["--version"],
                                   ["compare", "--recipes", "bf8"], ["compare", "--d-model", "30"],
-                                  ["compare", "--optimizer", "adam"], ["memory", "--help"]])
+                                  ["compare", "--optimizer", "adam"], ["memory", "--help"],
+                                  ["compare", "--device", "gpu"], ["compare", "--size", "huge"]])
 def test_help_and_mistakes_answer_without_importing_torch(args):
     # torch takes seconds to import: the command's help, version and argument errors do not
     # wait for it (issue 22, point 9); they answer as before.
@@ -362,7 +363,7 @@ def test_help_and_mistakes_answer_without_importing_torch(args):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
-    failed = args[-1] in ("bf8", "30", "adam")
+    failed = args[-1] in ("bf8", "30", "adam", "gpu", "huge")
     assert ("status: 2" if failed else "status: 0") in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr
 

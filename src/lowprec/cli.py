@@ -110,6 +110,29 @@ def _optimizer(text: str) -> str:
     return key
 
 
+def _device(text: str) -> str:
+    try:
+        return config.check_device(text.strip().lower())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def _sizes_help() -> str:
+    """The presets with their parameter counts and batch sizes, for ``--size``'s help."""
+    return ", ".join(f"{name} ({s.model.num_parameters / 1e6:.1f}M parameters: d_model "
+                     f"{s.model.d_model} x {s.model.n_layer} layers, {s.model.n_head} heads, "
+                     f"context {s.model.context}, batch {s.batch_size})"
+                     for name, s in config.SIZES.items())
+
+
+def _add_device_and_size(p: argparse.ArgumentParser, overrides: str) -> None:
+    p.add_argument("--device", type=_device, default="auto",
+                   help="where to train: auto (CUDA where torch finds a GPU, else the CPU), "
+                        "cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--size", choices=tuple(config.SIZES), default="default", metavar="SIZE",
+                   help=f"model size preset: {_sizes_help()}; {overrides} (default: default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lowprec.config import (
         DEFAULT_LR,
@@ -117,10 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_TOLERANCE,
         RECIPES,
         CompareConfig,
-        ModelConfig,
     )
 
-    cfg, model = CompareConfig(), ModelConfig()
+    cfg, (model, batch) = CompareConfig(), config.sized("default")
     parser = argparse.ArgumentParser(
         prog="lowprec",
         description="Compare low-precision training recipes: loss, speed, memory, lost updates.",
@@ -136,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
             "sources under each recipe, from the same initial weights and batches, and report "
             "the final train and eval loss and gap to FP32, the median step time and speed-up, "
             "the bytes per parameter by buffer, and the fraction of updates lost to rounding. "
-            "Writes a JSON file with every number and a PNG of the loss curves."
+            "Writes a JSON file with every number and a PNG of the loss curves. Runs on the "
+            "GPU where torch finds one (--device), and --size picks a model for it."
         ),
     )
     c.add_argument("--recipes", type=_recipe_list, default=DEFAULT_RECIPES,
@@ -151,18 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_LR['adamw']:g})")
     c.add_argument("--seed", type=_nonnegative_int, default=cfg.seed,
                    help=f"seed of the initial weights and the batches (default: {cfg.seed})")
-    c.add_argument("--batch-size", type=_positive_int, default=cfg.batch_size,
-                   help=f"sequences per batch (default: {cfg.batch_size})")
-    c.add_argument("--d-model", type=_positive_int, default=model.d_model,
-                   help=f"model width (default: {model.d_model})")
-    c.add_argument("--n-layer", type=_positive_int, default=model.n_layer,
-                   help=f"transformer blocks (default: {model.n_layer})")
-    c.add_argument("--n-head", type=_positive_int, default=model.n_head,
-                   help=f"attention heads (default: {model.n_head})")
-    c.add_argument("--context", type=_positive_int, default=model.context,
-                   help=f"sequence length in bytes (default: {model.context})")
+    _add_device_and_size(c, "--d-model, --n-layer, --n-head, --context and --batch-size "
+                            "override its parts")
+    c.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"sequences per batch (default: the size's, {batch} for default)")
+    c.add_argument("--d-model", type=_positive_int, default=None,
+                   help=f"model width (default: the size's, {model.d_model} for default)")
+    c.add_argument("--n-layer", type=_positive_int, default=None,
+                   help=f"transformer blocks (default: the size's, {model.n_layer} for default)")
+    c.add_argument("--n-head", type=_positive_int, default=None,
+                   help=f"attention heads (default: the size's, {model.n_head} for default)")
+    c.add_argument("--context", type=_positive_int, default=None,
+                   help="sequence length in bytes (default: the size's, "
+                        f"{model.context} for default)")
     c.add_argument("--threads", type=_positive_int, default=cfg.threads,
-                   help=f"torch threads (default: {cfg.threads})")
+                   help=f"torch threads, on the CPU only (default: {cfg.threads})")
     c.add_argument("--eval-batches", type=_positive_int, default=cfg.eval_batches,
                    help=f"held-out batches for the eval loss (default: {cfg.eval_batches})")
     c.add_argument("--monitor-every", type=_nonnegative_int, default=cfg.monitor_every,
@@ -192,11 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
             "Bytes per parameter element (weights, gradients, optimizer state, master copy / "
             "trail / compensation) of each recipe with one optimizer: derived from the "
             "optimizer's own choices, and measured from the tensors of the built-in model "
-            "after one step (every layer converted, so the two must agree)."
+            "after one step (every layer converted, so the two must agree). On CUDA it adds "
+            "the allocator's bytes of a real training step: held between steps, and the peak "
+            "during one (torch.cuda.max_memory_allocated)."
         ),
     )
     m.add_argument("--optimizer", type=_optimizer, default="adamw",
                    help="sgd, adagrad, lamb or adamw (default: adamw)")
+    _add_device_and_size(m, "--batch-size overrides its batch")
+    m.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per batch of the CUDA peak's step (default: the size's)")
     m.add_argument("--accumulate", choices=("fp32", "kahan"), default=None,
                    help="add lowprec.accumulate's buffers (gradient accumulation without "
                         "rounding loss) to the recipes with BF16/FP16 weights")
@@ -337,17 +368,18 @@ def _spread(iqr: Sequence[float] | None) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from lowprec.config import CompareConfig, ModelConfig
+    from lowprec.config import CompareConfig
 
     console = _console()
     try:
-        model = ModelConfig(d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head,
-                            context=args.context)
+        model, batch_size = config.sized(args.size, batch_size=args.batch_size,
+                                         d_model=args.d_model, n_layer=args.n_layer,
+                                         n_head=args.n_head, context=args.context)
         cfg = CompareConfig(
             recipes=args.recipes, optimizer=args.optimizer, steps=args.steps, lr=args.lr,
-            seed=args.seed, batch_size=args.batch_size, model=model, threads=args.threads,
+            seed=args.seed, batch_size=batch_size, model=model, threads=args.threads,
             eval_batches=args.eval_batches, monitor_every=args.monitor_every,
-            fused=args.fused,
+            fused=args.fused, device=args.device,
         )
         cfg.validate()
     except ValueError as exc:
@@ -360,8 +392,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _check_output(plot_path, "--plot" if args.plot else "--out")
     from lowprec.compare import compare, config_dict, recommend  # (torch: after the checks)
 
+    device = _resolve_device(args.device)
+    cfg.device = device["device"]  # (what auto chose: the runs and the JSON say the same)
     title = (f"{cfg.optimizer}, {cfg.steps} steps, d_model {model.d_model} x {model.n_layer} "
-             f"layers, batch {cfg.batch_size}x{model.context}, {cfg.threads} threads")
+             f"layers ({model.num_parameters:,} parameters), batch "
+             f"{cfg.batch_size}x{model.context}, {_device_label(device, cfg.threads)}")
 
     records: list[dict[str, Any]] = []
     load: dict[str, Any] = {}
@@ -424,7 +459,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         "command": "compare",
         "interrupted": interrupted,
         "wall_time_s": time.perf_counter() - started,
-        "config": config_dict(cfg),
+        "config": {**config_dict(cfg), "size": args.size,
+                   "parameters": model.num_parameters},
+        "device": device,
         "environment": _environment(),
         "background_load": load or None,
         "records": records,
@@ -433,7 +470,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         payload["recommendation"] = recommend(records, args.tolerance / 100)
         console.print(compare_table(records, title=f"lowprec compare: {title}"))
         _notes(console, records)
-        _load_note(console, load, cfg.threads)
+        _load_note(console, load, cfg.threads, device)
         _recommendation(console, payload["recommendation"])
     else:
         console.print("No recipe finished: nothing to report.")
@@ -463,13 +500,41 @@ def _recommendation(console: Any, rec: dict[str, Any]) -> None:
                       + ".", highlight=False)
 
 
-def _load_note(console: Any, load: dict[str, Any], threads: int) -> None:
-    """Say how busy the machine was while the steps were timed, plainly when it was contended."""
+def _resolve_device(name: str) -> dict[str, Any]:
+    """``compare.device_info`` of the device ``name`` names here; a ``UsageError`` where there
+    is none (``--device cuda`` without CUDA), before any work."""
+    from lowprec.compare import device_info, resolve_device
+
+    try:
+        return device_info(resolve_device(name))
+    except ValueError as exc:
+        raise UsageError(f"--device {name}: {exc}") from None
+
+
+def _device_label(device: dict[str, Any], threads: int) -> str:
+    """"cuda:0 (NVIDIA H100 80GB HBM3)" or "cpu (<model>), 2 threads": what ran the steps."""
+    label = f"{device['device']} ({device['name']})"
+    return label if device["type"] != "cpu" else f"{label}, {threads} threads"
+
+
+def _load_note(console: Any, load: dict[str, Any], threads: int,
+               device: dict[str, Any] | None = None) -> None:
+    """Say how busy the machine was while the steps were timed, plainly when it was contended.
+    The load is the CPU's (``/proc/stat``): on a GPU it slows only the host's share of a step
+    (launches, the optimizer's host logic), and the GPU's own load is not measured."""
     from lowprec.compare import CONTENDED_CORES
 
     bg, share = load.get("background_cores"), load.get("contended_fraction")
     if bg is None:
         console.print("Background load: not measured here (no /proc/stat).", style="dim")
+        return
+    if device is not None and device["type"] != "cpu":
+        console.print(
+            f"Background CPU load: {bg:.2f} cores (median over the rounds; over "
+            f"{CONTENDED_CORES:g} core in {share:.0%} of them, peak {load['max_cores']:.2f}). "
+            f"The steps ran on {device['device']}: CPU load slows only their host side (kernel "
+            "launches, the optimizer's host logic); other work on the GPU is not measured.",
+            style="yellow" if share > 0.1 else "dim")
         return
     if share > 0.1:
         console.print(
@@ -516,27 +581,35 @@ def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
+    model_cfg, batch_size = config.sized(args.size, batch_size=args.batch_size)
     if args.json is not None:
         _check_output(args.json, "--json")
     import torch
 
     from lowprec import memory
-    from lowprec.task import CharTransformer, ModelConfig
+    from lowprec.compare import task_loss
+    from lowprec.task import CharTransformer
 
     _, Table = _import_rich()
     console = _console()
+    device = _resolve_device(args.device)
     torch.manual_seed(0)
-    model = CharTransformer(ModelConfig())
-    rows = memory.table(args.optimizer, model=model, keep_fp32=(), accumulate=args.accumulate)
+    model = CharTransformer(model_cfg).to(device["device"])
+    cuda = device["type"] == "cuda"
+    loss_fn = task_loss(model_cfg, batch_size, device["device"]) if cuda else None
+    rows = memory.table(args.optimizer, model=model, keep_fp32=(), accumulate=args.accumulate,
+                        loss_fn=loss_fn)
     numel = sum(p.numel() for p in model.parameters())
     table = Table(
-        title=f"Bytes per parameter, {args.optimizer} (measured: the built-in model, "
-              f"{numel:,} parameters, every layer converted, after one step)",
+        title=f"Bytes per parameter, {args.optimizer} (measured: the built-in model, size "
+              f"{args.size}, {numel:,} parameters, every layer converted, after one step, on "
+              f"{device['device']} ({device['name']}))",
         title_justify="left",
     )
     accum = ("accumulation",) if args.accumulate else ()
+    peak = ("held MiB", "peak MiB") if cuda else ()
     for col in ("recipe", "weights", "grads", "state", "master", *accum, "total", "measured",
-                "agrees"):
+                "agrees", *peak):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     all_agree = True
     for row in rows:
@@ -547,8 +620,16 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         table.add_row(row["recipe"], f"{e['weights']:g}", f"{e['grads']:g}",
                       f"{e['optimizer_state']:.3g}", f"{e['master']:g}",
                       *(f"{e['accumulation']:g}" for _ in accum), f"[bold]{e['total']:.3g}",
-                      f"{m['total']:.3f}", "yes" if agrees else "[red]NO")
+                      f"{m['total']:.3f}", "yes" if agrees else "[red]NO",
+                      *(f"{row['cuda_peak'][k] / 2**20:.1f}" for k in ("held", "peak") if cuda))
     console.print(table)
+    if cuda:
+        console.print(f"held / peak MiB: the CUDA allocator's bytes for a real training step at "
+                      f"batch {batch_size}x{model_cfg.context} (the recipe's autocast, backward "
+                      "and step; no accumulation buffers): held between steps (weights, "
+                      "gradients, state), and the peak during the second step "
+                      "(torch.cuda.max_memory_allocated: activations and temporaries too).",
+                      style="dim")
     console.print("weights/grads/state/master/total: derived from the optimizer each recipe "
                   "builds (8-bit state: one byte and 4/256 for the scales per element of the "
                   "parameters of at least 4096 elements, FP32 for the others); measured: counted "
@@ -556,7 +637,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                   style="dim")
     if args.json is not None:
         _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
-                                "numel": numel, "rows": rows, "environment": _environment()})
+                                "size": args.size, "batch_size": batch_size, "numel": numel,
+                                "device": device, "rows": rows, "environment": _environment()})
         console.print(f"JSON: {args.json}")
     return 0 if all_agree else 1
 
