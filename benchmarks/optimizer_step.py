@@ -969,11 +969,43 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The CPU features that decide which vector ISA Inductor and ATen use.
+_CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(x for x in _CPU_FEATURES if x in have)
+    except OSError:
+        pass
+    return ""
+
+
 def _cpu_capability() -> str:
     try:
         return torch.backends.cpu.get_cpu_capability()
     except Exception:
         return "?"
+
+
+def _inductor_isa() -> str:
+    """The vector ISA Inductor's C++ kernels are compiled for (``--isa``; its default is the
+    widest the CPU has, or ATEN_CPU_CAPABILITY's)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        isa = cpu_vec_isa.pick_vec_isa()
+        return f"{isa} ({isa.bit_width()}-bit)" if isa else "none (scalar C++)"
+    except Exception as e:
+        return f"? ({type(e).__name__})"
+
+
+#: --isa: Inductor's ``cpp.simdlen`` (vector width in bits) for each ISA name.
+ISA_SIMDLEN = {"default": None, "avx2": 256, "avx512": 512}
 
 
 def _loadavg() -> str:
@@ -1024,6 +1056,9 @@ def header(args: argparse.Namespace, d: int, blocks: int, numel: int, n_tensors:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_capability": _cpu_capability(),
+        "cpu_features": _cpu_features(),
+        "inductor_isa": _inductor_isa() if DEVICE.type == "cpu" else None,
+        "vector_casts": args.vector_casts,
         "device": (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"),
         "threads": torch.get_num_threads(),
         "params": numel,
@@ -1253,6 +1288,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu",
                    help="where the parameters, gradients and state live: cpu, or cuda[:N] "
                         "(default: cpu; the peak-RSS column then measures host memory only)")
+    p.add_argument("--isa", choices=sorted(ISA_SIMDLEN), default="default",
+                   help="the vector ISA of Inductor's C++ kernels (lowprec's compiled step, "
+                        "torch.compile'd peers): its cpp.simdlen, 256 for avx2, 512 for avx512; "
+                        "ATen's own kernels (torch.optim's fused rows) keep theirs, which "
+                        "ATEN_CPU_CAPABILITY=avx2 would change too (default: Inductor's choice)")
+    p.add_argument("--vector-casts", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile lowprec's kernels with bit casts as vector casts "
+                        "(lowprec.optim.vector_casts); --no-vector-casts leaves Inductor's "
+                        "scalar casts, to measure what they cost (default: on)")
     p.add_argument("--steps", type=int, default=15, help="timed steps per row (default: 15)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps first; they create the state (default: 3)")
@@ -1312,6 +1356,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.isa != "default":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.simdlen = ISA_SIMDLEN[args.isa]
+    if not args.vector_casts:
+        from lowprec.optim import vector_casts
+
+        vector_casts._TARGET = None
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -1347,6 +1399,10 @@ def main(argv: list[str] | None = None) -> int:
           f"torchao {info['torchao']}, timm {info['timm']}")
     print(f"cpu: {info['cpu']} ({info['cpu_capability']}), {info['cpu_count']} logical cpus, "
           f"torch threads {info['threads']}; load average at start {load_start}")
+    if DEVICE.type == "cpu":
+        print(f"cpu vector features: {info['cpu_features'] or 'none of ' + ' '.join(_CPU_FEATURES)}"
+              f"; Inductor's C++ ISA: {info['inductor_isa']}; lowprec's bit casts: "
+              f"{'vector casts' if args.vector_casts else 'Inductor scalar casts (--no-vector-casts)'}")
     print(f"device: {info['device']}")
     print(f"params: {numel / 1e6:.2f}M in {len(shapes)} tensors ({blocks} blocks, d_model {d}); "
           f"{args.warmup} warmup + up to {args.steps} timed steps per row"

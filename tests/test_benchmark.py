@@ -126,3 +126,21 @@ def test_the_device_option_refuses_cuda_without_a_gpu(capsys):
         assert rc == 0 and "lowprec-adamw-bf16-kahan-state8bit-default" in out.out
     else:
         assert rc == 2 and "sees no CUDA device" in out.err
+
+
+def test_the_isa_option_sets_inductors_vector_width_and_the_header_says_so(capsys):
+    import torch._inductor.config as inductor_config
+
+    from lowprec.optim import vector_casts
+
+    old, target = inductor_config.cpp.simdlen, vector_casts._TARGET
+    try:
+        assert ob.main(["--isa", "avx2", "--no-vector-casts", "--list",
+                        "--threads", str(torch.get_num_threads())]) == 0
+        assert inductor_config.cpp.simdlen == 256 and vector_casts._TARGET is None
+        isa = ob._inductor_isa()
+    finally:
+        inductor_config.cpp.simdlen, vector_casts._TARGET = old, target
+    capsys.readouterr()
+    # (a machine without AVX2 has no such ISA: Inductor then picks none)
+    assert isa.startswith("avx2 (256-bit)") or "avx2" not in ob._cpu_features()
