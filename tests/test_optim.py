@@ -887,7 +887,7 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master, device):
     seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
     results = []
     for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
-        monkeypatch.setattr(driver, "_EAGER_CHUNK", chunk)
+        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = cls(params, master=master, seed=9)
         run(opt, params, seq)
@@ -913,7 +913,7 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master, device
     results = []
     calls = []
     for chunk in (1 << 40, 64):
-        monkeypatch.setattr(driver, "_EAGER_CHUNK", chunk)
+        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, seed=3)
         opt._norm_terms = lambda *a, chunk=chunk, spy=opt._norm_terms, **k: (
@@ -945,7 +945,7 @@ def test_stochastic_int64_indices_give_the_same_stream(monkeypatch, device):
     results = []
     for limit in (update._INT32_MAX, 100):
         monkeypatch.setattr(update, "_INT32_MAX", limit)
-        monkeypatch.setattr(driver, "_EAGER_CHUNK", 256)  # offsets above the limit too
+        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": 256, "cuda": 256})  # (offsets past it)
         params = [p.detach().clone().requires_grad_() for p in init]
         run(AdamW(params, lr=1e-3, master="stochastic", seed=11), params, seq)
         results.append(params)

@@ -160,7 +160,7 @@ def test_fused_step_equals_eager_bit_for_bit(cls, kw, master, rows, monkeypatch,
     from lowprec.optim import compiled
 
     if rows is not None:
-        monkeypatch.setattr(compiled, "_QROWS", rows)
+        monkeypatch.setattr(compiled, "_QROWS", {"cpu": rows, "cuda": rows})
     seq = grad_sequence(SHAPES, 4, seed=1)
     start = make_params(torch.bfloat16, SHAPES, device=device)
     out = []

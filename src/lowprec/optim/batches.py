@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lowprec.numerics import stream_key
-from lowprec.optim import qstate
+from lowprec.optim import loss_scale, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.plan import _Batch, _Entry, _flat
@@ -42,6 +42,18 @@ def _by_size(work: list) -> tuple[list, list]:
     for item in sorted(work, key=lambda item: -item[1].numel()):
         (large if item[1].numel() > _SMALL or _eight_bit(item) else small).append(item)
     return large, small
+
+
+def _batches_on(device: torch.device, storage, dtype: torch.dtype) -> bool:
+    """Whether small parameters of ``dtype`` on ``device`` under ``storage`` batch, per device
+    type. Deterministic strategies batch on the CPU and on CUDA: a compiled call costs ~30-60 us
+    of host work (Dynamo's guards and wrappers) on either, most of a small tensor's step, while a
+    batch adds a concatenation and a ``_foreach_copy_`` (two launches on CUDA; not yet measured
+    on a GPU: benchmarks/fast_path.py --device cuda). Stochastic rounding batches only on the
+    CPU, on pairs of BF16 elements (its per-word keys: ``_run_batch``), a CPU layout."""
+    if device.type == "cpu":
+        return not storage.needs_random_bits or storage.pairs_ok(dtype)
+    return device.type == "cuda" and not storage.needs_random_bits
 
 
 def _eight_bit(item: tuple) -> bool:
@@ -67,10 +79,17 @@ class _SmallBatches:
         the items it did not take (stepped one by one as before).
 
         Under a loss scaler (``scaling``) the batch's call unscales and skips as a parameter's
-        own does; batches are on CPU, where reading the step counts on the host costs no
-        synchronisation, so the coefficients are the group's host numbers as in a plain step.
+        own does, on the CPU only, where reading the step counts on the host costs no
+        synchronisation, so the coefficients are the group's host numbers as in a plain step
+        (on CUDA a scaled step keeps its counts on the device: such parameters take their own
+        calls). Which devices and strategies batch: ``_batches_on``.
         """
+        held = []
+        if scaling is not None:  # (off the CPU the counts are on the device: never read here)
+            held = [item for item in items if not loss_scale._host_counts(item[1].device)]
+            items = [item for item in items if loss_scale._host_counts(item[1].device)]
         batches, rest = self._small_batches(items)
+        rest.extend(held)
         plan = memo.get("plan")
         for batch in batches:
             if getattr(self, "_fused_broken", False) or not self._run_batch(
@@ -116,10 +135,9 @@ class _SmallBatches:
             ck = (id(group), storage.name, p.dtype)
             names = names_of.get(ck, _UNSET)
             if names is _UNSET:
-                pairs_ok = not storage.needs_random_bits or storage.pairs_ok(p.dtype)
                 names = names_of[ck] = (
                     (*storage.buffers(p), *self._math_buffers(group))
-                    if pairs_ok and p.device.type == "cpu" and _fused_enabled(self, group, p)
+                    if _batches_on(p.device, storage, p.dtype) and _fused_enabled(self, group, p)
                     else None
                 )
             g = p.grad if fresh is not None else p

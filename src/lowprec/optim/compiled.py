@@ -58,10 +58,14 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, Callable[..., None]] = {}
-#: Rows of a block per compiled call of a parameter with 8-bit state (_run_fused_rows): 512K
-#: elements, whose temporaries (6 MB) stay in cache (256, 1024, 4096 and 8192 rows measured
-#: within 10% of it but 256, whose calls' overhead made it 2x slower).
-_QROWS = 2048
+#: Rows of a block per compiled call of a parameter with 8-bit state (_run_fused_rows), per
+#: device type (a device not named takes CUDA's). CPU: 512K elements, whose temporaries (6 MB)
+#: stay in cache (256, 1024, 4096 and 8192 rows measured within 10% of it but 256, whose calls'
+#: overhead made it 2x slower). CUDA: no cache to keep them in, and each call costs its
+#: launches and ~30 us of host work, so 8M elements a call (a 25M-parameter step in 4 calls
+#: instead of 48), with at most a few hundred MB of temporaries. Not yet measured on a GPU:
+#: benchmarks/device_choices.py times 2048 rows, 32768 and the whole tensor.
+_QROWS = {"cpu": 2048, "cuda": 1 << 15}
 _PAIR_DTYPES = (torch.bfloat16, torch.float32)
 _ZERO_KEY = torch.zeros((), dtype=torch.int64)
 
@@ -193,21 +197,38 @@ def inductor_options() -> dict[str, bool]:
 
 
 _NO_OPTION = object()
+#: The first torch whose Inductor C++ backend keeps a value's round trip through BF16/FP16
+#: under ``emulate_precision_casts``. In torch 2.11 and 2.12 its ``to_dtype`` caches the inverse
+#: conversion unconditionally, so that ``x.to(bfloat16).float()`` of a value it has just rounded
+#: is the FP32 value again: Kahan's remainder ``w - w.to(p.dtype).float()`` compiles to zero, and
+#: a compiled Kahan step on FP16, or on BF16 off the pairs path, drops the compensation (measured
+#: on 2.11: tests/test_floor.py). Triton has no such cache.
+_CPU_ROUND_TRIPS_KEPT = (2, 13)
 
 
 @functools.cache
 def _compiler(device_type: str) -> str:
     """Why the default step cannot be compiled on ``device_type`` ("" where it can): Inductor
     must have every option the step sets (``inductor_options``), the CPU needs the C++ compiler
-    Inductor looks for, CUDA needs Triton; other devices step eagerly."""
+    Inductor looks for and a torch whose C++ code keeps low-precision round trips
+    (``_CPU_ROUND_TRIPS_KEPT``), CUDA needs Triton; other devices step eagerly."""
+    version = torch.torch_version.TorchVersion(torch.__version__)
     if device_type in ("cpu", "cuda"):
         missing = [name for name, found in inductor_options().items() if not found]
         if missing:
-            return (f"no fused step with torch {torch.__version__}: its Inductor lacks the "
+            return (f"no fused step with torch {version}: its Inductor lacks the "
                     f"option(s) {', '.join(missing)} that lowprec's fused step is compiled with, "
                     "so the optimizers' default step stays eager, with the same results more "
                     "slowly. The fused step needs torch>=2.11: upgrade torch for it, or set "
                     "LOWPREC_FUSED=0 to silence this warning.")
+    if device_type == "cpu" and version < _CPU_ROUND_TRIPS_KEPT:
+        need = ".".join(map(str, _CPU_ROUND_TRIPS_KEPT))
+        return (f"no fused step on the CPU with torch {version}: its Inductor C++ code skips the "
+                "round trip of a value through bfloat16/float16 (x.to(bfloat16).float() becomes "
+                "x), which would zero the compensation of master='kahan', so the optimizers' "
+                "default step on the CPU stays eager, with the same results more slowly. The "
+                f"fused step on the CPU needs torch>={need}: upgrade torch for it, or set "
+                "LOWPREC_FUSED=0 to silence this warning.")
     if device_type == "cpu":
         try:
             from torch._inductor.cpp_builder import get_cpp_compiler
@@ -504,7 +525,7 @@ class _CompiledStep:
             )
 
     def _run_fused_rows(self, f: _Fused, grad, c32, lo, hi, extra) -> None:
-        """The compiled step of a parameter with 8-bit state, a call per ``_QROWS`` rows of a
+        """The compiled step of a parameter with 8-bit state, a call per ``_QROWS[device type]`` rows of a
         block (a rule with norms: every piece's sums first, then every piece's update). Inductor
         writes the new moments and weights to full-size temporaries between its loops over the
         rows; per piece they stay in cache and the allocator reuses them, where a step over a
@@ -514,7 +535,8 @@ class _CompiledStep:
         pv, gv = _step_view(f, f.p), _step_view(f, grad)
         sv, mv = f.views
         rows = pv.shape[0]
-        pieces = [slice(i, min(i + _QROWS, rows)) for i in range(0, rows, _QROWS)]
+        step = _QROWS.get(pv.device.type, _QROWS["cuda"])
+        pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
         cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
         kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
         if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)

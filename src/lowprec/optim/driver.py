@@ -32,14 +32,25 @@ from lowprec.optim.shards import all_reduce_sums, reduce_groups
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
 
-# Elements per piece of the eager step on large tensors: big enough to amortise Python overhead,
-# small enough that the temporaries (40-60 bytes per element at their peak, 3-4 MB here) stay in
-# cache and keep a step's peak memory within 5% of the resident params, grads and state of a
-# 25M-parameter BF16 model. Measured with benchmarks/optimizer_step.py (peak/res of the BF16
-# eager rows, 25M parameters): 2**17 gives 1.03-1.09 (the allocator's fragmentation roughly
-# doubles the live temporaries), 2**16 1.01-1.05 row by row (up to 1.08 after earlier rows have
-# fragmented the heap), at 5-25% more time per eager step than 2**17.
-_EAGER_CHUNK = 1 << 16
+# Elements per piece of the eager step on large tensors, per device type (the choices side by
+# side; a device not named takes CUDA's).
+# CPU: big enough to amortise Python overhead, small enough that the temporaries (40-60 bytes
+# per element at their peak, 3-4 MB here) stay in cache and keep a step's peak memory within 5%
+# of the resident params, grads and state of a 25M-parameter BF16 model. Measured with
+# benchmarks/optimizer_step.py (peak/res of the BF16 eager rows, 25M parameters): 2**17 gives
+# 1.03-1.09 (the allocator's fragmentation roughly doubles the live temporaries), 2**16
+# 1.01-1.05 row by row (up to 1.08 after earlier rows have fragmented the heap), at 5-25% more
+# time per eager step than 2**17.
+# CUDA: no cache to stay in, and each piece costs its ~20 kernel launches, so 2**16 would be
+# ~8000 launches per 25M parameters; 2**22 is ~120, with at most ~250 MB of temporaries per
+# piece (a whole 1B-element embedding at once would need 60 GB). Not yet measured on a GPU:
+# benchmarks/device_choices.py times 2**16, 2**22 and whole tensors (run by gpu_check.sh).
+_EAGER_CHUNKS = {"cpu": 1 << 16, "cuda": 1 << 22}
+
+
+def _eager_chunk(device: torch.device) -> int:
+    """Elements per piece of the eager step on ``device`` (``_EAGER_CHUNKS``)."""
+    return _EAGER_CHUNKS.get(device.type, _EAGER_CHUNKS["cuda"])
 
 
 def _block_slice(sl: slice) -> slice:
@@ -241,7 +252,8 @@ class _FullStep:
                     plan.add(_Entry(group, p, index, storage, state, fused))
                 return
         chunkable = self._elementwise or self._norm_terms is not None
-        if chunkable and contiguous and p.numel() > _EAGER_CHUNK:
+        chunk = _eager_chunk(p.device)
+        if chunkable and contiguous and p.numel() > chunk:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step) and the step's
             # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
@@ -249,7 +261,7 @@ class _FullStep:
             pieces = [
                 (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
                  start + sl.start)
-                for sl in (slice(i, i + _EAGER_CHUNK) for i in range(0, p.numel(), _EAGER_CHUNK))
+                for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
             ]
         elif quantized:  # (8-bit buffers: flat, their scales one per block)
             pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
