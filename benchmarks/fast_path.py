@@ -23,6 +23,7 @@ under 3% on every workload is not worth its lines.
 
     python benchmarks/fast_path.py                 # both workloads, 4 optimizer configurations
     python benchmarks/fast_path.py --quick         # a smoke run
+    python benchmarks/fast_path.py --device cuda   # on a GPU (gpu_check.sh runs it)
 """
 
 from __future__ import annotations
@@ -99,12 +100,15 @@ def compare_shapes() -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in CharTransformer(ModelConfig()).parameters()]
 
 
-def measure(shapes, config: str, *, steps: int, warmup: int) -> dict[str, Any]:
+def measure(shapes, config: str, *, steps: int, warmup: int,
+            device: torch.device | str = "cpu") -> dict[str, Any]:
     """Step time with every mechanism, and the median ratio of each one switched off."""
     cls, kw = CONFIGS[config]
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    values = [torch.randn(s, generator=gen).mul_(0.02).to(torch.bfloat16) for s in shapes]
-    grads = [torch.randn(s, generator=gen).mul_(1e-3).to(torch.bfloat16) for s in shapes]
+    values = [torch.randn(s, generator=gen).mul_(0.02).to(device, torch.bfloat16) for s in shapes]
+    grads = [torch.randn(s, generator=gen).mul_(1e-3).to(device, torch.bfloat16) for s in shapes]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def make() -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
         params = [v.clone().requires_grad_() for v in values]
@@ -123,8 +127,10 @@ def measure(shapes, config: str, *, steps: int, warmup: int) -> dict[str, Any]:
             step()
 
     def timed(step: Callable[[], Any]) -> float:
+        sync()
         start = time.perf_counter()
         step()
+        sync()  # (on CUDA the kernels' time, not their launches')
         return time.perf_counter() - start
 
     with_all: list[float] = []
@@ -159,18 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per mechanism (default: 15)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps (default: 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    ap.add_argument("--device", default="cpu",
+                    help="where the parameters live: cpu or cuda[:N] (default: cpu); on CUDA "
+                         "the pairs mechanism does not apply (a CPU layout), the others do")
     ap.add_argument("--quick", action="store_true", help="2M parameters, 3 steps")
     ap.add_argument("--json", type=pathlib.Path, help="also write the results here")
     args = ap.parse_args(argv)
     if args.quick:
         args.params_millions, args.steps = 2.0, 3
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch sees no CUDA device")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown --configs {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     workloads = {"benchmark": benchmark_shapes(args.params_millions), "compare": compare_shapes()}
-    print(f"fast-path mechanisms: torch {torch.__version__}, {args.threads} threads, "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"fast-path mechanisms on {where}: torch {torch.__version__}, {args.threads} threads, "
           f"{args.steps} timed steps per mechanism, BF16 parameters, fused=True")
     print("saves: the share of the step without the mechanism that it removes (median of paired "
           "steps; IQR of the ratio without/with in brackets)")
@@ -180,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for wname, shapes in workloads.items():
         for config in configs:
-            r = measure(shapes, config, steps=args.steps, warmup=args.warmup)
-            r["workload"] = wname
+            r = measure(shapes, config, steps=args.steps, warmup=args.warmup, device=device)
+            r["workload"], r["device"] = wname, where
             results.append(r)
             cells = "  ".join(
                 f"{o['saves']:>+7.1%} [{o['ratio_iqr'][0]:.2f}-{o['ratio_iqr'][1]:.2f}x]"
