@@ -1,5 +1,8 @@
 """The torch versions lowprec claims: what an older torch lacks is found, said once, and done
-without (the fused step's Inductor options, the 1-bit hook's recompile budget).
+without (the fused step's Inductor options, the 1-bit hook's recompile budget), and the floor in
+pyproject.toml is the one CI tests (``.ci/run``'s second venv) and the warning names.
+
+The floor CI runs these too (``-m floor``), so they check the floor torch itself as well.
 """
 
 from __future__ import annotations
@@ -8,9 +11,11 @@ import contextlib
 import re
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from lowprec.distributed import kernels
 from lowprec.numerics import COMPILED_AS_EAGER, INDUCTOR_OPTIONS
@@ -19,6 +24,9 @@ from lowprec.optim.storage import STORAGES
 from tests._fallback import FALLBACK_WARNING
 from tests._same import assert_same
 
+pytestmark = pytest.mark.floor
+
+ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(300, 256), (64,), (7,)]
 
 
@@ -60,11 +68,57 @@ def test_the_listed_options_are_those_the_kernels_are_compiled_with(monkeypatch)
     assert hook == COMPILED_AS_EAGER and set(hook) <= set(INDUCTOR_OPTIONS)
 
 
+ROUND_TRIPS_KEPT = TorchVersion(torch.__version__) >= compiled._CPU_ROUND_TRIPS_KEPT
+
+
 def test_the_installed_torch_has_every_option(fresh_compiler):
     found = compiled.inductor_options()
     assert list(found) == list(INDUCTOR_OPTIONS)
     assert all(found.values()), found
-    assert compiled._compiler("cpu") == ""  # (this machine has the C++ compiler Inductor uses)
+    # (this machine has the C++ compiler Inductor uses)
+    assert (compiled._compiler("cpu") == "") == ROUND_TRIPS_KEPT
+
+
+@pytest.mark.parametrize(("version", "compiles"), [("2.11.0+cu130", False), ("2.12.1", False),
+                                                   ("2.13.0a0+git1234", False), ("2.13.0", True),
+                                                   ("2.14.1+cpu", True)])
+def test_the_default_step_on_the_cpu_needs_a_torch_that_keeps_round_trips(
+    monkeypatch, fresh_compiler, version, compiles
+):
+    monkeypatch.setattr(torch, "__version__", version)
+    message = compiled._compiler("cpu")
+    assert (message == "") == compiles
+    if not compiles:
+        assert f"torch {version}" in message and "torch>=2.13" in message
+        assert re.match(FALLBACK_WARNING, "lowprec: " + message)
+    assert "round trip" not in compiled._compiler("cuda")  # (Triton keeps them)
+
+
+def test_the_default_step_on_this_torch(monkeypatch, fresh_compiler):
+    """Compiled on the CPU from torch 2.13; before, eager with one warning. The same bits."""
+    monkeypatch.delenv("LOWPREC_FUSED", raising=False)
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    calls = []
+    real = compiled._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pa, oa = _run(None)
+        _run(None)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("lowprec")]
+    if ROUND_TRIPS_KEPT:
+        assert ours == [] and calls
+    else:
+        assert len(ours) == 1 and "round trip" in ours[0], ours
+        assert calls == []
+    pb, ob = _run(False)
+    assert_same(pa, oa, pb, ob)
 
 
 @pytest.mark.parametrize("option", ["emulate_precision_casts", "eager_numerics.disable_ftz"])
@@ -152,3 +206,21 @@ def test_the_hook_s_settings_apply_to_the_installed_dynamo():
         assert dynamo_config.specialize_int is True
     assert dynamo_config.recompile_limit == before
 
+
+def _floor() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.findall(r'"torch>=([0-9.]+)"', text)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_claimed_floor_is_the_torch_ci_tests_and_the_warning_names(monkeypatch,
+                                                                        fresh_compiler):
+    floor = _floor()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"torch=={floor}.0" in ci  # (the floor venv's pin: the oldest release claimed)
+    assert "-m floor" in ci
+    installed = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    assert installed >= tuple(int(x) for x in floor.split("."))
+    monkeypatch.setattr(compiled, "inductor_options", lambda: {"some_option": False})
+    assert f"torch>={floor}" in compiled._compiler("cpu")
