@@ -50,6 +50,8 @@ def _run(cls, kw, dtype, master, fused, steps, init, seed=1, opt_state=None):
     opt = cls(params, master=master, fused=fused, seed=7, **kw)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
+        for group in opt.param_groups:  # (the checkpoint's groups bring the saver's "fused")
+            group["fused"] = fused
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for i, p in enumerate(params):
