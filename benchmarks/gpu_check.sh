@@ -232,7 +232,8 @@ sec_pytest() {
         rc=$?
         line=$(grep -E '(passed|failed|error|skipped|deselected|no tests ran)' "$log" | tail -n1)
         case $rc in
-            0) passed=$((passed + 1)); key "$f: ${line:-passed} [$(($(now) - start)) s]" ;;
+            0) [[ $line == *passed* ]] && passed=$((passed + 1))
+               key "$f: ${line:-passed} [$(($(now) - start)) s]" ;;
             5) key "$f: no gpu tests collected" ;;
             124 | 137) failed+=("$f"); key "$f: TIMED OUT after $t s (stacks in its log)" ;;
             *) failed+=("$f"); key "$f: FAILED: ${line:-exit $rc} [$(($(now) - start)) s]"
@@ -243,7 +244,7 @@ sec_pytest() {
     if ((${#failed[@]})); then
         STATUS=fail; REASON="failed: ${failed[*]}"
     elif ((passed == 0)); then
-        STATUS=skip; REASON="no file ran"
+        STATUS=skip; REASON="no test passed (every one skipped or none collected)"
     else
         STATUS=pass; REASON="$passed file(s) passed"
         ((${#notrun[@]})) && REASON="$REASON; ${#notrun[@]} not run (no time left)"
