@@ -588,8 +588,10 @@ def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device):
 def test_the_fallback_filter_matches_every_fallback_warning(monkeypatch):
     """``FALLBACK_WARNING`` (the filter behind the ``fused`` mark) matches the start of each
     message lowprec gives where a compiled step does not run: the optimizer's fallback (a compile
-    error, the compile budget), ``fused=None`` without a C++ compiler, without Triton or on a
-    device with no fused step, and the 1-bit hook's fallback; and no other lowprec warning."""
+    error, the compile budget), ``fused=None`` without a C++ compiler, without Triton, with a
+    torch whose Inductor lacks an option the step needs or (CPU) drops low-precision round trips,
+    or on a device with no fused step, and the 1-bit hook's fallback; and no other lowprec
+    warning."""
     import re
     import types
 
@@ -604,7 +606,14 @@ def test_the_fallback_filter_matches_every_fallback_warning(monkeypatch):
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     monkeypatch.setattr(_triton, "has_triton", lambda: False)
-    messages = [f"lowprec: {compiled._compiler.__wrapped__(d)}" for d in ("cpu", "cuda", "mps")]
+    why = compiled._compiler.__wrapped__  # (uncached)
+    messages = [f"lowprec: {why(d)}" for d in ("cpu", "cuda", "mps")]
+    with monkeypatch.context() as m:
+        m.setattr(compiled, "_CPU_ROUND_TRIPS_KEPT", (99, 0))
+        messages.append(f"lowprec: {why('cpu')}")
+        m.setattr(compiled, "inductor_options", lambda: {"emulate_precision_casts": False})
+        messages.append(f"lowprec: {why('cuda')}")  # (the same on the CPU)
+    assert len(set(messages)) == len(messages), messages  # (each a case of its own)
 
     def fails(*variant):
         def kernel(*args):
@@ -619,7 +628,7 @@ def test_the_fallback_filter_matches_every_fallback_warning(monkeypatch):
         compiled._disable_fused(types.SimpleNamespace(), compiled.CompileBudgetExceeded("spent"))
         assert stages.run(state, "probe", torch.zeros(2)) is not None
     messages += [str(w.message) for w in caught]
-    assert len(messages) == 6 and all(m.startswith("lowprec: ") for m in messages), messages
+    assert len(messages) == 8 and all(m.startswith("lowprec: ") for m in messages), messages
     fallback = re.compile(FALLBACK_WARNING, re.I)  # (a warnings filter's flags)
     assert all(fallback.match(m) for m in messages), messages
     assert not fallback.match("lowprec: parameter group 0: state_dtype='8bit' keeps FP32 state")
