@@ -18,6 +18,8 @@ from lowprec import LossScaler, NonFiniteLossError
 from lowprec.optim import SGD, AdamW, loss_scale
 from tests._host import no_host_reads
 
+pytestmark = pytest.mark.floor  # (also run under the oldest torch claimed: .ci/run)
+
 BAD = "inf"
 
 
