@@ -203,6 +203,8 @@ def _run(v: Variant, device: torch.device, fused: bool, init: list[torch.Tensor]
               **({"state_dtype": "8bit"} if v.state == "8bit" else {}))
     if state is not None:
         opt.load_state_dict(copy.deepcopy(state))
+        for group in opt.param_groups:  # (the checkpoint's groups bring the saver's "fused")
+            group["fused"] = fused
     gen = torch.Generator(device=device).manual_seed(seed)
     scale = SCALE if v.scaled else 1.0
     for step in range(steps):
@@ -225,21 +227,29 @@ def check(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:
     dtype = DTYPES[v.dtype]
     init = [torch.randn(s, generator=gen, device=device).to(dtype) for s in shapes(device, quick)]
     out: dict[str, Any] = {"variant": v.name, "result": "equal", "detail": "", "kernels": []}
+    calls: dict[tuple[str, bool], list[Any]] = {}  # (phase, fused) -> the kernels it called
+
+    def run(phase, fused, *args, **kwargs):
+        with kernels_called() as called:
+            result = _run(v, device, fused, *args, **kwargs)
+        calls[phase, fused] = called
+        return result
+
     try:
-        with fallbacks_are_errors(), kernels_called() as called:
-            runs = [_run(v, device, fused, init, STEPS, seed=1) for fused in (False, True)]
+        with fallbacks_are_errors():
+            runs = [run("first", fused, init, STEPS, seed=1) for fused in (False, True)]
             first = compare(*runs[0], *runs[1])
             # Save the fused run's state, resume both ways from its parameters.
             state = runs[1][1].state_dict()
             mid = [p.detach().clone() for p in runs[1][0]]
-            resumed = [_run(v, device, fused, mid, RESUMED_STEPS, seed=2, state=state)
+            resumed = [run("resumed", fused, mid, RESUMED_STEPS, seed=2, state=state)
                        for fused in (False, True)]
             second = compare(*resumed[0], *resumed[1])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        kernels = sorted({k.name for k in called})
-        out["kernels"] = kernels
-        cold = sorted({k.name for k in called if not k.warm})
+        fused_calls = calls["first", True] + calls["resumed", True]
+        out["kernels"] = sorted({k.name for k in fused_calls})
+        cold = sorted({k.name for k in fused_calls if not k.warm})
         if first["differ"] or second["differ"] or first["where"] or second["where"]:
             n = first["differ"] + second["differ"]
             where = [f"after {STEPS} steps: {w}" for w in first["where"]] + [
@@ -247,9 +257,14 @@ def check(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:
             out["result"] = "DIFFERS"
             out["detail"] = (f"{n} of {first['elements'] + second['elements']} elements: "
                              + "; ".join(where[:6]) + ("; ..." if len(where) > 6 else ""))
-        elif not called:
+        elif calls["first", False] or calls["resumed", False]:
+            # (the comparison would hold compiled code against itself)
+            out["result"] = "ERROR"
+            out["detail"] = "the eager reference ran compiled kernels"
+        elif not calls["first", True] or not calls["resumed", True]:
             out["result"] = "FALLBACK"
-            out["detail"] = "no compiled kernel ran in the fused runs"
+            out["detail"] = "no compiled kernel ran in the " + " and the ".join(
+                f"{phase} fused run" for phase in ("first", "resumed") if not calls[phase, True])
         elif cold:
             out["result"] = "FALLBACK"
             out["detail"] = f"kernels that never finished a call: {', '.join(cold)}"

@@ -79,11 +79,41 @@ def test_a_differing_state_tensor_is_reported(monkeypatch):
     assert r["result"] == "DIFFERS" and "compensation of 1: 1" in r["detail"], r
 
 
+def test_a_run_resumed_from_the_fused_checkpoint_keeps_its_own_step():
+    """The fused run's state_dict carries fused=True in its groups: the eager run resumed from
+    it must stay eager, or the resumed comparison would be fused against fused."""
+    v = fc.Variant("SGD", "split", "bf16")
+    init = [torch.ones(8, dtype=torch.bfloat16)]
+    _, saver = fc._run(v, CPU, True, init, 0, seed=1)
+    assert saver.state_dict()["param_groups"][0]["fused"] is True
+    for fused in (False, True):
+        _, opt = fc._run(v, CPU, fused, init, 0, seed=1, state=saver.state_dict())
+        assert [g["fused"] for g in opt.param_groups] == [fused]
+
+
 def test_no_compiled_kernel_run_is_a_fallback_not_a_pass(monkeypatch):
     """The bits match (both runs eager), but nothing compiled ran: that is no pass."""
     _as_if_fused(monkeypatch)
     r = fc.check(fc.Variant("SGD", "none", "fp32"), CPU, quick=True)
-    assert r["result"] == "FALLBACK" and "no compiled kernel ran" in r["detail"], r
+    assert r["result"] == "FALLBACK", r
+    assert r["detail"] == "no compiled kernel ran in the first fused run and the resumed fused run"
+
+
+def test_an_eager_reference_that_ran_compiled_kernels_is_an_error(monkeypatch):
+    """Fused against fused proves nothing (a resumed run that took the checkpoint's fused=True
+    did so): the eager runs may call no compiled kernel."""
+    real = fc._run
+    fake = compiled._Kernel(lambda *a, **k: None, "fake")
+    fake.warm = True
+
+    def calls_a_kernel(v, device, fused, *a, **k):
+        if not fused:
+            fake()  # as if the eager run had compiled its step
+        return real(v, device, False, *a, **k)
+
+    monkeypatch.setattr(fc, "_run", calls_a_kernel)
+    r = fc.check(fc.Variant("SGD", "none", "fp32"), CPU, quick=True)
+    assert r["result"] == "ERROR" and "eager reference ran compiled kernels" in r["detail"], r
 
 
 def _failing_compiler(monkeypatch):
