@@ -379,7 +379,7 @@ def _compiles(kwargs: dict[str, Any]) -> bool:
         return kwargs["fused"] is True
     from lowprec.optim import compiled
 
-    return compiled._default_compiles("cpu")
+    return compiled._default_compiles(DEVICE.type)
 
 
 # Comparisons printed under the table: (title, numerator rows, denominator rows). Each lowprec
