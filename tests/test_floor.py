@@ -36,8 +36,9 @@ B, H, F = torch.bfloat16, torch.float16, torch.float32
 KW = dict(test_fused.OPTIMIZERS)
 
 #: Before torch 2.13, Inductor's C++ code drops the round trip through FP16/BF16 that Kahan's
-#: remainder is made of (``compiled._CPU_ROUND_TRIPS_KEPT``): fused=True on FP16 loses the
-#: compensation there (the default step stays eager instead, with a warning).
+#: remainder is made of (``compiled._CPU_ROUND_TRIPS_KEPT``): fused=True on FP16 falls back to
+#: the eager step there with a warning (``compiled.RoundTripsDropped``), which fails a test
+#: marked ``fused``, and the default step stays eager.
 ROUND_TRIPS_DROPPED = (
     torch.torch_version.TorchVersion(torch.__version__) < compiled._CPU_ROUND_TRIPS_KEPT
 )
@@ -57,7 +58,7 @@ test_resumes_a_torch_optim_checkpoint = test_optim.test_resumes_a_torch_optim_ch
     (SGD, F, "none"),
     pytest.param(AdamW, H, "kahan", marks=pytest.mark.xfail(
         ROUND_TRIPS_DROPPED, strict=True,
-        reason=f"torch {torch.__version__}'s C++ code drops Kahan's FP16 round trip")),
+        reason=f"torch {torch.__version__}'s C++ code drops Kahan's FP16 round trip: eager")),
 ], ids=lambda v: getattr(v, "__name__", str(v).replace("torch.", "")))
 def test_fused_equals_eager_across_a_checkpoint(cls, dtype, master):
     test_fused.test_fused_equals_eager_bit_for_bit_across_a_checkpoint(

@@ -206,6 +206,19 @@ _NO_OPTION = object()
 _CPU_ROUND_TRIPS_KEPT = (2, 13)
 
 
+class RoundTripsDropped(RuntimeError):
+    """Raised (and caught: the step falls back to eager) where ``fused=True`` asks for a kernel
+    that this torch's Inductor C++ code would compile without Kahan's round trip through 16 bits
+    (``_CPU_ROUND_TRIPS_KEPT``), before anything is written."""
+
+
+def _round_trips_dropped(p: torch.Tensor) -> bool:
+    """Whether a compiled step of ``p`` (a 16-bit CPU tensor, off the pairs path) would lose a
+    value's round trip through its dtype in this torch (``_CPU_ROUND_TRIPS_KEPT``)."""
+    return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
+            and torch.torch_version.TorchVersion(torch.__version__) < _CPU_ROUND_TRIPS_KEPT)
+
+
 @functools.cache
 def _compiler(device_type: str) -> str:
     """Why the default step cannot be compiled on ``device_type`` ("" where it can): Inductor
@@ -317,6 +330,8 @@ def _disable_fused(opt, error: BaseException) -> None:
     if isinstance(error, CompileBudgetExceeded):
         how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
                "pass fused=False to silence this warning.")
+    elif isinstance(error, RoundTripsDropped):
+        how = "Upgrade torch for the fused step, or pass fused=False to silence this warning."
     else:
         how = ("Install a C++ compiler (CPU) or Triton (GPU), or pass fused=False to silence "
                "this warning.")
@@ -435,6 +450,12 @@ class _CompiledStep:
         f.qkw = {"qstate": qstate} if qstate else {}
         f.bases = None
         f.pairs = pairs = None if qstate else self._pairs_plan(storage, p, grad, sbufs, mbufs)
+        if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
+            raise RoundTripsDropped(
+                f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
+                "into x, which zeroes master='kahan''s compensation in this kernel (FP16, or "
+                "BF16 off the pairs path or with 8-bit state); fixed in torch "
+                f"{'.'.join(map(str, _CPU_ROUND_TRIPS_KEPT))}")
         f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
         f.base, f.start, f.shards = None, start, tuple(shards)
         if start:
