@@ -52,3 +52,21 @@ def device(request) -> str:
     (tests/_devices.py). Tests built on @given take ``DEVICES`` as a direct parametrization
     instead, since Hypothesis refuses a function-scoped fixture."""
     return request.param
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The names of the compiled kernels called (each call), with every kernel new to this test
+    (an empty cache: a kernel is compiled, or refused by the budget, here)."""
+    from lowprec.optim import compiled
+
+    calls = []
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    real = compiled._Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    return calls

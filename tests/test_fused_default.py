@@ -32,22 +32,6 @@ def _run(cls, fused, steps=3, **kw):
     return params, opt
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """The names of the compiled kernels called (each call), with every kernel new to this test
-    (an empty cache: a kernel is compiled, or refused by the budget, here)."""
-    calls = []
-    monkeypatch.setattr(compiled, "_KERNELS", {})
-    real = compiled._Kernel.__call__
-
-    def spy(self, *args, **kwargs):
-        calls.append(self.name)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
-    return calls
-
-
 @pytest.mark.fused
 @pytest.mark.parametrize("cls", [AdamW, Lamb])
 def test_the_default_step_is_compiled_where_a_compiler_exists(monkeypatch, kernel_calls, cls):

@@ -23,6 +23,7 @@ from lowprec.optim import SGD, AdamW, compiled
 from lowprec.optim.storage import STORAGES
 from tests._fallback import FALLBACK_WARNING
 from tests._same import assert_same
+from tests.test_fused_default import _run as run_kahan
 
 pytestmark = pytest.mark.floor
 
@@ -31,15 +32,7 @@ SHAPES = [(300, 256), (64,), (7,)]
 
 
 def _run(fused, steps=3):
-    torch.manual_seed(0)
-    params = [(torch.randn(s) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES]
-    opt = AdamW(params, lr=1e-2, master="kahan", seed=3, fused=fused)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for p in params:
-            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(torch.bfloat16)
-        opt.step()
-    return params, opt
+    return run_kahan(AdamW, fused, steps)
 
 
 @pytest.fixture
@@ -94,19 +87,11 @@ def test_the_default_step_on_the_cpu_needs_a_torch_that_keeps_round_trips(
     assert "round trip" not in compiled._compiler("cuda")  # (Triton keeps them)
 
 
-def test_the_default_step_on_this_torch(monkeypatch, fresh_compiler):
+def test_the_default_step_on_this_torch(monkeypatch, fresh_compiler, kernel_calls):
     """Compiled on the CPU from torch 2.13; before, eager with one warning. The same bits."""
     monkeypatch.delenv("LOWPREC_FUSED", raising=False)
     monkeypatch.setattr(compiled, "_WARNED", set())
-    monkeypatch.setattr(compiled, "_KERNELS", {})
-    calls = []
-    real = compiled._Kernel.__call__
-
-    def spy(self, *args, **kwargs):
-        calls.append(self.name)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    calls = kernel_calls
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pa, oa = _run(None)
@@ -134,19 +119,11 @@ def test_an_option_this_torch_lacks_is_found_by_its_dotted_name(monkeypatch, opt
 
 @pytest.mark.parametrize("option", ["cpp.dynamic_threads", "eager_numerics.division_rounding"])
 def test_without_an_option_the_default_step_warns_once_and_stays_eager(
-    monkeypatch, fresh_compiler, option
+    monkeypatch, fresh_compiler, kernel_calls, option
 ):
     monkeypatch.delenv("LOWPREC_FUSED", raising=False)
     monkeypatch.setattr(compiled, "_WARNED", set())
-    monkeypatch.setattr(compiled, "_KERNELS", {})
-    calls = []
-    real = compiled._Kernel.__call__
-
-    def spy(self, *args, **kwargs):
-        calls.append(self.name)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    calls = kernel_calls
     *parents, leaf = option.split(".")
     owner = torch._inductor.config
     for part in parents:
