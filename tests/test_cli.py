@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from lowprec import cli, compare, memory, recipes
+from lowprec import cli, cli_compare, compare, memory, plot, recipes
 from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
 
 # A model and run small enough for a test: the whole comparison takes seconds.
@@ -162,9 +162,9 @@ def test_background_load_is_measured_and_reported(capsys):
     if summary["background_cores"] is not None:
         assert 0 <= summary["background_cores"] < 4
     console = cli._console()
-    cli._load_note(console, {"background_cores": 0.9, "max_cores": 1.0,
+    cli_compare._load_note(console, {"background_cores": 0.9, "max_cores": 1.0,
                              "contended_fraction": 0.4}, threads=2)
-    cli._load_note(console, {"background_cores": 0.0, "max_cores": 0.1,
+    cli_compare._load_note(console, {"background_cores": 0.0, "max_cores": 0.1,
                              "contended_fraction": 0.0}, threads=2)
     out = capsys.readouterr().out
     assert "The machine was contended" in out and "40% of the rounds" in out
@@ -287,7 +287,7 @@ def test_plot_draws_every_panel_for_diverged_and_missing_references(tmp_path, wi
     if not with_fp32:
         records = records[1:]
     path = tmp_path / "p.png"
-    cli.plot_losses(records, path, title="test")
+    plot.plot_losses(records, path, title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

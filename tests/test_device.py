@@ -19,7 +19,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lowprec import cli, compare, config, memory, recipes
+from lowprec import cli, cli_compare, cli_parser, compare, config, memory, recipes
 from lowprec.task import CharTransformer, ModelConfig
 
 # A model and run small enough for a test (as tests/test_cli.py's).
@@ -156,11 +156,11 @@ def test_the_load_note_on_a_gpu_blames_no_cpu_threads(capsys):
     console = cli._console()
     gpu = {"device": "cuda:0", "type": "cuda", "name": "a GPU"}
     busy = {"background_cores": 0.9, "max_cores": 1.0, "contended_fraction": 0.4}
-    cli._load_note(console, busy, 2, gpu)
+    cli_compare._load_note(console, busy, 2, gpu)
     out = _words(capsys.readouterr().out)
     assert "Background CPU load: 0.90 cores" in out and "in 40% of them" in out
     assert "The steps ran on cuda:0" in out and "share the cores" not in out
-    cli._load_note(console, busy, 2, {"device": "cpu", "type": "cpu", "name": "a CPU"})
+    cli_compare._load_note(console, busy, 2, {"device": "cpu", "type": "cpu", "name": "a CPU"})
     assert "2 threads share the cores" in _words(capsys.readouterr().out)
 
 
@@ -235,7 +235,7 @@ def test_size_presets_have_the_documented_parameter_counts(name):
     assert count == size.model.num_parameters
     documented = f"`{name}` ({count / 1e6:.1f}M parameters"
     assert documented in README, f"README's --size line should say {documented}"
-    assert f"{name} ({count / 1e6:.1f}M parameters" in cli._sizes_help()
+    assert f"{name} ({count / 1e6:.1f}M parameters" in cli_parser._sizes_help()
 
 
 def test_the_default_size_is_the_built_in_model_and_gpt2_small_has_gpt2s_layers():

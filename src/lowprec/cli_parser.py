@@ -1,0 +1,210 @@
+"""The ``lowprec`` command's options: argparse, its argument types, and ``build_parser``.
+
+Torch-free (it reads ``lowprec.config``), so that ``--help``, ``--version`` and a mistyped option
+answer without the seconds an import of torch takes; each subcommand's parser names its command
+(``command``), which ``lowprec.cli.main`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from lowprec import __version__, config
+
+
+def _whole(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int, _nonnegative_int = _whole(1), _whole(0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _recipe_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    valid = config.RECIPES
+    if not names:
+        raise argparse.ArgumentTypeError(f"no recipe given; choose from {', '.join(valid)}")
+    for name in names:
+        if name not in valid:
+            raise argparse.ArgumentTypeError(
+                f"unknown recipe {name!r}; choose from {', '.join(valid)}"
+            )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("a recipe is listed twice; list each once")
+    return names
+
+
+def _optimizer(text: str) -> str:
+    key = text.strip().lower()
+    if key not in config.OPTIMIZERS:
+        raise argparse.ArgumentTypeError(
+            f"unknown optimizer {text!r}; choose from {', '.join(config.OPTIMIZERS)}"
+        )
+    return key
+
+
+def _device(text: str) -> str:
+    try:
+        return config.check_device(text.strip().lower())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
+
+
+def _sizes_help() -> str:
+    """The presets with their parameter counts and batch sizes, for ``--size``'s help."""
+    return ", ".join(f"{name} ({s.model.num_parameters / 1e6:.1f}M parameters: d_model "
+                     f"{s.model.d_model} x {s.model.n_layer} layers, {s.model.n_head} heads, "
+                     f"context {s.model.context}, batch {s.batch_size})"
+                     for name, s in config.SIZES.items())
+
+
+def _add_device_and_size(p: argparse.ArgumentParser, overrides: str) -> None:
+    p.add_argument("--device", type=_device, default="auto",
+                   help="where to train: auto (CUDA where torch finds a GPU, else the CPU), "
+                        "cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--size", choices=tuple(config.SIZES), default="default", metavar="SIZE",
+                   help=f"model size preset: {_sizes_help()}; {overrides} (default: default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lowprec.config import (
+        DEFAULT_LR,
+        DEFAULT_RECIPES,
+        DEFAULT_TOLERANCE,
+        RECIPES,
+        CompareConfig,
+    )
+
+    cfg, (model, batch) = CompareConfig(), config.sized("default")
+    parser = argparse.ArgumentParser(
+        prog="lowprec",
+        description="Compare low-precision training recipes: loss, speed, memory, lost updates.",
+    )
+    parser.add_argument("--version", action="version", version=f"lowprec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser(
+        "compare",
+        help="train the built-in model under each recipe and compare (the main job)",
+        description=(
+            "Train a byte-level transformer language model on Python's own standard-library "
+            "sources under each recipe, from the same initial weights and batches, and report "
+            "the final train and eval loss and gap to FP32, the median step time and speed-up, "
+            "the bytes per parameter by buffer, and the fraction of updates lost to rounding. "
+            "Writes a JSON file with every number and a PNG of the loss curves. Runs on the "
+            "GPU where torch finds one (--device), and --size picks a model for it."
+        ),
+    )
+    c.add_argument("--recipes", type=_recipe_list, default=DEFAULT_RECIPES,
+                   help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; "
+                        f"all: {','.join(RECIPES)})")
+    c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
+                   help=f"sgd, adagrad, lamb or adamw (default: {cfg.optimizer})")
+    c.add_argument("--steps", type=_positive_int, default=cfg.steps,
+                   help=f"training steps per recipe (default: {cfg.steps})")
+    c.add_argument("--lr", type=_positive_float, default=None,
+                   help="peak learning rate (default: per optimizer, adamw "
+                        f"{DEFAULT_LR['adamw']:g})")
+    c.add_argument("--seed", type=_nonnegative_int, default=cfg.seed,
+                   help=f"seed of the initial weights and the batches (default: {cfg.seed})")
+    _add_device_and_size(c, "--d-model, --n-layer, --n-head, --context and --batch-size "
+                            "override its parts")
+    c.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"sequences per batch (default: the size's, {batch} for default)")
+    c.add_argument("--d-model", type=_positive_int, default=None,
+                   help=f"model width (default: the size's, {model.d_model} for default)")
+    c.add_argument("--n-layer", type=_positive_int, default=None,
+                   help=f"transformer blocks (default: the size's, {model.n_layer} for default)")
+    c.add_argument("--n-head", type=_positive_int, default=None,
+                   help=f"attention heads (default: the size's, {model.n_head} for default)")
+    c.add_argument("--context", type=_positive_int, default=None,
+                   help="sequence length in bytes (default: the size's, "
+                        f"{model.context} for default)")
+    c.add_argument("--threads", type=_positive_int, default=cfg.threads,
+                   help=f"torch threads, on the CPU only (default: {cfg.threads})")
+    c.add_argument("--eval-batches", type=_positive_int, default=cfg.eval_batches,
+                   help=f"held-out batches for the eval loss (default: {cfg.eval_batches})")
+    c.add_argument("--monitor-every", type=_nonnegative_int, default=cfg.monitor_every,
+                   help="count lost updates every k steps, 0 for never "
+                        f"(default: {cfg.monitor_every})")
+    c.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the optimizer step with torch.compile, or --no-fused for the "
+                        "eager step (default: the library's, compiled where a C++ compiler or "
+                        "Triton is found)")
+    c.add_argument("--tolerance", type=_positive_float, default=100 * DEFAULT_TOLERANCE,
+                   help="recommend the cheapest recipe whose eval loss is at most this many "
+                        f"percent above fp32's (default: {100 * DEFAULT_TOLERANCE:g})")
+    c.add_argument("--out", type=Path, default=Path("lowprec-out"),
+                   help="folder for compare.json and compare.png (default: lowprec-out)")
+    c.add_argument("--json", type=Path, default=None,
+                   help="where to write the JSON (default: OUT/compare.json)")
+    c.add_argument("--plot", type=Path, default=None,
+                   help="where to write the loss-curve PNG (default: OUT/compare.png)")
+    c.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(command="compare")
+
+    m = sub.add_parser(
+        "memory",
+        help="bytes per parameter of each recipe, expected and measured",
+        description=(
+            "Bytes per parameter element (weights, gradients, optimizer state, master copy / "
+            "trail / compensation) of each recipe with one optimizer: derived from the "
+            "optimizer's own choices, and measured from the tensors of the built-in model "
+            "after one step (every layer converted, so the two must agree). On CUDA it adds "
+            "the allocator's bytes of a real training step: held between steps, and the peak "
+            "during one (torch.cuda.max_memory_allocated)."
+        ),
+    )
+    m.add_argument("--optimizer", type=_optimizer, default="adamw",
+                   help="sgd, adagrad, lamb or adamw (default: adamw)")
+    _add_device_and_size(m, "--batch-size overrides its batch")
+    m.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="sequences per batch of the CUDA peak's step (default: the size's)")
+    m.add_argument("--accumulate", choices=("fp32", "kahan"), default=None,
+                   help="add lowprec.accumulate's buffers (gradient accumulation without "
+                        "rounding loss) to the recipes with BF16/FP16 weights")
+    m.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
+    m.set_defaults(command="memory")
+
+    n = sub.add_parser(
+        "numerics",
+        help="the precision problems made visible: swamping, FP16 underflow, DFP-16 rounding",
+        description=(
+            "Three small experiments: a small number added many times to a large one in FP32, "
+            "BF16, BF16 + Kahan, split and stochastic rounding (swamping); gradient-sized "
+            "values cast to FP16 with and without loss scaling (underflow); and the DFP-16 "
+            "quantization error of each rounding mode."
+        ),
+    )
+    n.add_argument("--big", type=float, default=1.0, help="the large value (default: 1.0)")
+    n.add_argument("--small", type=float, default=1e-4, help="the increment (default: 1e-4)")
+    n.add_argument("--steps", type=_nonnegative_int, default=1000,
+                   help="number of additions (default: 1000)")
+    n.add_argument("--seed", type=_nonnegative_int, default=0, help="seed (default: 0)")
+    n.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    n.set_defaults(command="numerics")
+    return parser
