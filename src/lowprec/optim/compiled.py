@@ -212,11 +212,17 @@ class RoundTripsDropped(RuntimeError):
     (``_CPU_ROUND_TRIPS_KEPT``), before anything is written."""
 
 
+def _cpu_drops_round_trips() -> bool:
+    """Whether this torch's Inductor C++ code drops a value's round trip through BF16/FP16
+    (``_CPU_ROUND_TRIPS_KEPT``)."""
+    return torch.torch_version.TorchVersion(torch.__version__) < _CPU_ROUND_TRIPS_KEPT
+
+
 def _round_trips_dropped(p: torch.Tensor) -> bool:
     """Whether a compiled step of ``p`` (a 16-bit CPU tensor, off the pairs path) would lose a
-    value's round trip through its dtype in this torch (``_CPU_ROUND_TRIPS_KEPT``)."""
+    value's round trip through its dtype in this torch."""
     return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
-            and torch.torch_version.TorchVersion(torch.__version__) < _CPU_ROUND_TRIPS_KEPT)
+            and _cpu_drops_round_trips())
 
 
 @functools.cache
@@ -234,7 +240,7 @@ def _compiler(device_type: str) -> str:
                     "so the optimizers' default step stays eager, with the same results more "
                     "slowly. The fused step needs torch>=2.11: upgrade torch for it, or set "
                     "LOWPREC_FUSED=0 to silence this warning.")
-    if device_type == "cpu" and version < _CPU_ROUND_TRIPS_KEPT:
+    if device_type == "cpu" and _cpu_drops_round_trips():
         need = ".".join(map(str, _CPU_ROUND_TRIPS_KEPT))
         return (f"no fused step on the CPU with torch {version}: its Inductor C++ code skips the "
                 "round trip of a value through bfloat16/float16 (x.to(bfloat16).float() becomes "
@@ -546,8 +552,8 @@ class _CompiledStep:
             )
 
     def _run_fused_rows(self, f: _Fused, grad, c32, lo, hi, extra) -> None:
-        """The compiled step of a parameter with 8-bit state, a call per ``_QROWS[device type]`` rows of a
-        block (a rule with norms: every piece's sums first, then every piece's update). Inductor
+        """The compiled step of a parameter with 8-bit state, a call per ``_QROWS`` (per device
+        type) rows of a block (a rule with norms: every piece's sums first, then every piece's update). Inductor
         writes the new moments and weights to full-size temporaries between its loops over the
         rows; per piece they stay in cache and the allocator reuses them, where a step over a
         16M-element parameter at once took 3.5x as long per element as one over 256K (2.8x
