@@ -553,11 +553,11 @@ class _CompiledStep:
 
     def _run_fused_rows(self, f: _Fused, grad, c32, lo, hi, extra) -> None:
         """The compiled step of a parameter with 8-bit state, a call per ``_QROWS`` (per device
-        type) rows of a block (a rule with norms: every piece's sums first, then every piece's update). Inductor
-        writes the new moments and weights to full-size temporaries between its loops over the
-        rows; per piece they stay in cache and the allocator reuses them, where a step over a
-        16M-element parameter at once took 3.5x as long per element as one over 256K (2.8x
-        faster in all). Each piece's random bits are keyed by its elements' indices in the whole
+        type) rows of a block (a rule with norms: every piece's sums first, then every piece's
+        update). Inductor writes the new moments and weights to full-size temporaries between
+        its loops over the rows; per piece they stay in cache and the allocator reuses them,
+        where a step over a 16M-element parameter at once took 3.5x as long per element as one
+        over 256K (2.8x faster in all). Each piece's random bits are keyed by its elements' indices in the whole
         parameter (``base``)."""
         pv, gv = _step_view(f, f.p), _step_view(f, grad)
         sv, mv = f.views
