@@ -56,8 +56,8 @@ def device(request) -> str:
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The names of the compiled kernels called (each call), with every kernel new to this test
-    (an empty cache: a kernel is compiled, or refused by the budget, here)."""
+    """The compiled kernels called (``compiled._Kernel``, once per call), with every kernel new
+    to this test (an empty cache: a kernel is compiled, or refused by the budget, here)."""
     from lowprec.optim import compiled
 
     calls = []
@@ -65,7 +65,7 @@ def kernel_calls(monkeypatch):
     real = compiled._Kernel.__call__
 
     def spy(self, *args, **kwargs):
-        calls.append(self.name)
+        calls.append(self)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(compiled._Kernel, "__call__", spy)

@@ -484,7 +484,7 @@ def _steps(params, opt, steps, device):
         opt.step()
 
 
-def test_a_fused_step_runs_compiled_kernels(monkeypatch, device):
+def test_a_fused_step_runs_compiled_kernels(kernel_calls, device):
     """``fused=True`` compiles and runs compiled code, which the bits alone cannot show (a step
     that fell back to eager gives the same): every ``compiled._Kernel`` the steps made was called
     and finished its first call (``warm``: compiled without error), among them the shared call of
@@ -493,15 +493,7 @@ def test_a_fused_step_runs_compiled_kernels(monkeypatch, device):
     from torch._dynamo.utils import counters
     from torch._inductor import metrics
 
-    monkeypatch.setattr(compiled, "_KERNELS", {})  # (every kernel new: compiled by this test)
-    called = []
-    real = compiled._Kernel.__call__
-
-    def spy(self, *args, **kwargs):
-        called.append(self)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(compiled._Kernel, "__call__", spy)
+    # (kernel_calls: every kernel new, compiled by this test)
     init = [torch.randn(s).to(torch.bfloat16).to(device) for s in RAN_SHAPES]
     runs = []
     for fused in (False, True):
@@ -511,7 +503,7 @@ def test_a_fused_step_runs_compiled_kernels(monkeypatch, device):
         _steps(params, opt, 3, device)
         runs.append((params, opt))
     assert_same(*runs[0], *runs[1])
-    kernels = set(called)
+    kernels = set(kernel_calls)
     assert kernels == set(compiled._KERNELS.values()), "a kernel was made but never called"
     assert all(k.warm for k in kernels), [k.name for k in kernels if not k.warm]
     assert any("update_many" in k.name for k in kernels), [k.name for k in kernels]
