@@ -1,13 +1,19 @@
 """Train the built-in model under several recipes and measure what each costs.
 
 ``compare`` runs every recipe with the same seed, the same initial weights and the same batches,
-and returns one record per recipe: final train loss, eval loss and gap to FP32, median step time
-and speed-up over FP32 (with their interquartile ranges), bytes per parameter by buffer
-(measured from the tensors), the fraction of updates lost to rounding
-(``diagnostics.UpdateMonitor``) and the loss curve. The recipes take their steps in turn, so a
-machine whose load changes during the run slows them alike, and the background load is
-measured. The CLI (``lowprec compare``) prints, plots and saves these records; nothing here
-prints.
+and returns one record per recipe and seed: eval loss before and after, final train loss, gap to
+FP32 and share of FP32's loss drop, median step time and speed-up over FP32 (with their
+interquartile ranges), bytes per parameter by buffer (measured from the tensors), the fraction
+of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. The recipes take
+their steps in turn, so a machine whose load changes during the run slows them alike, and the
+background load is measured. ``lowprec.summary`` turns the records into one row per recipe
+over the seeds, the noise floor and the recommendation. The CLI (``lowprec compare``) prints,
+plots and saves them; nothing here prints.
+
+Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
+standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
+in FP32 (``lowprec.pretrained``, cached on disk) and rounded to BF16, and trains it on the prose
+of ``pydoc_data.topics`` at a fine-tuning rate.
 
 Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
 the models (built on the CPU from one seeded FP32 state, so every device starts from the same
@@ -25,7 +31,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -41,10 +47,20 @@ from lowprec.config import (
     ModelConfig,
     check_device,
 )
-from lowprec.task import Batches, CharTransformer, load_text
+from lowprec.summary import (
+    WARMUP_STEPS,
+    _quartiles,
+    _steady,
+    add_relative,
+    noise_floor,
+    recommend,
+    summarize,
+)
+from lowprec.task import Batches, CharTransformer, load_prose, load_text
 
-__all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "compare",
-           "device_info", "recommend", "resolve_device", "run_recipe", "task_loss"]
+__all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "add_relative",
+           "compare", "device_info", "noise_floor", "recommend", "resolve_device", "run_recipe",
+           "summarize", "task_data", "task_loss"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -104,15 +120,45 @@ def _cpu_name() -> str:
 
 
 def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
+    """The learning rate's factor at each step: a linear warm-up over ``cfg.warmup`` of the
+    steps, then ``cfg.lr_schedule``: cosine decay to 10% of the peak, or the peak throughout."""
     warm = max(1, int(cfg.warmup * cfg.steps))
+    cosine = cfg.lr_schedule == "cosine"
 
     def factor(step: int) -> float:
         if step < warm:
             return (step + 1) / warm
+        if not cosine:
+            return 1.0
         progress = (step - warm) / max(1, cfg.steps - warm)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
+              pretrained: dict[str, torch.Tensor] | None = None,
+              ) -> tuple[Batches, dict[str, torch.Tensor]]:
+    """The batches and initial FP32 weights of one seed's runs of ``cfg.task``.
+
+    ``pretrain``: windows of the standard library's sources and seeded random weights.
+    ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
+    ``lowprec.pretrained.pretrained`` returns, the same for every seed).
+    """
+    if cfg.task == "finetune":
+        if pretrained is None:
+            raise ValueError("the finetune task starts from pretrained weights: pass "
+                             "pretrained=lowprec.pretrained.pretrained(cfg, device)[0].")
+        text, initial = load_prose(), pretrained
+    else:
+        text = load_text(cfg.text_bytes)
+        torch.manual_seed(seed)
+        initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
+    # (every seed is measured on the first seed's held-out windows: the spread over seeds is the
+    # training's, not the sampling of the eval set's)
+    batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=seed,
+                      eval_seed=cfg.seed + 1, device=device)
+    return batches, initial
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -143,23 +189,28 @@ def _evaluate(model, recipe, batches, device: torch.device) -> float:
 
 class _Run:
     """One recipe's training run, stepped one batch at a time (``compare`` takes the recipes'
-    steps in turn; ``run_recipe`` runs one alone)."""
+    steps in turn; ``run_recipe`` runs one alone). Its eval loss before training is measured
+    when it is built (``eval_before``), on ``batches``' held-out windows."""
 
-    def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor],
+                 batches: Batches, seed: int | None = None) -> None:
         from lowprec import diagnostics
 
-        self.name, self.cfg = name, cfg
+        self.name, self.cfg, self.batches = name, cfg, batches
+        self.seed = cfg.seed if seed is None else seed
         self.device = resolve_device(cfg.device)
         self.recipe = recipe = recipes_mod.get(name)
         model = CharTransformer(cfg.model)
         model.load_state_dict(initial)
         self.model = model = recipe.convert(model.to(self.device))
+        self.eval_before = _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches),
+                                     self.device)
         hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
         if cfg.optimizer == "sgd":
             hp["momentum"] = 0.9
         if cfg.optimizer in ("adamw", "lamb"):
             hp["weight_decay"] = 0.01
-        self.opt = recipe.optimizer(cfg.optimizer, model.parameters(), seed=cfg.seed, **hp)
+        self.opt = recipe.optimizer(cfg.optimizer, model.parameters(), seed=self.seed, **hp)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
         self.monitor = None
         if cfg.monitor_every:
@@ -198,11 +249,11 @@ class _Run:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def record(self, batches: Batches) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         """The run's record (the steps taken so far), with its eval loss and memory."""
         from lowprec import memory
 
-        cfg, monitor = self.cfg, self.monitor
+        cfg, monitor, batches = self.cfg, self.monitor, self.batches
         losses, times = self.losses, self.times
         tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
         mem = memory.measure(self.model, self.opt)
@@ -217,8 +268,11 @@ class _Run:
             monitor.close()
         steady = _steady(times)
         median = statistics.median(steady)
+        recipe = self.recipe
         return {
             "recipe": self.name,
+            "seed": self.seed,
+            "eval_before": self.eval_before,
             "final_loss": statistics.fmean(tail) if tail else float("nan"),
             "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches),
                                    self.device),
@@ -234,7 +288,11 @@ class _Run:
             ),
             "skipped_steps": self.skipped,
             "losses": losses,
-            "description": self.recipe.description,
+            "description": recipe.description,
+            # What the recommendation's lost-update rule reads (``summary.recommend``).
+            "weights": str(recipe.param_dtype).removeprefix("torch."),
+            "master": recipe.master,
+            "rounding": "stochastic" if recipe.master == "stochastic" else "nearest",
         }
 
 
@@ -246,13 +304,14 @@ def run_recipe(
     *,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
-    """Train one recipe alone from the ``initial`` FP32 weights and return its record."""
-    run = _Run(name, cfg, initial)
+    """Train one recipe alone from the ``initial`` FP32 weights and return its record (its
+    seed: ``batches.seed``)."""
+    run = _Run(name, cfg, initial, batches, batches.seed)
     for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
         loss = run.step(x, y)
         if on_step is not None:
             on_step(step, loss)
-    return run.record(batches)
+    return run.record()
 
 
 def compare(
@@ -263,53 +322,71 @@ def compare(
     on_done: Callable[[dict[str, Any]], None] | None = None,
     records: list[dict[str, Any]] | None = None,
     load: dict[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    on_pretrain: Callable[[int, int, float], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+    info: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Train every recipe of ``cfg`` and return their records, with gaps and speed-ups vs FP32.
+    """Train every recipe of ``cfg`` over ``cfg.seed_list`` and return their records (one per
+    recipe and seed, seed by seed), with gaps and speed-ups vs FP32 of the same seed.
 
-    The recipes take their steps in turn, one step each per round, on the round's batch (the
-    round's first recipe rotates), so that a load which comes and goes on the machine slows
-    every recipe alike instead of the ones that happened to run meanwhile; a recipe's speed-up
-    is the median over the rounds of FP32's step time over its own in the same round. The
-    background load (cores that other processes kept busy, from ``/proc/stat``) is measured
-    per round and summarised in ``load`` (if given): see ``_Load``.
+    Within a seed the recipes take their steps in turn, one step each per round, on the round's
+    batch (the round's first recipe rotates), so that a load which comes and goes on the machine
+    slows every recipe alike instead of the ones that happened to run meanwhile; a recipe's
+    speed-up is the median over the rounds of FP32's step time over its own in the same round.
+    The seeds run one after another (one seed's models at a time in memory). The background load
+    (cores that other processes kept busy, from ``/proc/stat``) is measured per round and
+    summarised in ``load`` (if given): see ``_Load``.
+
+    The ``finetune`` task first gets its pretrained model (``lowprec.pretrained.pretrained``:
+    from ``cache_dir`` where a valid one is there, else trained, calling ``on_pretrain(step,
+    total, loss)``, and saved there); ``on_note(text)`` hears what the cache did, and ``info``
+    (if given) gets ``{"pretrained": ...}``, where it came from and what it cost.
 
     ``on_start(name)`` is called for every recipe before the first step, ``on_step(name, step,
-    loss)`` after each step, ``on_done(record)`` for each record at the end. On Ctrl-C
-    (``KeyboardInterrupt``) the records of the steps taken so far are put in ``records`` (if
-    given), then the interrupt is raised again.
+    loss)`` after each step (``step`` counts on over the seeds: ``seeds * steps`` in all),
+    ``on_done(record)`` for each record at the end. On Ctrl-C (``KeyboardInterrupt``) the
+    records of the steps taken so far are put in ``records`` (if given), then the interrupt is
+    raised again.
     """
     cfg.validate()
     device = resolve_device(cfg.device)
     if device.type == "cpu":  # (the CPU kernels' threads: a GPU run leaves torch's own)
         torch.set_num_threads(cfg.threads)
     out = records if records is not None else []
-    text = load_text(cfg.text_bytes)
-    batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=cfg.seed,
-                      device=device)
-    torch.manual_seed(cfg.seed)
-    initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
-    runs = []
-    for name in cfg.recipes:
-        if on_start is not None:
-            on_start(name)
-        runs.append(_Run(name, cfg, initial))
+    weights = None
+    if cfg.task == "finetune":
+        from lowprec.pretrained import pretrained
+
+        weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
+                                    on_note=on_note)
+        if info is not None:
+            info["pretrained"] = about
     meter = _Load()
-    try:
-        for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
-            first = step % len(runs)
-            meter.start()
-            for run in runs[first:] + runs[:first]:
-                loss = run.step(x, y)
-                if on_step is not None:
-                    on_step(run.name, step, loss)
-            meter.stop()
-    except KeyboardInterrupt:
-        out.extend(run.record(batches) for run in runs if run.losses)
-        add_relative(out)
-        if load is not None:
-            load.update(meter.summary())
-        raise
-    out.extend(run.record(batches) for run in runs)
+    for index, seed in enumerate(cfg.seed_list):
+        batches, initial = task_data(cfg, device, seed, pretrained=weights)
+        runs = []
+        for name in cfg.recipes:
+            if on_start is not None and index == 0:
+                on_start(name)
+            runs.append(_Run(name, cfg, initial, batches, seed))
+        try:
+            for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+                first = step % len(runs)
+                meter.start()
+                for run in runs[first:] + runs[:first]:
+                    loss = run.step(x, y)
+                    if on_step is not None:
+                        on_step(run.name, index * cfg.steps + step, loss)
+                meter.stop()
+        except KeyboardInterrupt:
+            out.extend(run.record() for run in runs if run.losses)
+            add_relative(out)
+            if load is not None:
+                load.update(meter.summary())
+            raise
+        out.extend(run.record() for run in runs)
+        del runs
     add_relative(out)
     if load is not None:
         load.update(meter.summary())
@@ -374,90 +451,11 @@ class _Load:
         }
 
 
-#: Steps left out of the step times: the fused step compiles its kernels in the first step and
-#: the calls a redone step shares between parameters in the second.
-WARMUP_STEPS = 2
-
-
-def _steady(xs: Sequence[Any]) -> list[Any]:
-    """``xs`` without the first ``WARMUP_STEPS`` steps (the last one where no other is left)."""
-    return list(xs[WARMUP_STEPS:]) if len(xs) > WARMUP_STEPS else list(xs[-1:])
-
-
-def _quartiles(xs: Sequence[float]) -> list[float] | None:
-    """The 25th and 75th percentiles of ``xs`` (None for fewer than two values)."""
-    if len(xs) < 2:
-        return None
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
-
-
-def add_relative(records: list[dict[str, Any]]) -> None:
-    """Fill ``eval_gap``, ``speedup`` and its ``speedup_iqr`` against the FP32 record, where there
-    is one. The speed-up is the median over the steps of FP32's step time over the recipe's at
-    the same step (the same round of ``compare``), the first ``WARMUP_STEPS`` left out."""
-    ref = next((r for r in records if r["recipe"] == "fp32"), None)
-    for r in records:
-        if ref is None:
-            r["eval_gap"], r["speedup"], r["speedup_iqr"] = None, None, None
-            continue
-        r["eval_gap"] = (r["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-        pairs = list(zip(ref["step_times_s"], r["step_times_s"], strict=False))
-        ratios = [a / b for a, b in _steady(pairs)]
-        r["speedup"] = statistics.median(ratios)
-        r["speedup_iqr"] = _quartiles(ratios)
-
-
-def recommend(records: list[dict[str, Any]], tolerance: float = DEFAULT_TOLERANCE
-              ) -> dict[str, Any]:
-    """The cheapest recipe that trains as well as FP32 on this run, and why each other lost.
-
-    A recipe qualifies when its eval loss is finite and at most ``tolerance`` (a fraction) above
-    FP32's (``eval_gap``); among those the fewest bytes per parameter wins, then the shorter
-    median step. Needs the records' relative fields (``add_relative``).
-
-    Returns:
-        ``{"recipe": name or None, "tolerance", "reason", "others": {name: why not}}``;
-        ``recipe`` is None (with the reason) where there is no FP32 record or none qualifies.
-    """
-    out: dict[str, Any] = {"recipe": None, "tolerance": tolerance, "others": {}}
-    if not any(r["recipe"] == "fp32" for r in records):
-        out["reason"] = "no fp32 run to compare with: add fp32 to --recipes"
-        return out
-
-    def fits(r: dict[str, Any]) -> bool:
-        gap = r.get("eval_gap")
-        return gap is not None and math.isfinite(gap) and gap <= tolerance
-
-    fitting = sorted((r for r in records if fits(r)),
-                     key=lambda r: (r["bytes_per_param"]["total"], r["step_time_s"]))
-    if not fitting:
-        out["reason"] = f"no recipe ended within {tolerance:.1%} of fp32's eval loss"
-    else:
-        best = fitting[0]
-        b, t = best["bytes_per_param"]["total"], best["step_time_s"]
-        out["recipe"] = best["recipe"]
-        out["reason"] = (f"eval loss {best['eval_gap']:+.2%} vs fp32 (within {tolerance:.1%}), "
-                         f"{b:.1f} B/param, {1e3 * t:.0f} ms/step")
-    for r in records:
-        if r is (fitting[0] if fitting else None):
-            continue
-        gap = r.get("eval_gap")
-        if gap is None or not math.isfinite(gap):
-            why = "diverged"
-        elif gap > tolerance:
-            why = f"eval loss {gap:+.2%} vs fp32, beyond the {tolerance:.1%} tolerance"
-        elif r["bytes_per_param"]["total"] > b:
-            why = f"{r['bytes_per_param']['total']:.1f} B/param against {b:.1f}"
-        else:
-            why = f"as lean, but slower: {1e3 * r['step_time_s']:.0f} against {1e3 * t:.0f} ms/step"
-        out["others"][r["recipe"]] = why
-    return out
-
-
 def config_dict(cfg: CompareConfig) -> dict[str, Any]:
     """``cfg`` as plain JSON-ready values."""
     d = asdict(cfg)
     d["recipes"] = list(cfg.recipes)
     d["lr"] = cfg.peak_lr
+    d["schedule"] = cfg.lr_schedule
+    d["seed_list"] = cfg.seed_list
     return d

@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-__all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "RECIPES", "SIZES",
+__all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR", "FINETUNE_RECIPES",
+           "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "SIZES", "TASKS", "TASK_STEPS",
            "CompareConfig", "ModelConfig", "Size", "check_device", "sized"]
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
@@ -137,14 +138,33 @@ DEFAULT_RECIPES: tuple[str, ...] = (
     "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "bf16-kahan-8bit",
     "bf16-split-8bit", "fp16-master",
 )
+#: What ``lowprec compare --task finetune`` runs by default: the above but ``amp-bf16``, whose
+#: FP32 weights and optimizer lose no update (its loss follows fp32's), so that the run fits in
+#: a few minutes on 2 cores.
+FINETUNE_RECIPES: tuple[str, ...] = tuple(r for r in DEFAULT_RECIPES if r != "amp-bf16")
+#: Default training steps per task (``CompareConfig.steps``).
+TASK_STEPS = {"pretrain": 400, "finetune": 300}
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
 #: How far above FP32's eval loss a recipe may end and still be recommended (0.005: 0.5 %).
 DEFAULT_TOLERANCE = 0.005
+
+#: The built-in tasks: ``pretrain`` trains the model from random weights on the standard
+#: library's sources; ``finetune`` pretrains it once in FP32 on them (cached), rounds it to BF16,
+#: and fine-tunes it under each recipe on the English prose of ``pydoc_data.topics``.
+TASKS: tuple[str, ...] = ("pretrain", "finetune")
+
+#: A round-to-nearest recipe whose measured share of lost updates is above this is never
+#: recommended, however small its loss gap: a short run cannot show yet what they cost.
+LOST_UPDATES_LIMIT = 0.5
 
 # Peak learning rates per optimizer for the built-in task, checked on it at the default size:
 # AdamW at 5e-4 keeps the runs stable through warm-up (1e-3 spiked near its end); SGD with
 # momentum 0.9 diverges at 0.3 and trains at 0.05-0.1; Adagrad and LAMB need larger steps.
 DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05}
+# Fine-tuning rates: AdamW at 3e-5, the range (1e-5 to 1e-4) where people fine-tune in BF16 and
+# where an Adam step is below half a BF16 ulp of most weights; the others about as far below
+# their pretraining rates.
+FINETUNE_LR = {"adamw": 3e-5, "lamb": 2.5e-4, "adagrad": 1.25e-3, "sgd": 3e-3}
 
 
 @dataclass
@@ -152,9 +172,11 @@ class CompareConfig:
     """What ``compare`` runs.
 
     Attributes:
-        recipes: Recipe names, FP32 first if present (default: ``DEFAULT_RECIPES``).
+        recipes: Recipe names, FP32 first if present (default: None, the task's:
+            ``DEFAULT_RECIPES``, or ``FINETUNE_RECIPES`` for fine-tuning).
         optimizer: ``"sgd"``, ``"adagrad"``, ``"lamb"`` or ``"adamw"`` (default: ``"adamw"``).
-        steps: Training steps per recipe (default: 400).
+        steps: Training steps per recipe and seed (default: None, the task's: ``TASK_STEPS``,
+            400 for pretraining, 300 for fine-tuning).
         lr: Peak learning rate (default: None, the optimizer's default for this task).
         seed: Seed of the initial weights and the batches (default: 0).
         batch_size: Windows per batch (default: 16).
@@ -172,11 +194,17 @@ class CompareConfig:
         device: Where the models, batches and steps run: ``"auto"`` (CUDA where
             ``torch.cuda.is_available()``, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
             (default: ``"auto"``).
+        task: ``"pretrain"`` or ``"finetune"`` (``TASKS``; default: ``"pretrain"``).
+        seeds: Runs per recipe, with seeds ``seed``, ``seed + 1``, ...; their spread is the
+            noise floor a gap must exceed (default: 1).
+        pretrain_steps: FP32 AdamW steps of the fine-tuning task's pretraining (default: 400).
+        schedule: After the warm-up, ``"cosine"`` decay to 10% of the peak or ``"constant"``
+            (default: None, the task's: cosine for pretraining, constant for fine-tuning).
     """
 
-    recipes: Sequence[str] = DEFAULT_RECIPES
+    recipes: Sequence[str] | None = None
     optimizer: str = "adamw"
-    steps: int = 400
+    steps: int | None = None
     lr: float | None = None
     seed: int = 0
     batch_size: int = 16
@@ -188,6 +216,17 @@ class CompareConfig:
     text_bytes: int = 2_000_000
     fused: bool | None = None
     device: str = "auto"
+    task: str = "pretrain"
+    seeds: int = 1
+    pretrain_steps: int = 400
+    schedule: str | None = None
+
+    def __post_init__(self) -> None:
+        finetune = self.task == "finetune"
+        if self.recipes is None:
+            self.recipes = FINETUNE_RECIPES if finetune else DEFAULT_RECIPES
+        if self.steps is None:
+            self.steps = TASK_STEPS.get(self.task, TASK_STEPS["pretrain"])
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -203,8 +242,13 @@ class CompareConfig:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}."
             )
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}.")
+        if self.schedule not in (None, "cosine", "constant"):
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose cosine or constant.")
         for name, low in (("steps", 1), ("batch_size", 1), ("threads", 1), ("eval_batches", 1),
-                          ("monitor_every", 0), ("text_bytes", 10_000)):
+                          ("monitor_every", 0), ("text_bytes", 10_000), ("seeds", 1),
+                          ("pretrain_steps", 1), ("seed", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
@@ -218,4 +262,19 @@ class CompareConfig:
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+        """``lr``, or the optimizer's default for the task (``DEFAULT_LR``, ``FINETUNE_LR``)."""
+        if self.lr is not None:
+            return self.lr
+        return (FINETUNE_LR if self.task == "finetune" else DEFAULT_LR)[self.optimizer]
+
+    @property
+    def lr_schedule(self) -> str:
+        """``schedule``, or the task's: cosine for pretraining, constant for fine-tuning."""
+        if self.schedule is not None:
+            return self.schedule
+        return "constant" if self.task == "finetune" else "cosine"
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The seeds of the runs: ``seed``, ``seed + 1``, ..., ``seeds`` of them."""
+        return [self.seed + i for i in range(self.seeds)]

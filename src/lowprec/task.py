@@ -1,9 +1,11 @@
-"""The built-in task: a small character-level transformer language model on Python's own source.
+"""The built-in tasks' model and data: a small byte-level transformer on texts every Python has.
 
-Every Python installation carries its standard library as ``.py`` files, so the task needs no
+Every Python installation carries its standard library as ``.py`` files, so the tasks need no
 download: ``load_text`` reads the modules beside ``os.py`` in sorted order (byte-level, so the
-vocabulary is the 256 byte values), and ``Batches`` cuts training and evaluation windows from it
-with a seeded generator, so every recipe sees the same data in the same order.
+vocabulary is the 256 byte values), ``load_prose`` the English help texts of
+``pydoc_data.topics`` (the fine-tuning task's second text), and ``Batches`` cuts training and
+evaluation windows from a text with a seeded generator, so every recipe sees the same data in the
+same order.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 
 from lowprec.config import ModelConfig
 
-__all__ = ["Batches", "CharTransformer", "ModelConfig", "load_text"]
+__all__ = ["Batches", "CharTransformer", "ModelConfig", "load_prose", "load_text"]
 
 VOCAB = 256
 
@@ -54,6 +56,25 @@ def load_text(max_bytes: int = 2_000_000) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
+def load_prose() -> torch.Tensor:
+    """The English prose of ``pydoc_data.topics`` (the language reference's help texts that
+    ``help()`` shows; about 460 KB), topics in sorted order, UTF-8, as a uint8 tensor.
+
+    Raises:
+        RuntimeError: If this Python lacks ``pydoc_data`` (some distributions package it apart).
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:
+        raise RuntimeError(
+            f"this Python has no pydoc_data.topics ({exc}), the fine-tuning task's text; "
+            "install the package that holds the standard library's help texts (on Debian and "
+            "Ubuntu the pythonX.Y full package), or run the pretrain task."
+        ) from None
+    blob = "".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+
+
 class Batches:
     """Seeded random windows of the text: training from the first 90%, evaluation from the rest.
 
@@ -62,15 +83,18 @@ class Batches:
         context: Window length in bytes.
         batch_size: Windows per batch.
         seed: Seed of the window positions (default: 0).
+        eval_seed: Seed of the evaluation windows (default: None, ``seed + 1``); runs of
+            several seeds share one to be measured on the same windows.
         device: Where the batches go; the windows are drawn on the CPU, so every device gets
             the same ones (default: None, the CPU).
     """
 
     def __init__(self, text: torch.Tensor, *, context: int, batch_size: int, seed: int = 0,
-                 device: torch.device | str | None = None):
+                 eval_seed: int | None = None, device: torch.device | str | None = None):
         cut = int(len(text) * 0.9)
         self.train, self.eval = text[:cut].long(), text[cut:].long()
         self.context, self.batch_size, self.seed = context, batch_size, seed
+        self.eval_seed = seed + 1 if eval_seed is None else eval_seed
         self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def _windows(self, data: torch.Tensor, gen: torch.Generator, n: int):
@@ -87,7 +111,7 @@ class Batches:
 
     def eval_batches(self, n: int = 8):
         """A fixed set of ``n`` evaluation batches (the same for every call)."""
-        gen = torch.Generator().manual_seed(self.seed + 1)
+        gen = torch.Generator().manual_seed(self.eval_seed)
         return [self._windows(self.eval, gen, self.batch_size) for _ in range(n)]
 
 
