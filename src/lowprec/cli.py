@@ -47,12 +47,12 @@ def _import_rich():
 
 
 def _console():
-    """A rich console; wide enough for the tables (compare's 14 columns) when the output is a
-    file or a pipe."""
+    """A rich console; wide enough for the tables (compare's 14 columns, 16 when fine-tuning)
+    when the output is a file or a pipe."""
     Console, _ = _import_rich()
     console = Console()
     if not console.is_terminal:
-        console = Console(width=200)
+        console = Console(width=240)
     return console
 
 

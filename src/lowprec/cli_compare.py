@@ -26,13 +26,18 @@ from lowprec.cli import (
 from lowprec.plot import plot_losses
 
 
-def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None):
-    """The comparison as a rich ``Table``."""
+def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None,
+                  finetune: bool = False):
+    """The comparison as a rich ``Table``: one row per record, or per recipe of ``summarize``'s
+    rows (their spreads over the seeds as "mean ± sd"). ``finetune`` adds the eval loss before
+    training and the share of FP32's loss drop."""
     _, Table = _import_rich()
     table = Table(title=title, title_justify="left")
+    extra = (("eval before", "right"),) if finetune else ()
+    share = (("share of fp32's drop", "right"),) if finetune else ()
     for name, justify in (
-        ("recipe", "left"), ("train loss (last 10%)", "right"), ("eval loss", "right"),
-        ("gap vs fp32", "right"), ("step ms", "right"), ("speed-up", "right"),
+        ("recipe", "left"), ("train loss (last 10%)", "right"), *extra, ("eval loss", "right"),
+        ("gap vs fp32", "right"), *share, ("step ms", "right"), ("speed-up", "right"),
         ("speed-up IQR", "right"),
         ("B/param", "right"), ("weights", "right"), ("grads", "right"), ("state", "right"),
         ("master", "right"), ("lost updates", "right"), ("skipped", "right"),
@@ -42,12 +47,13 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
         table.add_column(name, justify=justify, no_wrap=True, min_width=width)
     for r in records:
         b = r["bytes_per_param"]
-        gap = r.get("eval_gap")
         table.add_row(
             r["recipe"],
             _fmt(r["final_loss"], ".4f"),
+            *((_fmt(r.get("eval_before"), ".4f"),) if finetune else ()),
             _fmt(r["eval_loss"], ".4f"),
-            _fmt(gap, "+.2f", scale=100, unit="%"),
+            _spread_of(r, "eval_gap", "+.2f", scale=100, unit="%"),
+            *((_spread_of(r, "drop_share", ".2f"),) if finetune else ()),
             _fmt(r["step_time_s"], ".1f", scale=1e3),
             _fmt(r.get("speedup"), ".2f", unit="x"),
             _spread(r.get("speedup_iqr")),
@@ -60,6 +66,17 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             str(r["skipped_steps"]),
         )
     return table
+
+
+def _spread_of(r: dict[str, Any], key: str, spec: str, *, scale: float = 1.0,
+               unit: str = "") -> str:
+    """``r[key]`` formatted, with " ± sd" where ``r`` has its spread over seeds (``summarize``'s
+    ``<key>_std``)."""
+    text = _fmt(r.get(key), spec, scale=scale, unit=unit)
+    sd = r.get(f"{key}_std")
+    if sd is None or text == "-":
+        return text
+    return f"{text} ± {format(sd * scale, spec.lstrip('+'))}{unit}"
 
 
 def _spread(iqr: Sequence[float] | None) -> str:
@@ -81,7 +98,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             recipes=args.recipes, optimizer=args.optimizer, steps=args.steps, lr=args.lr,
             seed=args.seed, batch_size=batch_size, model=model, threads=args.threads,
             eval_batches=args.eval_batches, monitor_every=args.monitor_every,
-            fused=args.fused, device=args.device,
+            fused=args.fused, device=args.device, task=args.task, seeds=args.seeds,
+            pretrain_steps=args.pretrain_steps, schedule=args.schedule,
         )
         cfg.validate()
     except ValueError as exc:
@@ -92,22 +110,31 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     _check_output(json_path, "--json" if args.json else "--out")
     if plot_path is not None:
         _check_output(plot_path, "--plot" if args.plot else "--out")
-    from lowprec.compare import compare, config_dict, recommend  # (torch: after the checks)
+    if cfg.task == "finetune":  # (where the pretrained model is cached)
+        _check_output(args.out / "pretrained" / "pretrained.pt", "--out")
+    # (torch: after the checks)
+    from lowprec.compare import compare, config_dict, noise_floor, recommend, summarize
 
     device = _resolve_device(args.device)
     cfg.device = device["device"]  # (what auto chose: the runs and the JSON say the same)
-    title = (f"{cfg.optimizer}, {cfg.steps} steps, d_model {model.d_model} x {model.n_layer} "
+    finetune = cfg.task == "finetune"
+    what = (f"fine-tuning on pydoc prose from {cfg.pretrain_steps} FP32 pretraining steps"
+            if finetune else "pretraining on stdlib sources")
+    seeds = f", {cfg.seeds} seeds" if cfg.seeds > 1 else ""
+    title = (f"{what}: {cfg.optimizer} lr {cfg.peak_lr:g} {cfg.lr_schedule}, {cfg.steps} steps"
+             f"{seeds}, d_model {model.d_model} x {model.n_layer} "
              f"layers ({model.num_parameters:,} parameters), batch "
              f"{cfg.batch_size}x{model.context}, {_device_label(device, cfg.threads)}")
+    total = cfg.steps * cfg.seeds
 
     records: list[dict[str, Any]] = []
     load: dict[str, Any] = {}
+    info: dict[str, Any] = {}
     current: dict[str, Any] = {}
     started = time.perf_counter()
     progress = None
     # Where stdout is not a terminal (a log file, CI, nohup, a notebook) rich draws no bars: plain
     # lines instead, about ten per recipe, each with the elapsed time and an estimate of the rest.
-    every = max(1, cfg.steps // 10)
     plain = not args.no_progress and not console.is_terminal
     if not args.no_progress and console.is_terminal:
         from rich.progress import (
@@ -129,18 +156,33 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     def on_start(name: str) -> None:
         if progress is not None:
-            tasks[name] = progress.add_task(name, total=cfg.steps, loss="-")
+            tasks[name] = progress.add_task(name, total=total, loss="-")
 
-    def on_step(name: str, step: int, loss: float) -> None:
+    clock = {"t0": started}  # (the recipes' estimates count from the end of pretraining)
+
+    def on_step(name: str, step: int, loss: float, n: int = total) -> None:
         current["step"] = step + 1  # (the recipes take their steps in turn: one round each)
         if progress is not None:
             progress.update(tasks[name], advance=1, loss=f"{loss:.4f}")
-        elif plain and ((step + 1) % every == 0 or step + 1 == cfg.steps):
-            elapsed = time.perf_counter() - started
-            left = elapsed * (cfg.steps - step - 1) / (step + 1)
-            console.print(f"{name:<12} step {step + 1:>{len(str(cfg.steps))}}/{cfg.steps}  "
+        elif plain and ((step + 1) % max(1, n // 10) == 0 or step + 1 == n):
+            elapsed = time.perf_counter() - clock["t0"]
+            left = elapsed * (n - step - 1) / (step + 1)
+            console.print(f"{name:<12} step {step + 1:>{len(str(n))}}/{n}  "
                           f"loss {loss:.4f} (this step)  elapsed {elapsed:.0f} s, "
                           f"about {left:.0f} s left", markup=False, highlight=False)
+
+    def on_pretrain(step: int, steps: int, loss: float) -> None:
+        if progress is None:
+            on_step("pretrain", step, loss, steps)
+        else:
+            if "pretrain" not in tasks:
+                tasks["pretrain"] = progress.add_task("pretrain", total=steps, loss="-")
+            progress.update(tasks["pretrain"], advance=1, loss=f"{loss:.4f}")
+        if step + 1 == steps:
+            clock["t0"] = time.perf_counter()
+
+    def on_note(text: str) -> None:
+        console.print(f"[yellow]{text}[/yellow]", highlight=False)
 
     console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(cfg.recipes)}")
     interrupted = False
@@ -148,14 +190,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.start()
         try:
-            compare(cfg, on_start=on_start, on_step=on_step, records=records, load=load)
+            compare(cfg, on_start=on_start, on_step=on_step, records=records, load=load,
+                    cache_dir=args.out / "pretrained", on_pretrain=on_pretrain,
+                    on_note=on_note, info=info)
         finally:
             if progress is not None:
                 progress.stop()
     except KeyboardInterrupt:
         interrupted = True
         console.print(f"[yellow]Interrupted[/yellow] at step {current.get('step', 0)} of "
-                      f"{cfg.steps}: the records hold the steps each recipe took.")
+                      f"{total}: the records hold the steps each recipe took.")
 
     payload = {
         "command": "compare",
@@ -166,12 +210,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         "device": device,
         "environment": _environment(),
         "background_load": load or None,
+        "pretrained": info.get("pretrained"),
         "records": records,
     }
     if records:
-        payload["recommendation"] = recommend(records, args.tolerance / 100)
-        console.print(compare_table(records, title=f"lowprec compare: {title}"))
-        _notes(console, records)
+        rows = summarize(records)
+        floor = noise_floor(records)
+        payload.update(summary=rows, noise_floor=floor)
+        payload["recommendation"] = recommend(rows, args.tolerance / 100, floor=floor)
+        console.print(compare_table(rows, title=f"lowprec compare: {title}", finetune=finetune))
+        _notes(console, rows, finetune=finetune, seeds=cfg.seeds)
+        _pretrained_note(console, info.get("pretrained"))
+        _floor_note(console, floor, cfg.seeds, args.tolerance / 100)
         _load_note(console, load, cfg.threads, device)
         _recommendation(console, payload["recommendation"])
     else:
@@ -180,7 +230,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     console.print(f"JSON: {json_path}")
     if plot_path is not None and records:
         try:
-            plot_losses(records, plot_path, title=title)
+            plot_losses(rows, plot_path, title=title)
         except ImportError as exc:  # pragma: no cover - the cli extra installs matplotlib
             raise UsageError(_EXTRA_HINT.format(exc)) from None
         except OSError as exc:
@@ -191,15 +241,52 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _recommendation(console: Any, rec: dict[str, Any]) -> None:
-    """One line for the recipe to use, and one reason for each other."""
+    """One line for the recipe to use, one reason for each other, and a warning where the run was
+    too short to separate a recipe that loses its updates from FP32 by loss alone."""
     if rec["recipe"] is None:
         console.print(f"[bold]No recommendation[/bold]: {rec['reason']}.")
     else:
         console.print(f"[bold]Recommended: {rec['recipe']}[/bold], the cheapest recipe within "
-                      f"{rec['tolerance']:.1%} of fp32's eval loss on this run: {rec['reason']}.")
+                      f"{rec['threshold']:.2%} of fp32's eval loss on this run that keeps its "
+                      f"updates: {rec['reason']}.")
     if rec["others"]:
         console.print("Not chosen: " + "; ".join(f"{k}: {v}" for k, v in rec["others"].items())
                       + ".", highlight=False)
+    if rec["short_run"]:
+        console.print(
+            f"[yellow]This run is too short to separate {', '.join(rec['short_run'])} from fp32 "
+            "by loss[/yellow]: within the threshold here, but losing most of its updates to "
+            "round-to-nearest, which costs more the longer the run and the smaller the learning "
+            "rate (fine-tuning: lowprec compare --task finetune; docs/fidelity.md). Stochastic "
+            "rounding's unchanged weights are not counted as lost: it keeps each update in "
+            "expectation.", highlight=False)
+
+
+def _pretrained_note(console: Any, about: dict[str, Any] | None) -> None:
+    """Where the fine-tuning task's pretrained model came from."""
+    if about is None:
+        return
+    origin = (f"read from {about['path']}" if about["cached"] else
+              f"trained in {about['seconds']:.0f} s" + (f" and saved to {about['path']}"
+                                                        if about["path"] else ""))
+    loss = about.get("eval_loss")
+    loss = f", eval loss {loss:.4f} on held-out sources" if loss is not None else ""
+    console.print(f"Pretrained model: {origin}{loss}; every recipe starts from it rounded to "
+                  "BF16.", style="dim", highlight=False)
+
+
+def _floor_note(console: Any, floor: float | None, seeds: int, tolerance: float) -> None:
+    """FP32's seed-to-seed spread, or a hint to measure it."""
+    if floor is None:
+        console.print(f"One seed{'' if seeds == 1 else ' of fp32 finished'}: no noise floor "
+                      "measured (--seeds 3 measures fp32's seed-to-seed spread, which a gap must "
+                      "exceed to mean anything).", style="dim")
+        return
+    beyond = (f"; it is above the {tolerance:.1%} tolerance, so recipes within "
+              f"{floor:.2%} of fp32 count as equal" if floor > tolerance else "")
+    console.print(f"Noise floor: fp32's eval loss varies by {floor:.2%} (sample standard "
+                  f"deviation over {seeds} seeds, relative to its mean); a gap smaller than that "
+                  f"is within what another seed changes{beyond}.", highlight=False)
 
 
 def _device_label(device: dict[str, Any], threads: int) -> str:
@@ -241,10 +328,19 @@ def _load_note(console: Any, load: dict[str, Any], threads: int,
                       f"{share:.0%} of them).", style="dim")
 
 
-def _notes(console: Any, records: Sequence[dict[str, Any]]) -> None:
+def _notes(console: Any, records: Sequence[dict[str, Any]], *, finetune: bool = False,
+           seeds: int = 1) -> None:
     """Reading help under the table, and a warning for each run that diverged."""
+    if finetune:
+        console.print("eval before/after: on held-out prose before and after fine-tuning; share "
+                      "of fp32's drop: the recipe's fall in eval loss over fp32's (1.00: all "
+                      "of it).", style="dim")
+    if seeds > 1:
+        console.print(f"Means over {seeds} seeds, ± their sample standard deviation; the gap "
+                      "and share are each seed's own against fp32 on that seed; step times and "
+                      "speed-ups are medians.", style="dim")
     for r in records:
-        if not math.isfinite(r["eval_loss"]):
+        if r["eval_loss"] is None or not math.isfinite(r["eval_loss"]):
             console.print(f"[yellow]{r['recipe']} diverged[/yellow] (its loss became inf or "
                           "NaN): try a smaller --lr.")
     console.print(

@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_LR,
         DEFAULT_RECIPES,
         DEFAULT_TOLERANCE,
+        FINETUNE_LR,
         RECIPES,
+        TASK_STEPS,
+        TASKS,
         CompareConfig,
     )
 
@@ -114,20 +117,42 @@ def build_parser() -> argparse.ArgumentParser:
             "sources under each recipe, from the same initial weights and batches, and report "
             "the final train and eval loss and gap to FP32, the median step time and speed-up, "
             "the bytes per parameter by buffer, and the fraction of updates lost to rounding. "
-            "Writes a JSON file with every number and a PNG of the loss curves. Runs on the "
-            "GPU where torch finds one (--device), and --size picks a model for it."
+            "Writes a JSON file with every number and a PNG of the loss curves. --task "
+            "finetune fine-tunes a pretrained model at a small learning rate instead, where "
+            "plain BF16 loses most of its updates; --seeds N repeats every run over N seeds. "
+            "Runs on the GPU where torch finds one (--device), and --size picks a model for it."
         ),
     )
-    c.add_argument("--recipes", type=_recipe_list, default=DEFAULT_RECIPES,
+    c.add_argument("--task", choices=TASKS, default=cfg.task,
+                   help="pretrain: train the model from random weights on the standard "
+                        "library's sources; finetune: pretrain it once in FP32 on them (cached "
+                        "in OUT), round it to BF16, and fine-tune it under each recipe on the "
+                        "English prose of pydoc_data.topics at a fine-tuning rate (adamw "
+                        f"{FINETUNE_LR['adamw']:g}) (default: {cfg.task})")
+    c.add_argument("--seeds", type=_positive_int, default=cfg.seeds,
+                   help="runs per recipe, seeds SEED, SEED+1, ...: the table shows means and "
+                        "spreads, and fp32's spread is the noise floor a gap must exceed "
+                        f"(default: {cfg.seeds})")
+    c.add_argument("--pretrain-steps", type=_positive_int, default=cfg.pretrain_steps,
+                   help="FP32 steps of the finetune task's pretraining "
+                        f"(default: {cfg.pretrain_steps})")
+    c.add_argument("--schedule", choices=("cosine", "constant"), default=None,
+                   help="after the warm-up: cosine decay to 10%% of the peak, or constant "
+                        "(default: cosine for pretrain, constant for finetune)")
+    c.add_argument("--recipes", type=_recipe_list, default=None,
                    help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; "
+                        "finetune leaves out amp-bf16; "
                         f"all: {','.join(RECIPES)})")
     c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
                    help=f"sgd, adagrad, lamb or adamw (default: {cfg.optimizer})")
-    c.add_argument("--steps", type=_positive_int, default=cfg.steps,
-                   help=f"training steps per recipe (default: {cfg.steps})")
+    c.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps per recipe and seed (default: "
+                        f"{TASK_STEPS['pretrain']} for pretrain, {TASK_STEPS['finetune']} for "
+                        "finetune)")
     c.add_argument("--lr", type=_positive_float, default=None,
-                   help="peak learning rate (default: per optimizer, adamw "
-                        f"{DEFAULT_LR['adamw']:g})")
+                   help="peak learning rate (default: per optimizer and task, adamw "
+                        f"{DEFAULT_LR['adamw']:g} for pretrain, {FINETUNE_LR['adamw']:g} for "
+                        "finetune)")
     c.add_argument("--seed", type=_nonnegative_int, default=cfg.seed,
                    help=f"seed of the initial weights and the batches (default: {cfg.seed})")
     _add_device_and_size(c, "--d-model, --n-layer, --n-head, --context and --batch-size "
@@ -156,9 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "Triton is found)")
     c.add_argument("--tolerance", type=_positive_float, default=100 * DEFAULT_TOLERANCE,
                    help="recommend the cheapest recipe whose eval loss is at most this many "
-                        f"percent above fp32's (default: {100 * DEFAULT_TOLERANCE:g})")
+                        "percent above fp32's, or fp32's noise floor where that is larger "
+                        "(round-to-nearest recipes that lose over half their updates never "
+                        f"qualify) (default: {100 * DEFAULT_TOLERANCE:g})")
     c.add_argument("--out", type=Path, default=Path("lowprec-out"),
-                   help="folder for compare.json and compare.png (default: lowprec-out)")
+                   help="folder for compare.json, compare.png and the finetune task's "
+                        "pretrained model (OUT/pretrained) (default: lowprec-out)")
     c.add_argument("--json", type=Path, default=None,
                    help="where to write the JSON (default: OUT/compare.json)")
     c.add_argument("--plot", type=Path, default=None,
