@@ -261,10 +261,10 @@ def test_recommendation_is_the_leanest_within_tolerance_then_the_fastest():
                _rec("bf16-split", -0.001, 14.0, 58), _rec("amp-bf16", float("nan"), 16.0, 70)]
     rec = compare.recommend(records, 0.005)
     assert rec["recipe"] == "bf16-sr"  # 10 B/param like bf16-kahan, and faster
-    assert rec["reason"] == "eval loss +0.40% vs fp32 (within 0.5%), 10.0 B/param, 55 ms/step"
+    assert rec["reason"] == "eval loss +0.40% vs fp32 (within 0.50%), 10.0 B/param, 55 ms/step"
     assert rec["others"] == {
         "fp32": "16.0 B/param against 10.0",
-        "bf16": "eval loss +3.00% vs fp32, beyond the 0.5% tolerance",
+        "bf16": "eval loss +3.00% vs fp32, beyond 0.50%",
         "bf16-kahan": "as lean, but slower: 60 against 55 ms/step",
         "bf16-split": "14.0 B/param against 10.0",
         "amp-bf16": "diverged",

@@ -80,7 +80,7 @@ def test_compare_on_the_cpu_records_the_device(tmp_path, capsys, monkeypatch, au
     assert _words(out).count(_words(f"cpu ({device['name']}), 2 threads")) == 2, out
     # amp-bf16's forward contexts (training and eval) were CPU autocasts, and only its.
     assert autocast_types and set(autocast_types) == {"cpu"}
-    assert len(autocast_types) == 4 + 1  # 4 steps, 1 eval batch
+    assert len(autocast_types) == 4 + 2  # 4 steps, 1 eval batch before training and after
     assert all(math.isfinite(v) for r in data["records"] for v in r["losses"])
 
 
@@ -341,7 +341,7 @@ def test_compare_trains_on_cuda(monkeypatch, autocast_types):
     assert seen == {"x": {"cuda"}, "params": {"cuda"}, "scaler": {"cuda"}}
     assert len(syncs) >= 2 * cfg.steps * len(names)  # before and after every timed step
     assert set(autocast_types) == {"cuda"}
-    assert len(autocast_types) == 2 * (cfg.steps + 1)  # amp-bf16, amp-fp16: steps + eval
+    assert len(autocast_types) == 2 * (cfg.steps + 2)  # amp-bf16, amp-fp16: steps + 2 evals
     assert [r["recipe"] for r in records] == list(names)
     for r in records:
         assert all(math.isfinite(v) for v in r["losses"]) and math.isfinite(r["eval_loss"])
