@@ -2,7 +2,7 @@
 
 The fine-tuning task's pretrained model is cached (reused, never trusted when corrupt), its
 weights are rounded to BF16 once, every seed is measured on the same held-out windows, and
-``recommend`` never picks a round-to-nearest recipe that loses over half its updates.
+``recommend`` never picks a round-to-nearest recipe that loses over 10% of its updates.
 """
 
 from __future__ import annotations
@@ -258,7 +258,9 @@ def test_a_round_to_nearest_recipe_losing_most_updates_is_never_recommended():
     # At the limit it qualifies; above it, it does not, whatever the tolerance.
     assert summary.recommend([rows[0], _rec("bf16", 0.0, lost=LOST_UPDATES_LIMIT)])[
         "recipe"] == "bf16"
-    assert summary.recommend([rows[0], _rec("bf16", -0.01, lost=0.51)], 0.5)["recipe"] == "fp32"
+    for lost in (LOST_UPDATES_LIMIT + 0.01, 0.28, 0.51):  # (0.28: plain bf16 in 30 steps)
+        assert summary.recommend([rows[0], _rec("bf16", -0.01, lost=lost)], 0.5)[
+            "recipe"] == "fp32"
     # Stochastic rounding leaves weights unchanged without losing the update in expectation.
     sr = _rec("bf16-sr", 0.001, 8.0, 52, lost=0.51, rounding="stochastic")
     assert summary.recommend([rows[0], sr])["recipe"] == "bf16-sr"

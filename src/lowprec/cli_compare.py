@@ -255,8 +255,9 @@ def _recommendation(console: Any, rec: dict[str, Any]) -> None:
     if rec["short_run"]:
         console.print(
             f"[yellow]This run is too short to separate {', '.join(rec['short_run'])} from fp32 "
-            "by loss[/yellow]: within the threshold here, but losing most of its updates to "
-            "round-to-nearest, which costs more the longer the run and the smaller the learning "
+            "by loss[/yellow]: within the threshold here, but losing over "
+            f"{config.LOST_UPDATES_LIMIT:.0%} of its updates to round-to-nearest (see above), "
+            "which costs more the longer the run and the smaller the learning "
             "rate (fine-tuning: lowprec compare --task finetune; docs/fidelity.md). Stochastic "
             "rounding's unchanged weights are not counted as lost: it keeps each update in "
             "expectation.", highlight=False)

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tolerance", type=_positive_float, default=100 * DEFAULT_TOLERANCE,
                    help="recommend the cheapest recipe whose eval loss is at most this many "
                         "percent above fp32's, or fp32's noise floor where that is larger "
-                        "(round-to-nearest recipes that lose over half their updates never "
+                        "(round-to-nearest recipes that lose over 10%% of their updates never "
                         f"qualify) (default: {100 * DEFAULT_TOLERANCE:g})")
     c.add_argument("--out", type=Path, default=Path("lowprec-out"),
                    help="folder for compare.json, compare.png and the finetune task's "

@@ -160,7 +160,7 @@ def recommend(rows: Sequence[dict[str, Any]], tolerance: float = DEFAULT_TOLERAN
     ``rows``: records of one seed or ``summarize``'s rows (with ``add_relative``'s fields). A
     recipe qualifies when its eval gap to FP32 is finite and at most the threshold, the larger
     of ``tolerance`` (a fraction) and the noise ``floor`` (``noise_floor``), and the lost-update
-    rule does not refuse it (``_lost_rule``: never a round-to-nearest recipe losing over half its
+    rule does not refuse it (``_lost_rule``: never a round-to-nearest recipe losing over 10% of its
     updates, however small its gap). Among those the fewest bytes per parameter wins, then the
     shorter median step.
 
