@@ -114,6 +114,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _check_output(args.out / "pretrained" / "pretrained.pt", "--out")
     # (torch: after the checks)
     from lowprec.compare import compare, config_dict, noise_floor, recommend, summarize
+    from lowprec.summary import WARMUP_STEPS
 
     device = _resolve_device(args.device)
     cfg.device = device["device"]  # (what auto chose: the runs and the JSON say the same)
@@ -158,15 +159,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if progress is not None:
             tasks[name] = progress.add_task(name, total=total, loss="-")
 
-    clock = {"t0": started}  # (the recipes' estimates count from the end of pretraining)
+    # The recipes' elapsed time counts from the end of pretraining; the time left, from the rate
+    # since the round after the warm-up steps, whose compilation would inflate it many times.
+    clock: dict[str, Any] = {"t0": started, "mark": None}
 
     def on_step(name: str, step: int, loss: float, n: int = total) -> None:
         current["step"] = step + 1  # (the recipes take their steps in turn: one round each)
+        now = time.perf_counter()
+        if step == WARMUP_STEPS and clock["mark"] is None:
+            clock["mark"] = now
         if progress is not None:
             progress.update(tasks[name], advance=1, loss=f"{loss:.4f}")
         elif plain and ((step + 1) % max(1, n // 10) == 0 or step + 1 == n):
-            elapsed = time.perf_counter() - clock["t0"]
-            left = elapsed * (n - step - 1) / (step + 1)
+            elapsed = now - clock["t0"]
+            if step > WARMUP_STEPS and clock["mark"] is not None:
+                rate = (now - clock["mark"]) / (step - WARMUP_STEPS)
+            else:
+                rate = elapsed / (step + 1)
+            left = rate * (n - step - 1)
             console.print(f"{name:<12} step {step + 1:>{len(str(n))}}/{n}  "
                           f"loss {loss:.4f} (this step)  elapsed {elapsed:.0f} s, "
                           f"about {left:.0f} s left", markup=False, highlight=False)
@@ -179,7 +189,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 tasks["pretrain"] = progress.add_task("pretrain", total=steps, loss="-")
             progress.update(tasks["pretrain"], advance=1, loss=f"{loss:.4f}")
         if step + 1 == steps:
-            clock["t0"] = time.perf_counter()
+            clock.update(t0=time.perf_counter(), mark=None)
 
     def on_note(text: str) -> None:
         console.print(f"[yellow]{text}[/yellow]", highlight=False)
