@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,13 +112,9 @@ def _read(path: Path, key: dict[str, Any], expected: dict[str, torch.Tensor]
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".pretrained-", suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (this process's own name)
     try:
         torch.save(payload, tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # (mkstemp's file is private; the cache is a plain file)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
