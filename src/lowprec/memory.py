@@ -130,7 +130,7 @@ def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) 
     """The category of each state key of ``p`` that the optimizer's own code names."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
-    names = optimizer._math_buffers(group)
+    names = optimizer._math_buffers(group, p)
     cats = dict.fromkeys((*names, *map(qstate.scale_key, names)), "optimizer_state")
     cats.update(dict.fromkeys(optimizer._storage(group, p).buffers(p), "master"))
     return cats
@@ -285,7 +285,10 @@ def expected(
     out = {
         "weights": size(p.dtype),
         "grads": size(p.dtype),  # autograd gives a parameter a gradient of its own dtype
-        "optimizer_state": len(opt._math_buffers(group)) * state,
+        # (buffers shaped like the parameter; Adafactor's row and column statistics are
+        # O(rows + columns): nothing per element)
+        "optimizer_state": state * sum(
+            opt._buffer_shape(k, p) is None for k in opt._math_buffers(group, p)),
         "master": float(sum(size(d) for d in storage.buffers(p).values())),
         "accumulation": 0.0 if accumulate is None or p.dtype == torch.float32
         else size(torch.float32) if accumulate == "fp32" else size(p.dtype),

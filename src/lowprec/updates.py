@@ -391,7 +391,7 @@ class UpdateMonitor:
             state = opt._init_state(group, p, storage)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        late = [k for k in opt._math_buffers(group) if state.get(k) is None]  # (_step_late)
+        late = [k for k in opt._math_buffers(group, p) if state.get(k) is None]  # (_step_late)
         if late:
             state = {**state}
             for k in late:
@@ -401,7 +401,7 @@ class UpdateMonitor:
         w = storage.load(p, sbufs).clone()
         g = p.grad.float() if inv is None else p.grad.float() * inv.to(p.device)
         new_w, new_m = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
-        eight_bit = {k for k, _ in opt._qstate(group, state)}
+        eight_bit = {k for k, _ in opt._qstate(group, state, p)}
         return {
             "new_state": {k: v for k, v in new_m.items() if k in eight_bit},
             "old": p.detach().clone(),

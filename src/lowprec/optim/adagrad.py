@@ -144,7 +144,7 @@ class Adagrad(LowPrecisionOptimizer):
 
     _nonnegative_buffers = ("sum",)
 
-    def _math_buffers(self, group):
+    def _math_buffers(self, group, p=None):
         return ("sum",)
 
     def _init_math_buffer(self, name, param, group):

@@ -186,7 +186,7 @@ class AdamW(LowPrecisionOptimizer):
 
     _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
 
-    def _math_buffers(self, group):
+    def _math_buffers(self, group, p=None):
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
 

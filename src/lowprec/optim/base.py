@@ -114,9 +114,24 @@ class LowPrecisionOptimizer(
     def _validate_hparams(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for invalid hyperparameters in ``group``."""
 
-    def _math_buffers(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """Names of the per-parameter state tensors the update rule keeps (e.g. momentum)."""
+    def _math_buffers(self, group: dict[str, Any], p: torch.Tensor | None = None) -> tuple[str, ...]:
+        """Names of the per-parameter state tensors the update rule keeps (e.g. momentum), for
+        parameter ``p`` (Adafactor's depend on its number of dimensions; every caller that has
+        the parameter passes it)."""
         return ()
+
+    def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The shape of buffer ``name`` of ``p`` where it is not ``p``'s (Adafactor's row and
+        column statistics); such buffers are kept in FP32 whatever ``state_dtype`` says (they are
+        O(rows + columns)). None: shaped like ``p``, in the state dtype."""
+        return None
+
+    def _whole(self, group: dict[str, Any]) -> bool:
+        """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
+        Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes
+        one eager call of ``_math`` on its unflattened tensors (never chunks, pairs, batches or
+        shared compiled calls), and a DTensor parameter sharded across ranks is refused."""
+        return False
 
     #: The rule is elementwise (no reduction over the tensor), so the eager step may process a
     #: large tensor in chunks. LAMB's trust ratio needs whole-tensor norms and sets this False.
@@ -345,7 +360,7 @@ class LowPrecisionOptimizer(
                     )
                 state = self.state.get(p)
                 if state:
-                    key = (gi, p.dtype, storage.name, qstate.qualifies(p))
+                    key = (gi, p.dtype, storage.name, qstate.qualifies(p), p.dim())
                     if key not in expected:
                         expected[key] = self._expected_state(group, p, storage)
                     missing = self._check_state(
@@ -358,31 +373,37 @@ class LowPrecisionOptimizer(
 
     def _expected_state(self, group, p, storage) -> dict[str, torch.dtype]:
         sd = self._state_dtype(group, p, storage)
-        names = self._math_buffers(group)
+        names = self._math_buffers(group, p)
+        shaped = [k for k in names if self._buffer_shape(k, p) is None]
         scales = {}
         if sd == torch.uint8:  # (8-bit codes: one FP32 scale per block beside each)
-            scales = dict.fromkeys(map(qstate.scale_key, names), torch.float32)
-        return {**storage.buffers(p), **dict.fromkeys(names, sd), **scales}
+            scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
+        return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
+                **dict.fromkeys(shaped, sd), **scales}
 
-    def _qstate(self, group: dict[str, Any], state: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
-        """The update rule's buffers that ``state`` keeps as 8-bit codes, each with whether it is
-        signed (``update._param_update``'s ``qstate``)."""
-        return tuple((k, k not in self._nonnegative_buffers) for k in self._math_buffers(group)
+    def _qstate(
+        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[tuple[str, bool], ...]:
+        """The update rule's buffers that ``state`` (of ``p``) keeps as 8-bit codes, each with
+        whether it is signed (``update._param_update``'s ``qstate``)."""
+        return tuple((k, k not in self._nonnegative_buffers) for k in self._math_buffers(group, p)
                      if qstate.scale_key(k) in state)
 
-    def _mbufs(self, group: dict[str, Any], state: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The update rule's state tensors of a parameter: its buffers, and the scales of those
-        kept as 8-bit codes (``"<name>_scale"``)."""
-        names = self._math_buffers(group)
+    def _mbufs(
+        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
+        those kept as 8-bit codes (``"<name>_scale"``)."""
+        names = self._math_buffers(group, p)
         out = {k: state[k] for k in names}
         out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
         return out
 
     def _math_state(self, group, p, state) -> dict[str, torch.Tensor]:
         """The update rule's buffers of ``p`` as FP32 values (8-bit codes decoded)."""
-        signed = dict(self._qstate(group, state))
+        signed = dict(self._qstate(group, state, p))
         return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)], signed[k])
-                if k in signed else state[k].float() for k in self._math_buffers(group)}
+                if k in signed else state[k].float() for k in self._math_buffers(group, p)}
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
@@ -398,7 +419,7 @@ class LowPrecisionOptimizer(
         if expected is None:
             expected = self._expected_state(group, p, storage)
         missing = tuple(
-            name for name in self._math_buffers(group) if state.get(name, None) is None
+            name for name in self._math_buffers(group, p) if state.get(name, None) is None
         )
         # (an 8-bit buffer's scales: one per block, missing with their buffer)
         scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
@@ -406,7 +427,8 @@ class LowPrecisionOptimizer(
             t = state.get(name)
             if name in missing or scale_of.get(name) in missing:
                 continue
-            shape = qstate.scale_shape(p) if name in scale_of else p.shape
+            shape = (qstate.scale_shape(p) if name in scale_of
+                     else self._buffer_shape(name, p) or p.shape)
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = (
                     f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
@@ -426,7 +448,7 @@ class LowPrecisionOptimizer(
             "master": storage.name,
         }
         state.update(storage.init(p))
-        for name in self._math_buffers(group):
+        for name in self._math_buffers(group, p):
             state.update(self._new_math_buffer(group, p, name, sd))
         return state
 
@@ -434,6 +456,9 @@ class LowPrecisionOptimizer(
         """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
         8-bit codes (``dtype`` ``torch.uint8``) its scales."""
         value = self._init_math_buffer(name, p, group)
+        shape = self._buffer_shape(name, p)
+        if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
+            return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
         if dtype == torch.uint8:
             codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers)
             return {name: codes, qstate.scale_key(name): scale}

@@ -136,8 +136,9 @@ class _SmallBatches:
             names = names_of.get(ck, _UNSET)
             if names is _UNSET:
                 names = names_of[ck] = (
-                    (*storage.buffers(p), *self._math_buffers(group))
-                    if _batches_on(p.device, storage, p.dtype) and _fused_enabled(self, group, p)
+                    (*storage.buffers(p), *self._math_buffers(group, p))
+                    if _batches_on(p.device, storage, p.dtype) and not self._whole(group)
+                    and _fused_enabled(self, group, p)
                     else None
                 )
             g = p.grad if fresh is not None else p

@@ -191,7 +191,7 @@ class _Checkpoints:
         def keep(name: str, value: torch.Tensor) -> Any:
             return wrap_state(name, value, lp, p) if is_dtensor(p) else value
 
-        for name in self._math_buffers(group):
+        for name in self._math_buffers(group, p):
             key = qstate.scale_key(name)
             t, scale = st.get(name), st.get(key)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
@@ -223,7 +223,7 @@ class _Checkpoints:
         copy of the parameter: load the model's weights first), the count kept
         (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
         first)."""
-        names = self._math_buffers(group)
+        names = self._math_buffers(group, p)
         # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
         unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
         if unknown:
@@ -237,10 +237,11 @@ class _Checkpoints:
             t = st.get(name)
             if t is None:  # (torch's SGD before its first step: the fresh buffer)
                 continue
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+            shape = self._buffer_shape(name, p) or p.shape
+            if not isinstance(t, torch.Tensor) or t.shape != shape:
                 got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
                 raise ValueError(
-                    f"{where}: state {name!r} should be a {tuple(p.shape)} tensor, got {got}; "
+                    f"{where}: state {name!r} should be a {tuple(shape)} tensor, got {got}; "
                     "the state does not belong to this parameter."
                 )
             # (8-bit state: the FP32 moments, which _cast_math_buffers encodes next)
@@ -271,7 +272,7 @@ class _Checkpoints:
             group, _, _, storage = items[0]
             states = [self.state[p] for _, p, _, _ in items]
             sizes = [p.numel() for _, p, _, _ in items]
-            for name in (*storage.buffers(items[0][1]), *self._math_buffers(group)):
+            for name in (*storage.buffers(items[0][1]), *self._math_buffers(group, items[0][1])):
                 if all(st.get(name) is not None for st in states) and len(
                     {(st[name].dtype, st[name].device) for st in states}
                 ) == 1:

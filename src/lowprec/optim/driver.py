@@ -109,7 +109,7 @@ class _FullStep:
         for group, p, index, storage in late:
             state = self.state[p]
             dtype = self._state_dtype(group, p, storage)
-            for name in self._math_buffers(group):
+            for name in self._math_buffers(group, p):
                 if state.get(name, None) is None:
                     state.update(self._new_math_buffer(group, p, name, dtype))
             self._step_param(group, p, index, storage, scaling, {}, first_use=True)
@@ -194,8 +194,8 @@ class _FullStep:
         if not state:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        mbufs = self._mbufs(group, state)
-        quantized = self._qstate(group, state)  # (8-bit buffers: rows of qstate.BLOCK elements)
+        mbufs = self._mbufs(group, state, p)
+        quantized = self._qstate(group, state, p)  # (8-bit buffers: rows of qstate.BLOCK elements)
         qkw = {"qstate": quantized} if quantized else {}
         flags = self._group_flags(group, memo)
         if scaling is None or loss_scale._host_counts(p.device):
@@ -232,6 +232,15 @@ class _FullStep:
             """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""
             return {k: v.view(-1)[_block_slice(sl) if k in scales else sl] for k, v in d.items()}
 
+        whole = self._whole(group)
+        if whole:  # (one eager call in the parameter's shape: Muon, Adafactor)
+            shape = {"shape": p.shape} if quantized else {}
+            _param_update(p, p.grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
+                          math=self._math, flags=flags, offset=start, **extra, **qkw, **shape)
+            self._advance(state, step, scaling, p.device)
+            if plan is not None:
+                plan.add(_Entry(group, p, index, storage, state, None))
+            return
         if (p.numel() > 1 and contiguous and fusable and not first_use
                 and _fused_enabled(self, group, p)):
             if isinstance(step, int):  # (shared by the group's parameters at this step number)

@@ -206,7 +206,7 @@ class Lamb(LowPrecisionOptimizer):
 
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(self, group):
+    def _math_buffers(self, group, p=None):
         return ("exp_avg", "exp_avg_sq")
 
     def _coefficients(self, group, step):

@@ -175,7 +175,7 @@ class SGD(LowPrecisionOptimizer):
                 f"{group['momentum']}, dampening={group['dampening']}."
             )
 
-    def _math_buffers(self, group):
+    def _math_buffers(self, group, p=None):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
     def _coefficients(self, group, step):

@@ -150,9 +150,18 @@ class _Shard:
         return self.p is p and self.local is local(p) and tuple(p.placements) == self.placements
 
 
-def _refusal(where: str, shard: _Shard, storage: Any, eight_bit: bool):
-    """The error a step of this shard must raise under these options, or None."""
+def _refusal(where: str, shard: _Shard, storage: Any, eight_bit: bool, whole: str | None = None):
+    """The error a step of this shard must raise under these options, or None. ``whole``: the
+    optimizer's name where its rule needs whole tensors (``_whole``)."""
     placements = shard.placements
+    if whole and tuple(shard.local.shape) != tuple(shard.p.shape):
+        return NotImplementedError(
+            f"{where}: lowprec.{whole} needs each parameter whole (Muon orthogonalizes the "
+            "whole matrix, Adafactor takes means over its rows and columns), and this rank "
+            f"holds a shard of it ({placements}). Step sharded parameters with an elementwise "
+            "optimizer (lowprec.AdamW, Adam, Lion, StableAdamW), or keep these parameters "
+            "replicated (e.g. out of fully_shard's modules)."
+        )
     if eight_bit and qstate.qualifies(shard.p) and not shard.local.is_contiguous():
         return NotImplementedError(
             f"{where}: this rank's shard of the parameter is not contiguous, and 8-bit state "
@@ -242,7 +251,8 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                 opt._validate_options(group, gi)
                 storage = opt._storage(group, p)
                 eight_bit = group["state_dtype"] == qstate.EIGHT_BIT
-                shard.verdict = (options, _refusal(where, shard, storage, eight_bit),
+                whole = type(opt).__name__ if opt._whole(group) else None
+                shard.verdict = (options, _refusal(where, shard, storage, eight_bit, whole),
                                  storage.needs_random_bits)
             if shard.verdict[1] is not None:
                 raise shard.verdict[1]

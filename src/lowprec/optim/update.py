@@ -122,6 +122,7 @@ def _param_update(
     skip: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
     qstate: tuple[tuple[str, bool], ...] = (),
+    shape: tuple[int, ...] | None = None,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
@@ -130,6 +131,9 @@ def _param_update(
     ``qstate.BLOCK`` elements (``p.numel()`` a multiple of it: a whole parameter, or a chunk
     of one that starts on a block). They are decoded before the rule and encoded after it,
     each block with its new largest magnitude.
+
+    ``shape``: the parameter's own shape, which ``math`` takes where ``qstate`` has made
+    every tensor rows of a block (a rule that needs the shape: ``_whole``).
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
     (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
@@ -145,7 +149,14 @@ def _param_update(
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
-    new_w, new_m = math(w, g, m, c, **flags)
+    if shape is not None:  # (a rule that needs the parameter's shape, its state in rows)
+        rows = w.shape
+        w, g = w.view(shape), g.view(shape)
+        m = {k: v.view(shape) for k, v in m.items()}
+        new_w, new_m = math(w, g, m, c, **flags)
+        new_w, new_m = new_w.reshape(rows), {k: v.reshape(rows) for k, v in new_m.items()}
+    else:
+        new_w, new_m = math(w, g, m, c, **flags)
     bits = None
     if storage.needs_random_bits:
         bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
