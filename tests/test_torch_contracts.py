@@ -264,9 +264,9 @@ def _copies(cls, kw, params, master, opt):
     return out
 
 
-def _check_round_trips(cls, kw, dtype, master):
-    init = _init(dtype)
-    seq = _grad_seq(dtype, 5, seed=1)
+def _check_round_trips(cls, kw, dtype, master, shapes=SHAPES):
+    init = _init(dtype, shapes)
+    seq = _grad_seq(dtype, 5, seed=1, shapes=shapes)
     params, opt = _make(cls, kw, init, master)
     fresh_keys = [sorted(g) for g in opt.state_dict()["param_groups"]]
     with fallback_is_an_error():

@@ -21,6 +21,9 @@ _LAZY = {
     "Adagrad": "lowprec.optim",
     "AdamW": "lowprec.optim",
     "Lamb": "lowprec.optim",
+    "Adafactor": "lowprec.optim",
+    "Muon": "lowprec.optim",
+    "muon_param_groups": "lowprec.optim",
     "master_state_dict": "lowprec.optim",
     "LossScaler": "lowprec.scaling",
     "NonFiniteLossError": "lowprec.scaling",
@@ -33,15 +36,18 @@ _LAZY = {
 __all__ = [
     "SGD",
     "Accumulator",
+    "Adafactor",
     "Adagrad",
     "AdamW",
     "Lamb",
     "LossScaler",
+    "Muon",
     "NonFiniteLossError",
     "__version__",
     "accumulate",
     "diagnostics",
     "master_state_dict",
+    "muon_param_groups",
     "numerics",
     "optim",
     "recipes",
@@ -50,7 +56,16 @@ __all__ = [
 if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
     from lowprec import diagnostics, numerics, optim, recipes
     from lowprec.accumulation import Accumulator, accumulate
-    from lowprec.optim import SGD, Adagrad, AdamW, Lamb, master_state_dict
+    from lowprec.optim import (
+        SGD,
+        Adafactor,
+        Adagrad,
+        AdamW,
+        Lamb,
+        Muon,
+        master_state_dict,
+        muon_param_groups,
+    )
     from lowprec.scaling import LossScaler, NonFiniteLossError
 
 

@@ -26,10 +26,12 @@ step with a warning naming the cause, as does any kernel still to compile after 
 or ``0`` (eager).
 """
 
+from lowprec.optim.adafactor import Adafactor, adafactor_update
 from lowprec.optim.adagrad import Adagrad, adagrad_update
 from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
 from lowprec.optim.lamb import Lamb, lamb_update
+from lowprec.optim.muon import Muon, muon_param_groups
 from lowprec.optim.sgd import SGD, sgd_update
 from lowprec.optim.storage import MASTER_CHOICES, STORAGES, MasterStorage, resolve_master
 
@@ -37,15 +39,19 @@ __all__ = [
     "MASTER_CHOICES",
     "SGD",
     "STORAGES",
+    "Adafactor",
     "Adagrad",
     "AdamW",
     "Lamb",
     "LowPrecisionOptimizer",
     "MasterStorage",
+    "Muon",
+    "adafactor_update",
     "adagrad_update",
     "adamw_update",
     "lamb_update",
     "master_state_dict",
+    "muon_param_groups",
     "resolve_master",
     "sgd_update",
 ]

@@ -1,0 +1,224 @@
+"""Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+Cost") with ``torch.optim.Adafactor``'s defaults and semantics, over any master storage.
+
+No first moment; the second moment of a tensor of two or more dimensions is factored into the
+means of its squared gradient over the last dimension (``row_var``, shaped ``(..., rows, 1)``)
+and over the one before (``col_var``, ``(..., 1, cols)``), O(rows + cols) numbers kept in FP32
+whatever ``state_dtype`` says; a vector keeps a full ``variance``. Per step ``t``::
+
+    beta2_hat = t ** beta2_decay                   (the weight of the new squares)
+    rho = min(lr, 1 / sqrt(t))                     (relative step size, capped by lr)
+    alpha = max(eps2, RMS(w)) * rho
+    w = w * (1 - lr * weight_decay)
+    V = row_var @ col_var / max(mean(row_var), eps1)    (or variance)
+    U = g / sqrt(max(V, eps1**2))
+    w = w - alpha * U / max(1, RMS(U) / d)
+
+The rule needs whole tensors (the means over rows and columns, the two RMS): each parameter's
+step is one eager call in its own shape (``LowPrecisionOptimizer._whole``), and the RMS stay
+0-d tensors (no host synchronisation, where torch reads them with ``.item()``). With a BF16
+parameter the RMS of the weight is that of the FP32 master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative
+
+__all__ = ["Adafactor", "adafactor_coefficients", "adafactor_math", "adafactor_update"]
+
+_FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def adafactor_coefficients(
+    *, lr: float, beta2_decay: float, eps: tuple[float | None, float], d: float,
+    weight_decay: float, step: Any,
+) -> dict[str, Any]:
+    """The per-step scalars of ``adafactor_math``: host floats, or 0-d tensors for a tensor step.
+
+    ``eps[0]`` None is FP32's machine epsilon: the rule runs on the FP32 master (torch takes
+    the parameter dtype's, which for a BF16 parameter would be 2**-7)."""
+    eps1 = _FP32_EPS if eps[0] is None else eps[0]
+    if isinstance(step, torch.Tensor):
+        rho = torch.clamp(step.rsqrt(), max=lr)
+    else:
+        rho = min(lr, 1 / step**0.5)
+    return {
+        "decay": 1 - lr * weight_decay,
+        "new_weight": step**beta2_decay,
+        "rho": rho,
+        "eps1": eps1,
+        "eps1_sq": eps1 * eps1,
+        "eps2": eps[1],
+        "d": d,
+    }
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t) / t.numel() ** 0.5
+
+
+def adafactor_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Adafactor update of a whole tensor in FP32 (pure): factored where ``bufs`` holds
+    ``row_var`` and ``col_var``, else with the full ``variance``."""
+    if maximize:
+        g = -g
+    alpha = torch.clamp(_rms(w), min=c["eps2"]) * c["rho"]
+    if weight_decay:
+        w = w * c["decay"]
+    beta = c["new_weight"]
+    if "row_var" in bufs:
+        # (the mean of g*g over a dimension, as the square of a norm: no g*g temporary)
+        rows = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
+        cols = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / g.size(-2)
+        row_var = bufs["row_var"].lerp(rows, beta)
+        col_var = bufs["col_var"].lerp(cols, beta)
+        var = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=c["eps1"])
+        out = {"row_var": row_var, "col_var": col_var}
+    else:
+        var = bufs["variance"].lerp(g * g, beta)
+        out = {"variance": var}
+    u = var.clamp(min=c["eps1_sq"]).rsqrt() * g
+    denom = torch.clamp(_rms(u) / c["d"], min=1.0)
+    return w - u * (alpha / denom), out
+
+
+def adafactor_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    lr: float = 1e-2,
+    beta2_decay: float = -0.8,
+    eps: tuple[float | None, float] = (None, 1e-3),
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    step: int,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Adafactor update in FP32 (pure: the inputs are not modified); the functional form.
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        state: ``row_var`` and ``col_var`` for a tensor of 2 or more dimensions, else
+            ``variance`` (zeros before the first step).
+        step: The step number, from 1.
+        (the rest: as ``Adafactor``)
+
+    Returns:
+        ``(new_w, new_state)``.
+    """
+    c = adafactor_coefficients(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+                               weight_decay=weight_decay, step=step)
+    return adafactor_math(w, g, state, c, weight_decay=weight_decay != 0, maximize=maximize)
+
+
+class Adafactor(LowPrecisionOptimizer):
+    """Adafactor with a choice of master-weight storage.
+
+    Same defaults and semantics as ``torch.optim.Adafactor``, but for ``eps[0]=None``, which is
+    FP32's machine epsilon whatever the parameter's dtype (the rule runs on the FP32 master).
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: The cap of the relative step size, and the decay's rate (default: 1e-2).
+        beta2_decay: The second moment's new squares weigh ``step ** beta2_decay``
+            (default: -0.8).
+        eps: ``(eps1, eps2)``: the floor of the second moment's estimate (its square) and of a
+            weight's RMS in the step size (default: (None, 1e-3)).
+        d: The update's RMS is clipped to ``d`` (default: 1.0).
+        weight_decay: Decoupled weight decay: ``w *= 1 - lr * weight_decay`` (default: 0.0).
+        maximize: Maximize the objective (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of a vector's ``variance`` (default: None, meaning float32 for
+            ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise); the factored
+            statistics stay FP32.
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Accepted for the other optimizers' signature: the step is means over rows and
+            columns and norms of whole tensors, run as ATen calls per parameter (default: None).
+        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
+        capturable: Must be False (default: False).
+        differentiable: Must be False (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
+            maximize=maximize, master=master, state_dtype=state_dtype, seed=seed, fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _validate_hparams(self, group):
+        _check_nonnegative(group, "lr", "weight_decay")
+        if not group["beta2_decay"] <= 0.0:
+            raise ValueError(f"beta2_decay should be <= 0 but is: {group['beta2_decay']}")
+        eps = group["eps"]
+        if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+            raise ValueError(f"eps must be a pair (eps1 or None, eps2), got {eps!r}.")
+        if eps[0] is not None and not eps[0] >= 0.0:
+            raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]}")
+        if not eps[1] >= 0.0:
+            raise ValueError(f"epsilon2 should be >= 0 but is: {eps[1]}")
+        if not group["d"] >= 1.0:
+            raise ValueError(f"Clipping threshold d should be >= 1 but is: {group['d']}")
+
+    _nonnegative_buffers = ("variance",)
+
+    def _math_buffers(self, group, p=None):
+        if p is None:  # (the group's: every name a parameter may have)
+            return ("row_var", "col_var", "variance")
+        return ("row_var", "col_var") if p.dim() > 1 else ("variance",)
+
+    def _buffer_shape(self, name, p):
+        if name == "row_var":
+            return (*p.shape[:-1], 1)
+        if name == "col_var":
+            return (*p.shape[:-2], 1, p.shape[-1])
+        return None
+
+    def _whole(self, group):
+        return True
+
+    def _coefficients(self, group, step):
+        return adafactor_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta2_decay=group["beta2_decay"],
+            eps=tuple(group["eps"]), d=group["d"], weight_decay=group["weight_decay"], step=step,
+        )
+
+    def _flags(self, group):
+        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+
+    _math = staticmethod(adafactor_math)

@@ -1,0 +1,260 @@
+"""Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks") with
+``torch.optim.Muon``'s defaults and semantics, over any master storage; and the usual setup of
+one optimizer for a whole model: Muon for the hidden layers' matrices, AdamW for the rest.
+
+Per step, for a 2-D parameter::
+
+    B = lerp(B, g, 1 - momentum)                   (torch's form of the momentum)
+    U = lerp(g, B, momentum) if nesterov else B
+    O = NewtonSchulz(U)                             (in BF16, as torch: ns_steps quintic steps)
+    w = w * (1 - lr * weight_decay) - lr * adjust(shape) * O
+
+The orthogonalization needs the whole matrix: each parameter's step is one eager call in its
+own shape (``LowPrecisionOptimizer._whole``); its matmuls are the step's cost, as in torch.
+A group with ``use_muon=False`` is an AdamW group (``adamw_math``, elementwise: compiled and
+batched as ``lowprec.AdamW``'s), with torch.optim.AdamW's defaults for the options it does not
+set; ``muon_param_groups`` makes both groups from a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.optim.adamw import adamw_coefficients, adamw_math
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+__all__ = ["Muon", "muon_math", "muon_param_groups", "newton_schulz"]
+
+#: torch.optim.Muon's Newton-Schulz coefficients, steps and epsilon.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+#: What a ``use_muon=False`` group takes where it sets nothing: torch.optim.AdamW's defaults.
+ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+_ADJUST = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    u: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration towards the orthogonal factor of matrix ``u``, in
+    BF16 as torch.optim.Muon computes it (the same operations); returns a BF16 matrix."""
+    a, b, c = coefficients
+    x = u.bfloat16()
+    tall = u.size(0) > u.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _adjusted_ratio(adjust: str | None, shape: Sequence[int]) -> float:
+    rows, cols = shape[:2]
+    if adjust is None or adjust == "original":
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw" (Moonshot's)
+
+
+def muon_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    muon: bool,
+    weight_decay: bool,
+    nesterov: bool = True,
+    ns: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    ns_eps: float = NS_EPS,
+    adjust: str | None = None,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One update in FP32 (pure): Muon's of a whole matrix, or (``muon`` False) AdamW's."""
+    if not muon:
+        return adamw_math(w, g, bufs, c, amsgrad=amsgrad, weight_decay=weight_decay,
+                          maximize=maximize)
+    buf = bufs["momentum_buffer"].lerp(g, c["one_minus_momentum"])
+    u = g.lerp(buf, c["momentum"]) if nesterov else buf
+    o = newton_schulz(u, ns, ns_steps, ns_eps)
+    if weight_decay:
+        w = w * c["decay"]
+    return w - o.float() * (c["lr"] * _adjusted_ratio(adjust, w.shape)), {"momentum_buffer": buf}
+
+
+def muon_param_groups(
+    model: nn.Module,
+    *,
+    muon: dict[str, Any] | None = None,
+    adamw: dict[str, Any] | None = None,
+    exclude: Sequence[str] = ("embed", "head"),
+) -> list[dict[str, Any]]:
+    """A model's parameters as ``lowprec.Muon``'s two groups: the weights of its ``nn.Linear``
+    layers (the hidden matrices) with ``use_muon=True``, and the rest (embeddings, the output
+    head, norms, biases, other layers' weights) with ``use_muon=False``, stepped by AdamW.
+
+    ``lowprec.Muon(lowprec.muon_param_groups(model, adamw={"lr": 3e-4}), lr=0.02)``
+
+    Args:
+        model: The model; each parameter is taken once (a tied weight by its first name).
+        muon: Options of the Muon group (default: None, the optimizer's).
+        adamw: Options of the AdamW group (default: None: torch.optim.AdamW's ``betas``, ``eps``
+            and ``weight_decay``, the optimizer's ``lr``).
+        exclude: A Linear weight whose name contains one of these goes to AdamW (default:
+            ``("embed", "head")``: a model's output head, and input projections named so).
+
+    Returns:
+        The groups that have parameters, each with the parameters as ``(name, tensor)`` pairs.
+    """
+    linear = {id(m.weight) for m in model.modules()
+              if isinstance(m, nn.Linear) and not isinstance(m.weight, nn.UninitializedParameter)}
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden, rest = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_hidden = (id(p) in linear and id(p) not in embedded and p.dim() == 2
+                     and not any(word in name for word in exclude))
+        (hidden if is_hidden else rest).append((name, p))
+    groups = [{"params": hidden, "use_muon": True, **(muon or {})},
+              {"params": rest, "use_muon": False, **(adamw or {})}]
+    return [g for g in groups if g["params"]]
+
+
+class Muon(LowPrecisionOptimizer):
+    """Muon with a choice of master-weight storage.
+
+    Same defaults and semantics as ``torch.optim.Muon`` for its groups (2-D parameters only);
+    a group with ``use_muon=False`` is stepped by AdamW (``muon_param_groups`` builds both).
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate (default: 1e-3).
+        weight_decay: Decoupled weight decay: ``w *= 1 - lr * weight_decay`` (default: 0.1).
+        momentum: Momentum factor (default: 0.95).
+        nesterov: Nesterov momentum (default: True).
+        ns_coefficients: The quintic Newton-Schulz iteration's ``(a, b, c)`` (default:
+            ``(3.4445, -4.7750, 2.0315)``).
+        eps: Floor of the norm the iteration divides by (default: 1e-7).
+        ns_steps: Newton-Schulz steps (default: 5).
+        adjust_lr_fn: ``None`` or ``"original"`` (lr times ``sqrt(max(1, rows / cols))``) or
+            ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``) (default: None).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the momentum (and an AdamW group's moments), ``"8bit"`` included
+            (default: None, meaning float32 for ``"fp32"`` and ``"split"`` and the parameter's
+            dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: For ``use_muon=False`` groups, as ``lowprec.AdamW``'s; a Muon group's step is
+            matmuls, run as ATen calls per parameter (default: None).
+        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
+        capturable: Must be False (default: False).
+        differentiable: Must be False (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, use_muon=True, master=master, state_dtype=state_dtype,
+            seed=seed, fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and param_group.get("use_muon", True) is False:
+            # (an AdamW group: AdamW's defaults, not Muon's, for what it leaves out)
+            param_group = {**ADAMW_DEFAULTS, "amsgrad": False, "maximize": False, **param_group}
+        super().add_param_group(param_group)
+
+    def _validate_hparams(self, group):
+        if group["use_muon"] not in (True, False):
+            raise ValueError(f"use_muon must be True or False, got {group['use_muon']!r}.")
+        _check_nonnegative(group, "lr", "weight_decay", "eps")
+        if not group["use_muon"]:
+            _validate_betas(group["betas"])
+            return
+        _check_nonnegative(group, "momentum")
+        if group["adjust_lr_fn"] not in _ADJUST:
+            raise ValueError(
+                f"Adjust learning rate function {group['adjust_lr_fn']} is not supported; "
+                "choose None, 'original' or 'match_rms_adamw'."
+            )
+        ns = group["ns_coefficients"]
+        if not isinstance(ns, (tuple, list)) or len(ns) != 3:
+            raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {ns!r}.")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}.")
+        for i, p in enumerate(group["params"]):
+            if p.dim() != 2:
+                raise ValueError(
+                    f"Muon only supports 2D parameters whereas we found a parameter with size: "
+                    f"{tuple(p.shape)} (parameter {i}); step embeddings, norms and biases with "
+                    "AdamW in a group with use_muon=False: lowprec.muon_param_groups(model) "
+                    "makes both groups."
+                )
+
+    _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
+
+    def _math_buffers(self, group, p=None):
+        if not group["use_muon"]:
+            names = ("exp_avg", "exp_avg_sq")
+            return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
+        return ("momentum_buffer",)
+
+    def _whole(self, group):
+        return group["use_muon"]
+
+    def _coefficients(self, group, step):
+        lr = _as_float(group["lr"], "lr")
+        if not group["use_muon"]:
+            beta1, beta2 = group["betas"]
+            return adamw_coefficients(lr=lr, beta1=float(beta1), beta2=float(beta2),
+                                      eps=group["eps"], weight_decay=group["weight_decay"],
+                                      step=step)
+        momentum = float(group["momentum"])
+        return {"lr": lr, "decay": 1 - lr * group["weight_decay"], "momentum": momentum,
+                "one_minus_momentum": 1 - momentum}
+
+    def _flags(self, group):
+        if not group["use_muon"]:
+            return dict(muon=False, amsgrad=group["amsgrad"], maximize=group["maximize"],
+                        weight_decay=group["weight_decay"] != 0)
+        return dict(
+            muon=True, weight_decay=group["weight_decay"] != 0, nesterov=bool(group["nesterov"]),
+            ns=tuple(map(float, group["ns_coefficients"])), ns_steps=group["ns_steps"],
+            ns_eps=float(group["eps"]), adjust=group["adjust_lr_fn"],
+        )
+
+    _math = staticmethod(muon_math)
