@@ -28,10 +28,12 @@ or ``0`` (eager).
 
 from lowprec.optim.adafactor import Adafactor, adafactor_update
 from lowprec.optim.adagrad import Adagrad, adagrad_update
+from lowprec.optim.adam import Adam, adam_update
 from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
 from lowprec.optim.lamb import Lamb, lamb_update
 from lowprec.optim.muon import Muon, muon_param_groups
+from lowprec.optim.radam import RAdam, radam_update
 from lowprec.optim.sgd import SGD, sgd_update
 from lowprec.optim.storage import MASTER_CHOICES, STORAGES, MasterStorage, resolve_master
 
@@ -41,17 +43,21 @@ __all__ = [
     "STORAGES",
     "Adafactor",
     "Adagrad",
+    "Adam",
     "AdamW",
     "Lamb",
     "LowPrecisionOptimizer",
     "MasterStorage",
     "Muon",
+    "RAdam",
     "adafactor_update",
     "adagrad_update",
+    "adam_update",
     "adamw_update",
     "lamb_update",
     "master_state_dict",
     "muon_param_groups",
+    "radam_update",
     "resolve_master",
     "sgd_update",
 ]

@@ -1,0 +1,194 @@
+"""Adam (L2 or decoupled weight decay, optional AMSGrad) over any master storage.
+
+``adam_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
+coefficients computed on the host (``adam_coefficients``), so the eager and the compiled step run
+the same function and agree bit for bit. It is AdamW's rule (``adamw_math``) with torch.optim.Adam's
+default decay, L2: ``weight_decay * w`` added to the gradient (after ``maximize`` negates it), which
+the moments then carry; ``decoupled_weight_decay=True`` is AdamW's decay and step, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.optim.adamw import adamw_coefficients, adamw_math
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+__all__ = ["Adam", "adam_coefficients", "adam_math", "adam_update"]
+
+
+def adam_coefficients(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+) -> dict[str, Any]:
+    """The per-step scalars of ``adam_math``: ``adamw_coefficients`` (the same bias corrections,
+    and the decoupled decay factor) and the L2 coefficient ``weight_decay``."""
+    c = adamw_coefficients(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
+    )
+    return {**c, "weight_decay": weight_decay}
+
+
+def adam_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    amsgrad: bool,
+    weight_decay: bool,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Adam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    if maximize:
+        g = -g
+    if weight_decay and not decoupled_weight_decay:
+        g = g + w * c["weight_decay"]  # (L2: the decay goes through the moments)
+    return adamw_math(
+        w, g, bufs, c, amsgrad=amsgrad, weight_decay=weight_decay and decoupled_weight_decay,
+        maximize=False,
+    )
+
+
+def adam_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One Adam update in FP32 (pure: the inputs are not modified); the functional form.
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        exp_avg: First moment.
+        exp_avg_sq: Second moment.
+        max_exp_avg_sq: Running maximum of the second moment (AMSGrad), or None.
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        weight_decay: L2 penalty added to the gradient, or with ``decoupled_weight_decay``
+            ``w *= 1 - lr * weight_decay``.
+        step: The step number, from 1, for bias correction.
+        decoupled_weight_decay: Decay the weight as AdamW does (default: False).
+        maximize: Ascend instead of descend (default: False).
+
+    Returns:
+        ``(new_w, new_exp_avg, new_exp_avg_sq, new_max_exp_avg_sq)``.
+    """
+    c = adam_coefficients(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
+    )
+    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if max_exp_avg_sq is not None:
+        bufs["max_exp_avg_sq"] = max_exp_avg_sq
+    new_w, out = adam_math(
+        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, weight_decay=weight_decay != 0,
+        decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+    )
+    return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
+
+
+class Adam(LowPrecisionOptimizer):
+    """Adam with a choice of master-weight storage.
+
+    Same defaults and semantics as ``torch.optim.Adam``, whose checkpoints it loads.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate (default: 1e-3).
+        betas: Moment decay rates (default: (0.9, 0.999)).
+        eps: Added to the denominator (default: 1e-8).
+        weight_decay: L2 penalty added to the gradient, or the decoupled decay with
+            ``decoupled_weight_decay`` (default: 0).
+        amsgrad: Use the running maximum of the second moment (default: False).
+        maximize: Maximize the objective (default: False).
+        decoupled_weight_decay: Decay the weight as AdamW does, ``w *= 1 - lr * weight_decay``,
+            instead of adding the L2 penalty to the gradient (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU), one
+            per parameter (on CPU, small parameters of a group share one call; from the second step
+            on, large ones share calls of up to 4), with the same results as the eager step
+            (default: None, meaning compiled wherever torch.compile has a compiler, C++ or Triton,
+            and eager elsewhere; see ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
+            its own implementation (``fused``) (default: None).
+        capturable: Must be False: the step decides on the host what to run, so it cannot be
+            captured in a CUDA graph (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        decoupled_weight_decay: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, master=master,
+            state_dtype=state_dtype, seed=seed, fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _validate_hparams(self, group):
+        _check_nonnegative(group, "lr", "eps", "weight_decay")
+        _validate_betas(group["betas"])
+
+    _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
+
+    def _math_buffers(self, group, p=None):
+        names = ("exp_avg", "exp_avg_sq")
+        return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
+
+    def _coefficients(self, group, step):
+        beta1, beta2 = group["betas"]
+        return adam_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+        )
+
+    def _flags(self, group):
+        decay = group["weight_decay"] != 0
+        # (without decay the two kinds are one rule: one compiled variant)
+        return dict(
+            amsgrad=group["amsgrad"], weight_decay=decay,
+            decoupled_weight_decay=decay and bool(group["decoupled_weight_decay"]),
+            maximize=group["maximize"],
+        )
+
+    _math = staticmethod(adam_math)

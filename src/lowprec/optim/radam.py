@@ -1,0 +1,218 @@
+"""RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning Rate and Beyond") over any
+master storage.
+
+Adam's moments, with the adaptive step rectified by the variance of its early estimates: while the
+approximated SMA length ``rho_t`` is at most 5 (the first steps), the step is the un-adapted
+``lr * m_hat``; after it, ``lr * rect * m_hat * sqrt(1 - beta2**step) / (sqrt(v) + eps)``. Which
+one depends on the step number alone, so ``radam_coefficients`` decides it on the host (or on the
+device, for a step counted there) and ``radam_math`` is one formula for both, with no branch on
+a tensor's value: the eager and the compiled step run the same function and agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.numerics import sqrt_rn
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+__all__ = ["RAdam", "radam_coefficients", "radam_math", "radam_update"]
+
+
+def radam_coefficients(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+) -> dict[str, Any]:
+    """The per-step scalars of ``radam_math``: host floats, or 0-d tensors for a tensor step.
+
+    ``radam_math`` steps by ``step_size * m / (sqrt(min(v, v_max)) + eps)``. Rectified,
+    ``step_size`` is ``lr * rect * sqrt(bc2) / bc1``, ``v_max`` is +inf (``v`` unchanged) and
+    ``eps`` is ``eps``: torch.optim.RAdam's step, its ``eps`` added before the bias correction
+    ``sqrt(bc2)``. Un-adapted, ``step_size`` is ``lr / bc1``, ``v_max`` 0 and ``eps`` 1, which
+    leaves ``lr * m / bc1`` whatever ``v`` is (0, or +inf after an overflow).
+    """
+    bc1 = 1 - beta1**step
+    bc2 = 1 - beta2**step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * beta2**step / bc2
+    rectified = rho_t > 5
+    # (rect's square is negative, or its denominator 0, only where the step is not rectified)
+    if isinstance(rectified, torch.Tensor):  # (a step counted on the device: decided there)
+        r = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        rect = torch.where(rectified, r, 0.0).sqrt()
+        pick = lambda a, b: torch.where(rectified, a, b)  # noqa: E731
+    else:
+        rect = (
+            (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        ) ** 0.5 if rectified else 0.0
+        pick = lambda a, b: a if rectified else b  # noqa: E731
+    return {
+        "decay": 1 - lr * weight_decay,
+        "weight_decay": weight_decay,
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+        "step_size": pick(lr * rect * bc2**0.5 / bc1, lr / bc1),
+        "v_max": pick(math.inf, 0.0),
+        "eps": pick(eps, 1.0),
+    }
+
+
+def radam_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    if maximize:
+        g = -g
+    if weight_decay and decoupled_weight_decay:
+        w = w * c["decay"]
+    elif weight_decay:
+        g = g + w * c["weight_decay"]
+    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
+    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    # The rectified or the un-adapted step, as c says (see radam_coefficients).
+    denom = sqrt_rn(v.clamp(max=c["v_max"])) + c["eps"]
+    return w - (m * c["step_size"]) / denom, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def radam_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One RAdam update in FP32 (pure: the inputs are not modified); the functional form.
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        exp_avg: First moment.
+        exp_avg_sq: Second moment.
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        weight_decay: L2 penalty added to the gradient, or with ``decoupled_weight_decay``
+            ``w *= 1 - lr * weight_decay``.
+        step: The step number, from 1, for bias correction and rectification.
+        decoupled_weight_decay: Decay the weight as AdamW does (default: False).
+        maximize: Ascend instead of descend (default: False).
+
+    Returns:
+        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
+    """
+    c = radam_coefficients(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
+    )
+    new_w, out = radam_math(
+        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c, weight_decay=weight_decay != 0,
+        decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+    )
+    return new_w, out["exp_avg"], out["exp_avg_sq"]
+
+
+class RAdam(LowPrecisionOptimizer):
+    """RAdam with a choice of master-weight storage.
+
+    Same defaults and semantics as ``torch.optim.RAdam``, whose checkpoints it loads.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate (default: 1e-3).
+        betas: Moment decay rates (default: (0.9, 0.999)).
+        eps: Added to the denominator (default: 1e-8).
+        weight_decay: L2 penalty added to the gradient, or the decoupled decay with
+            ``decoupled_weight_decay`` (default: 0).
+        decoupled_weight_decay: Decay the weight as AdamW does, ``w *= 1 - lr * weight_decay``,
+            instead of adding the L2 penalty to the gradient (default: False).
+        maximize: Maximize the objective (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU), one
+            per parameter (on CPU, small parameters of a group share one call; from the second step
+            on, large ones share calls of up to 4), with the same results as the eager step
+            (default: None, meaning compiled wherever torch.compile has a compiler, C++ or Triton,
+            and eager elsewhere; see ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
+            its own implementation (``fused``) (default: None).
+        capturable: Must be False: the step decides on the host what to run, so it cannot be
+            captured in a CUDA graph (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        *,
+        maximize: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay, maximize=maximize, master=master,
+            state_dtype=state_dtype, seed=seed, fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _validate_hparams(self, group):
+        _check_nonnegative(group, "lr", "eps", "weight_decay")
+        _validate_betas(group["betas"])
+
+    _nonnegative_buffers = ("exp_avg_sq",)
+
+    def _math_buffers(self, group, p=None):
+        return ("exp_avg", "exp_avg_sq")
+
+    def _coefficients(self, group, step):
+        beta1, beta2 = group["betas"]
+        return radam_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+        )
+
+    def _flags(self, group):
+        decay = group["weight_decay"] != 0
+        return dict(
+            weight_decay=decay,
+            decoupled_weight_decay=decay and bool(group["decoupled_weight_decay"]),
+            maximize=group["maximize"],
+        )
+
+    _math = staticmethod(radam_math)
