@@ -32,9 +32,11 @@ from lowprec.optim.adam import Adam, adam_update
 from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
 from lowprec.optim.lamb import Lamb, lamb_update
+from lowprec.optim.lion import Lion, lion_update
 from lowprec.optim.muon import Muon, muon_param_groups
 from lowprec.optim.radam import RAdam, radam_update
 from lowprec.optim.sgd import SGD, sgd_update
+from lowprec.optim.stable_adamw import StableAdamW, stable_adamw_update
 from lowprec.optim.storage import MASTER_CHOICES, STORAGES, MasterStorage, resolve_master
 
 __all__ = [
@@ -46,18 +48,22 @@ __all__ = [
     "Adam",
     "AdamW",
     "Lamb",
+    "Lion",
     "LowPrecisionOptimizer",
     "MasterStorage",
     "Muon",
     "RAdam",
+    "StableAdamW",
     "adafactor_update",
     "adagrad_update",
     "adam_update",
     "adamw_update",
     "lamb_update",
+    "lion_update",
     "master_state_dict",
     "muon_param_groups",
     "radam_update",
     "resolve_master",
     "sgd_update",
+    "stable_adamw_update",
 ]

@@ -1,0 +1,191 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2).
+
+The update is the sign of an interpolation between the momentum and the gradient, and the
+momentum is then updated with a second, slower rate::
+
+    c = beta1 * m + (1 - beta1) * g
+    w = w * (1 - lr * weight_decay) - lr * sign(c)
+    m = beta2 * m + (1 - beta2) * g
+
+Every element moves by exactly ``lr`` (or not at all where ``c`` is 0: ``torch.sign``), so the
+update is as large for a parameter of small gradients as for one of large ones: the paper's
+learning rate is 3-10x smaller than AdamW's, and its weight decay 3-10x larger. Defaults are the
+paper's and those of ``lion-pytorch`` and optimi. ``decouple_lr`` is optimi's fully decoupled
+decay, ``w *= 1 - (lr / max_lr) * weight_decay`` (``lion-pytorch``'s ``decoupled_weight_decay``).
+A NaN or infinite ``c`` gives a NaN update rather than ``torch.sign``'s 0 or 1, so that a NaN
+gradient shows in the weights as it would under AdamW instead of freezing them silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+__all__ = ["Lion", "lion_coefficients", "lion_math", "lion_update"]
+
+
+def lion_coefficients(
+    *, lr: float, beta1: float, beta2: float, weight_decay: float, max_lr: float | None = None
+) -> dict[str, Any]:
+    """The per-step scalars of ``lion_math`` (host floats). ``max_lr`` given: the decay is fully
+    decoupled from the learning rate's scale, ``1 - (lr / max_lr) * weight_decay``."""
+    scale = lr if max_lr is None else lr / max_lr
+    return {
+        "lr": lr,
+        "decay": 1 - scale * weight_decay,
+        "beta1": beta1,
+        "one_minus_beta1": 1 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1 - beta2,
+    }
+
+
+def lion_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One Lion update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    if maximize:
+        g = -g
+    if weight_decay:
+        w = w * c["decay"]
+    m = bufs["exp_avg"]
+    direction = m * c["beta1"] + g * c["one_minus_beta1"]
+    # sign(0) = 0 as torch.sign; (direction - direction) is 0, or NaN for a NaN or an infinity.
+    update = torch.sign(direction) + (direction - direction)
+    return w - update * c["lr"], {"exp_avg": m * c["beta2"] + g * c["one_minus_beta2"]}
+
+
+def lion_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    max_lr: float | None = None,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Lion update in FP32 (pure: the inputs are not modified); the functional form.
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        exp_avg: The momentum.
+        lr: Learning rate.
+        beta1: Interpolation of the update direction between momentum and gradient.
+        beta2: Momentum decay.
+        weight_decay: Decoupled weight decay: ``w *= 1 - lr * weight_decay``.
+        max_lr: Fully decoupled weight decay, ``w *= 1 - (lr / max_lr) * weight_decay``
+            (default: None, meaning decoupled).
+        maximize: Ascend instead of descend (default: False).
+
+    Returns:
+        ``(new_w, new_exp_avg)``.
+    """
+    c = lion_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                          max_lr=max_lr)
+    new_w, out = lion_math(w, g, {"exp_avg": exp_avg}, c, weight_decay=weight_decay != 0,
+                           maximize=maximize)
+    return new_w, out["exp_avg"]
+
+
+def _resolve_max_lr(group: dict[str, Any]) -> None:
+    """``decouple_lr``'s ``max_lr``: checked, or the group's ``lr`` when the group is added."""
+    if group["decouple_lr"] not in (True, False):
+        raise ValueError(f"decouple_lr must be True or False, got {group['decouple_lr']!r}.")
+    if group["decouple_lr"] and group["max_lr"] is None:
+        group["max_lr"] = _as_float(group["lr"], "lr")
+    if group["max_lr"] is not None and not _as_float(group["max_lr"], "max_lr") > 0:
+        raise ValueError(f"invalid max_lr={group['max_lr']}: must be > 0.")
+
+
+class Lion(LowPrecisionOptimizer):
+    """Lion with a choice of master-weight storage.
+
+    Same defaults and semantics as optimi's and ``lion-pytorch``'s ``Lion``.
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate: every element moves by ``lr`` per step (default: 1e-4).
+        betas: ``beta1`` interpolates the update direction between momentum and gradient,
+            ``beta2`` is the momentum's decay (default: (0.9, 0.99)).
+        weight_decay: Decoupled weight decay, ``w *= 1 - lr * weight_decay`` (default: 0).
+        decouple_lr: Fully decoupled weight decay, ``w *= 1 - (lr / max_lr) * weight_decay``:
+            a schedule scales the decay but ``lr``'s size does not (default: False).
+        max_lr: The schedule's largest ``lr`` for ``decouple_lr`` (default: None, meaning the
+            group's own ``lr`` when the group is added, where optimi takes the constructor's
+            ``lr`` for every group; ``OneCycleLR`` sets it to its ``max_lr``).
+        maximize: Maximize the objective (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the momentum (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as compiled passes (``torch.compile``), with the same results as the
+            eager step (default: None, meaning compiled wherever torch.compile has a compiler;
+            see ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
+        capturable: Must be False: the step decides on the host what to run (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        decouple_lr: bool = False,
+        max_lr: float | None = None,
+        maximize: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, weight_decay=weight_decay, decouple_lr=decouple_lr,
+            max_lr=max_lr, maximize=maximize, master=master, state_dtype=state_dtype, seed=seed,
+            fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _validate_hparams(self, group):
+        _check_nonnegative(group, "lr", "weight_decay")
+        _validate_betas(group["betas"])
+        _resolve_max_lr(group)
+
+    def _math_buffers(self, group, p=None):
+        return ("exp_avg",)
+
+    def _coefficients(self, group, step):
+        beta1, beta2 = group["betas"]
+        return lion_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            weight_decay=group["weight_decay"],
+            max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
+        )
+
+    def _flags(self, group):
+        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+
+    _math = staticmethod(lion_math)

@@ -1,0 +1,249 @@
+"""StableAdamW (Wortsman et al. 2023, "Stable and low-precision training for large-scale
+vision-language models"): AdamW with per-tensor update clipping.
+
+AdamW whose learning rate is divided, per tensor, by the root mean square of ``g / sqrt(v)``
+when it exceeds 1 (Adafactor's update clipping), so that a gradient far larger than the second
+moment has seen (a loss spike) moves the weights no more than a usual step; no gradient
+clipping is needed. The formulas, defaults and options are optimi's ``StableAdamW``'s::
+
+    beta_hat = beta * (1 - beta**(t - 1)) / (1 - beta**t)     (for beta1 and for beta2)
+    m = beta1_hat * m + (1 - beta1_hat) * g
+    v = beta2_hat * v + (1 - beta2_hat) * g**2
+    rms = sqrt(mean(g**2 / max(v, eps**2)))                   (over the tensor)
+    lr_t = lr / max(1, rms)
+    w = w * (1 - lr_t * weight_decay) - lr_t * m / (sqrt(v) + eps)
+
+The debiased betas replace Adam's bias corrections (``m`` and ``v`` are weighted means of the
+gradients seen, ``m = g`` at the first step); the RMS takes the new ``v``; the decay takes the
+clipped ``lr_t``. ``decouple_lr``: ``w *= 1 - (lr_t / max_lr) * weight_decay``. The RMS stays a
+0-d tensor (no host synchronisation), from sums of squares accumulated in FP64 as LAMB's norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec.numerics import sqrt_rn, sum_squares
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.lion import _resolve_max_lr
+from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+__all__ = [
+    "StableAdamW", "stable_adamw_coefficients", "stable_adamw_math", "stable_adamw_norm_terms",
+    "stable_adamw_update",
+]
+
+
+def _debiased(beta: float, step: Any) -> Any:
+    """``beta * (1 - beta**(t - 1)) / (1 - beta**t)``: 0 at the first step, then towards beta."""
+    return beta * (1 - beta ** (step - 1)) / (1 - beta**step)
+
+
+def stable_adamw_coefficients(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any,
+    max_lr: float | None = None,
+) -> dict[str, Any]:
+    """The per-step scalars of ``stable_adamw_math``: host floats, or 0-d tensors for a tensor
+    step. ``max_lr`` given: the decay is fully decoupled, ``lr_t * (weight_decay / max_lr)``."""
+    beta1_hat, beta2_hat = _debiased(beta1, step), _debiased(beta2, step)
+    return {
+        "lr": lr,
+        "beta1": beta1_hat,
+        "one_minus_beta1": 1 - beta1_hat,
+        "beta2": beta2_hat,
+        "one_minus_beta2": 1 - beta2_hat,
+        "eps": eps,
+        "eps_sq": eps * eps,
+        "weight_decay": weight_decay if max_lr is None else weight_decay / max_lr,
+    }
+
+
+def _moments(g, bufs, c, maximize):
+    """The gradient (negated to maximize) and the new moments."""
+    if maximize:
+        g = -g
+    m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
+    v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
+    return g, m, v
+
+
+def _rms_terms(w, g, v, c):
+    return g / sqrt_rn(torch.clamp_min(v, c["eps_sq"])), torch.ones_like(w)
+
+
+def stable_adamw_norm_terms(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors whose sums of squares make the RMS, over a piece of a tensor (pure):
+    ``g / sqrt(max(v, eps**2))`` (their sum is that of ``g**2 / max(v, eps**2)``) and ones
+    (their sum is the element count, which a piece alone does not know)."""
+    g, _, v = _moments(g, bufs, c, maximize)
+    return _rms_terms(w, g, v, c)
+
+
+def stable_adamw_math(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    c: dict[str, Any],
+    *,
+    weight_decay: bool,
+    maximize: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One StableAdamW update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
+
+    Elementwise but for the RMS, which stays a 0-d tensor (no host sync). ``c["sums"]``, when
+    given, holds the whole tensor's sums of squares of ``stable_adamw_norm_terms`` (FP64, 2
+    elements) and replaces those of ``w``, which must then be all of the tensor.
+    """
+    g, m, v = _moments(g, bufs, c, maximize)
+    if "sums" in c:
+        sums = c["sums"]
+    else:
+        sums = torch.stack([sum_squares(t) for t in _rms_terms(w, g, v, c)])
+    # 1 / max(1, rms) from the FP64 sums, rounded once (the eager, chunked and compiled sums
+    # agree there), then FP32 with the coefficients, as the compiled step has them.
+    scale = torch.clamp_min((sums[0] / sums[1]).sqrt(), 1.0).reciprocal().float()
+    lr = scale * c["lr"]
+    if weight_decay:
+        w = w * (1 - lr * c["weight_decay"])
+    return w - (m * lr) / (sqrt_rn(v) + c["eps"]), {"exp_avg": m, "exp_avg_sq": v}
+
+
+def stable_adamw_update(
+    w: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    max_lr: float | None = None,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One StableAdamW update of one tensor in FP32 (pure); the functional form.
+
+    Args:
+        w: The FP32 master weight.
+        g: The FP32 gradient.
+        exp_avg: First moment.
+        exp_avg_sq: Second moment.
+        lr: Learning rate, before the tensor's update clipping.
+        beta1: First-moment decay (debiased: see the module).
+        beta2: Second-moment decay (debiased).
+        eps: Added to the denominator; ``eps**2`` floors the second moment in the RMS.
+        weight_decay: Decoupled weight decay: ``w *= 1 - lr_t * weight_decay``.
+        step: The step number, from 1, for the debiased betas.
+        max_lr: Fully decoupled weight decay, ``w *= 1 - (lr_t / max_lr) * weight_decay``
+            (default: None, meaning decoupled).
+        maximize: Ascend instead of descend (default: False).
+
+    Returns:
+        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
+    """
+    c = stable_adamw_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, step=step, max_lr=max_lr)
+    new_w, out = stable_adamw_math(
+        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
+        weight_decay=weight_decay != 0, maximize=maximize,
+    )
+    return new_w, out["exp_avg"], out["exp_avg_sq"]
+
+
+class StableAdamW(LowPrecisionOptimizer):
+    """StableAdamW with a choice of master-weight storage.
+
+    Same defaults and semantics as optimi's ``StableAdamW`` (which has no default ``lr``).
+
+    Args:
+        params: Parameters or parameter groups.
+        lr: Learning rate, before each tensor's update clipping (default: 1e-3).
+        betas: Moment decay rates, debiased (default: (0.9, 0.99)).
+        weight_decay: Decoupled weight decay, ``w *= 1 - lr_t * weight_decay`` with the
+            tensor's clipped ``lr_t`` (default: 1e-2).
+        eps: Added to the denominator; ``eps**2`` floors the second moment in the RMS
+            (default: 1e-6).
+        decouple_lr: Fully decoupled weight decay, ``w *= 1 - (lr_t / max_lr) * weight_decay``
+            (default: False).
+        max_lr: The schedule's largest ``lr`` for ``decouple_lr`` (default: None, meaning the
+            group's own ``lr`` when the group is added, where optimi takes the constructor's
+            ``lr`` for every group; ``OneCycleLR`` sets it to its ``max_lr``).
+        maximize: Maximize the objective (default: False).
+        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
+            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
+        state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
+        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        fused: Run the step as compiled passes (``torch.compile``), two per parameter, its RMS
+            first, with the same results as the eager step (default: None, meaning compiled
+            wherever torch.compile has a compiler; see ``lowprec.optim``).
+        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
+        capturable: Must be False: the step decides on the host what to run (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 1e-2,
+        eps: float = 1e-6,
+        *,
+        decouple_lr: bool = False,
+        max_lr: float | None = None,
+        maximize: bool = False,
+        master: str = "auto",
+        state_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, decouple_lr=decouple_lr,
+            max_lr=max_lr, maximize=maximize, master=master, state_dtype=state_dtype, seed=seed,
+            fused=fused,
+        )
+        super().__init__(params, defaults, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _validate_hparams(self, group):
+        _check_nonnegative(group, "lr", "eps", "weight_decay")
+        _validate_betas(group["betas"])
+        _resolve_max_lr(group)
+
+    _nonnegative_buffers = ("exp_avg_sq",)
+
+    def _math_buffers(self, group, p=None):
+        return ("exp_avg", "exp_avg_sq")
+
+    def _coefficients(self, group, step):
+        beta1, beta2 = group["betas"]
+        return stable_adamw_coefficients(
+            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+            max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
+        )
+
+    def _flags(self, group):
+        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+
+    _math = staticmethod(stable_adamw_math)
+    _elementwise = False  # the RMS is over the whole tensor...
+    _norm_terms = staticmethod(stable_adamw_norm_terms)  # ...summed over chunks, or compiled
