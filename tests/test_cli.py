@@ -176,7 +176,7 @@ def test_background_load_is_measured_and_reported(capsys):
     [
         (["compare", "--recipes", "fp32,bf17"], "unknown recipe 'bf17'; choose from fp32"),
         (["compare", "--recipes", "fp32,fp32"], "a recipe is listed twice"),
-        (["compare", "--optimizer", "adam"], "unknown optimizer 'adam'; choose from sgd"),
+        (["compare", "--optimizer", "adamax"], "unknown optimizer 'adamax'; choose from sgd"),
         (["compare", "--steps", "0"], "must be at least 1, got 0"),
         (["compare", "--steps", "ten"], "expected a whole number, got 'ten'"),
         (["compare", "--lr", "-1"], "must be a positive finite number"),
@@ -352,7 +352,7 @@ def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
 
 @pytest.mark.parametrize("args", [["--help"], ["compare", "--help"], ["--version"],
                                   ["compare", "--recipes", "bf8"], ["compare", "--d-model", "30"],
-                                  ["compare", "--optimizer", "adam"], ["memory", "--help"],
+                                  ["compare", "--optimizer", "adamax"], ["memory", "--help"],
                                   ["compare", "--device", "gpu"], ["compare", "--size", "huge"]])
 def test_help_and_mistakes_answer_without_importing_torch(args):
     # torch takes seconds to import: the command's help, version and argument errors do not
@@ -363,7 +363,7 @@ def test_help_and_mistakes_answer_without_importing_torch(args):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert "torch imported: False" in proc.stdout, proc.stdout + proc.stderr
-    failed = args[-1] in ("bf8", "30", "adam", "gpu", "huge")
+    failed = args[-1] in ("bf8", "30", "adamax", "gpu", "huge")
     assert ("status: 2" if failed else "status: 0") in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr
 
@@ -382,6 +382,6 @@ def test_the_package_names_import_on_first_use():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.split() == ["convert_to_dfp", "lowprec.scaling"], proc.stderr
-    with pytest.raises(AttributeError, match="no attribute 'Adam'"):
-        _ = lowprec.Adam
+    with pytest.raises(AttributeError, match="no attribute 'Adamax'"):
+        _ = lowprec.Adamax
     assert recipes.RECIPES == lowprec.config.RECIPES

@@ -40,7 +40,15 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "fp16-master": (2, 2, 4, 4),
     "dfp16": (4, 4, 4, 0),
 }
-HAND = {"adamw": ADAM_LIKE, "lamb": ADAM_LIKE, "sgd": ONE_BUFFER, "adagrad": ONE_BUFFER}
+# Adafactor: no moment per element (its row and column means are O(rows + cols)); Muon: the
+# momentum of the matrices it steps.
+NO_BUFFER = {r: (w, g, 0, m) for r, (w, g, _, m) in ONE_BUFFER.items()}
+HAND = {"adamw": ADAM_LIKE, "lamb": ADAM_LIKE, "sgd": ONE_BUFFER, "adagrad": ONE_BUFFER,
+        "adam": ADAM_LIKE, "radam": ADAM_LIKE, "stableadamw": ADAM_LIKE, "lion": ONE_BUFFER,
+        "muon": ONE_BUFFER, "adafactor": NO_BUFFER}
+#: Optimizers whose every parameter's state is per element, so that measured == expected on any
+#: model (Muon steps vectors with AdamW; Adafactor's statistics are per row and column).
+PER_ELEMENT = [k for k in HAND if k not in ("muon", "adafactor")]
 FIGURES = ("weights", "grads", "optimizer_state", "master")
 
 
@@ -71,7 +79,7 @@ def test_expected_follows_the_hyperparameters(optimizer, recipe, hyperparameters
     assert (e["optimizer_state"], e["master"]) == (state, master)
 
 
-@pytest.mark.parametrize("optimizer", list(HAND))
+@pytest.mark.parametrize("optimizer", PER_ELEMENT)
 def test_measured_equals_expected_without_kept_layers(optimizer):
     rows = memory.table(optimizer, model=_mlp, keep_fp32=())
     assert [r["recipe"] for r in rows] == list(recipes.RECIPES)
@@ -166,7 +174,7 @@ def test_assume_grads_skips_frozen_parameters():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: memory.expected("adam", "bf16"), ValueError, "unknown optimizer 'adam'"),
+        (lambda: memory.expected("adamax", "bf16"), ValueError, "unknown optimizer 'adamax'"),
         (lambda: memory.expected("adamw", "bf8"), ValueError, "unknown recipe 'bf8'"),
         (lambda: memory.expected("sgd", "bf16", hyperparameters=[1]), TypeError, "must be a dict"),
         (lambda: memory.measure("model"), TypeError, "takes an nn.Module"),
@@ -178,3 +186,17 @@ def test_assume_grads_skips_frozen_parameters():
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_muon_and_adafactor_measured_on_a_model():
+    model = _mlp()
+    (muon,) = [r for r in memory.table("muon", model=model) if r["recipe"] == "bf16-kahan"]
+    b = muon["measured_bytes"]
+    mats = sum(m.weight.numel() for m in model if isinstance(m, nn.Linear))
+    vecs = sum(m.bias.numel() for m in model if isinstance(m, nn.Linear))
+    # BF16 momentum for the matrices, BF16 AdamW moments for the biases (muon_param_groups)
+    assert b["optimizer_state"] == 2 * mats + 4 * vecs
+    (ada,) = [r for r in memory.table("adafactor", model=model) if r["recipe"] == "bf16-kahan"]
+    rows_cols = sum(sum(m.weight.shape) for m in model if isinstance(m, nn.Linear))
+    # FP32 row and column means for the matrices, a BF16 variance for the biases
+    assert ada["measured_bytes"]["optimizer_state"] == 4 * rows_cols + 2 * vecs

@@ -143,11 +143,14 @@ def test_split_recipe_steps_fp32_layers_plainly():
 
 def test_optimizer_names_and_bad_input():
     recipe = recipes.get("bf16-sr")
-    for name in ("sgd", "adagrad", "lamb", "adamw", "AdamW"):
-        opt = recipe.optimizer(name, [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], lr=0.1)
+    for name in ("sgd", "adagrad", "lamb", "adamw", "AdamW", "adam", "radam", "lion",
+                 "stableadamw", "adafactor", "Muon"):
+        opt = recipe.optimizer(name, [nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16))],
+                               lr=0.1)
         assert opt.param_groups[0]["master"] == "stochastic"
-    with pytest.raises(ValueError, match="unknown optimizer 'adam'; choose one of sgd"):
-        recipe.optimizer("adam", [], lr=0.1)
+        assert type(opt).__name__.lower() == name.lower()
+    with pytest.raises(ValueError, match="unknown optimizer 'adamax'; choose one of sgd"):
+        recipe.optimizer("adamax", [], lr=0.1)
     with pytest.raises(ValueError, match="sets master="):
         recipe.optimizer("sgd", [nn.Parameter(torch.zeros(3))], lr=0.1, master="fp32")
     with pytest.raises(ValueError, match="unknown recipe 'bf8'; choose one of fp32, amp-bf16"):

@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "finetune leaves out amp-bf16; "
                         f"all: {','.join(RECIPES)})")
     c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
-                   help=f"sgd, adagrad, lamb or adamw (default: {cfg.optimizer})")
+                   help=f"{', '.join(config.OPTIMIZERS)} (default: {cfg.optimizer}); muon "
+                        "steps the hidden layers' matrices, AdamW the rest")
     c.add_argument("--steps", type=_positive_int, default=None,
                    help="training steps per recipe and seed (default: "
                         f"{TASK_STEPS['pretrain']} for pretrain, {TASK_STEPS['finetune']} for "
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     m.add_argument("--optimizer", type=_optimizer, default="adamw",
-                   help="sgd, adagrad, lamb or adamw (default: adamw)")
+                   help=f"{', '.join(config.OPTIMIZERS)} (default: adamw)")
     _add_device_and_size(m, "--batch-size overrides its batch")
     m.add_argument("--batch-size", type=_positive_int, default=None,
                    help="sequences per batch of the CUDA peak's step (default: the size's)")

@@ -210,7 +210,9 @@ class _Run:
             hp["momentum"] = 0.9
         if cfg.optimizer in ("adamw", "lamb"):
             hp["weight_decay"] = 0.01
-        self.opt = recipe.optimizer(cfg.optimizer, model.parameters(), seed=self.seed, **hp)
+        if cfg.optimizer == "muon":  # (AdamW for the embeddings, head, norms and biases)
+            hp["adamw"] = {"lr": cfg.adamw_lr, "weight_decay": 0.01}
+        self.opt = recipe.optimizer(cfg.optimizer, model, seed=self.seed, **hp)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
         self.monitor = None
         if cfg.monitor_every:

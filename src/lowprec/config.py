@@ -144,7 +144,9 @@ DEFAULT_RECIPES: tuple[str, ...] = (
 FINETUNE_RECIPES: tuple[str, ...] = tuple(r for r in DEFAULT_RECIPES if r != "amp-bf16")
 #: Default training steps per task (``CompareConfig.steps``).
 TASK_STEPS = {"pretrain": 400, "finetune": 300}
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw")
+#: The optimizers compare and memory take by name (``Recipe.optimizer``'s names).
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw", "adam", "radam", "lion",
+                               "stableadamw", "adafactor", "muon")
 #: How far above FP32's eval loss a recipe may end and still be recommended (0.005: 0.5 %).
 DEFAULT_TOLERANCE = 0.005
 
@@ -163,11 +165,15 @@ LOST_UPDATES_LIMIT = 0.1
 # Peak learning rates per optimizer for the built-in task, checked on it at the default size:
 # AdamW at 5e-4 keeps the runs stable through warm-up (1e-3 spiked near its end); SGD with
 # momentum 0.9 diverges at 0.3 and trains at 0.05-0.1; Adagrad and LAMB need larger steps.
-DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05}
+DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05, "adam": 5e-4,
+              "radam": 5e-4, "lion": 5e-5, "stableadamw": 5e-4, "adafactor": 1e-2,
+              "muon": 2e-2}
 # Fine-tuning rates: AdamW at 3e-5, the range (1e-5 to 1e-4) where people fine-tune in BF16 and
 # where an Adam step is below half a BF16 ulp of most weights; the others about as far below
 # their pretraining rates.
-FINETUNE_LR = {"adamw": 3e-5, "lamb": 2.5e-4, "adagrad": 1.25e-3, "sgd": 3e-3}
+FINETUNE_LR = {"adamw": 3e-5, "lamb": 2.5e-4, "adagrad": 1.25e-3, "sgd": 3e-3, "adam": 3e-5,
+               "radam": 3e-5, "lion": 3e-6, "stableadamw": 3e-5, "adafactor": 1e-3,
+               "muon": 1e-3}
 
 
 @dataclass
@@ -269,6 +275,12 @@ class CompareConfig:
         if self.lr is not None:
             return self.lr
         return (FINETUNE_LR if self.task == "finetune" else DEFAULT_LR)[self.optimizer]
+
+    @property
+    def adamw_lr(self) -> float:
+        """The rate of Muon's AdamW group (embeddings, head, norms, biases): AdamW's for the
+        task."""
+        return (FINETUNE_LR if self.task == "finetune" else DEFAULT_LR)["adamw"]
 
     @property
     def lr_schedule(self) -> str:

@@ -70,6 +70,12 @@ DEFAULT_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-3},
     "adagrad": {"lr": 1e-2},
     "lamb": {"lr": 1e-3},
+    "adam": {"lr": 1e-3},
+    "radam": {"lr": 1e-3},
+    "lion": {"lr": 1e-4},
+    "stableadamw": {"lr": 1e-3},
+    "adafactor": {"lr": 1e-2},
+    "muon": {"lr": 1e-3},
 }
 
 # State keys of master-weight strategies, for optimizers that are not lowprec's.
@@ -253,7 +259,7 @@ def expected(
     parameter then has (default: None, none).
 
     Args:
-        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         hyperparameters: The optimizer's hyperparameters (default: None, meaning
             ``DEFAULT_HYPERPARAMETERS``: SGD with momentum 0.9, the others at their defaults).
@@ -317,7 +323,9 @@ def _measured_after_one_step(
     recipe = recipes.get(recipe_name, **overrides)
     fresh = recipe.convert(fresh)
     params = [p for p in fresh.parameters() if p.requires_grad]
-    opt = recipe.optimizer(optimizer_name, params, **hyperparameters)
+    # (Muon: its two groups, from the model: optim.muon_param_groups)
+    opt = recipe.optimizer(optimizer_name, fresh if optimizer_name == "muon" else params,
+                           **hyperparameters)
     gen = torch.Generator().manual_seed(seed)
     for p in params:
         # Synthetic gradients: memory does not depend on their values, and no input is needed.
@@ -345,7 +353,7 @@ def table(
     """Bytes per parameter element of every recipe with one optimizer, expected and measured.
 
     Args:
-        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         model: A model, or a function returning a fresh one (default: None, meaning no
             measurement). For each recipe a copy (a module is deep-copied, a function called) is
             converted, given random gradients and stepped once, then measured.
@@ -439,7 +447,7 @@ def cuda_peak(
     device held before the copy was made, so the process's other tensors are left out.
 
     Args:
-        optimizer_name: ``"sgd"``, ``"adamw"``, ``"adagrad"`` or ``"lamb"``.
+        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         model: A model on a CUDA device, or a function returning a fresh one.
         loss_fn: ``loss_fn(model) -> loss``: the forward on a batch of the caller's.
@@ -467,7 +475,8 @@ def cuda_peak(
                          "(model.cuda()), or pass a function that builds it there.")
     device = next(fresh.parameters()).device
     fresh = recipe.convert(fresh)
-    opt = recipe.optimizer(key, [p for p in fresh.parameters() if p.requires_grad], **hp)
+    opt = recipe.optimizer(
+        key, fresh if key == "muon" else [p for p in fresh.parameters() if p.requires_grad], **hp)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

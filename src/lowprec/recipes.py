@@ -75,7 +75,9 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
 )
 
 _OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb,
-               "adamw": optim.AdamW}
+               "adamw": optim.AdamW, "adam": optim.Adam, "radam": optim.RAdam,
+               "lion": optim.Lion, "stableadamw": optim.StableAdamW,
+               "adafactor": optim.Adafactor, "muon": optim.Muon}
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -256,8 +258,15 @@ class Recipe:
     def optimizer(
         self, name: str, params: Iterable[Any], **hyperparameters: Any
     ) -> optim.LowPrecisionOptimizer:
-        """A lowprec optimizer (``"sgd"``, ``"adagrad"``, ``"lamb"`` or ``"adamw"``) with this
-        recipe's master strategy; FP32 parameters (e.g. kept norm layers) are updated plainly."""
+        """A lowprec optimizer by name (``"sgd"``, ``"adagrad"``, ``"lamb"``, ``"adamw"``,
+        ``"adam"``, ``"radam"``, ``"lion"``, ``"stableadamw"``, ``"adafactor"``, ``"muon"``)
+        with this recipe's master strategy; FP32 parameters (e.g. kept norm layers) are updated
+        plainly.
+
+        ``params`` may be the model itself: its parameters, and for ``"muon"`` its two groups
+        (``optim.muon_param_groups``: Muon for the hidden layers' matrices, AdamW for the rest,
+        whose options are the keyword ``adamw``, a dict).
+        """
         key = name.lower() if isinstance(name, str) else name
         if key not in _OPTIMIZERS:
             raise ValueError(
@@ -271,6 +280,13 @@ class Recipe:
                 )
         if self.state_dtype is not None:
             hyperparameters = {**hyperparameters, "state_dtype": self.state_dtype}
+        adamw = hyperparameters.pop("adamw", None)
+        if isinstance(params, nn.Module):
+            params = (optim.muon_param_groups(params, adamw=adamw) if key == "muon"
+                      else params.parameters())
+        elif adamw is not None:
+            raise ValueError("adamw= (the options of Muon's AdamW group) needs the model as "
+                             "params, whose groups it then makes.")
         return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
 
     # ------------------------------------------------------------------ the step
