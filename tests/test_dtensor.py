@@ -82,6 +82,20 @@ CONFIGS = {
     "sgd-split-8bit-resume": {"cls": "SGD", "dtype": B, "resume": True,
                               "kw": {**SGD, "master": "split", "state_dtype": "8bit",
                                      "fused": False}},
+    # The elementwise optimizers beside the first four: Adam's L2 decay and RAdam's rectified
+    # steps on shards; Lion's 8-bit momentum; StableAdamW's RMS, a sum over every rank's shard.
+    "adam-stochastic-fused": {"cls": "Adam", "dtype": B,
+                              "kw": {"lr": 1e-2, "weight_decay": 0.1, "seed": 4,
+                                     "master": "stochastic", "fused": True}},
+    "radam-split": {"cls": "RAdam", "dtype": B, "kw": {"lr": 1e-2, "master": "split",
+                                                       "fused": False}},
+    "lion-kahan-8bit-fused": {"cls": "Lion", "dtype": B,
+                              "kw": {"lr": 1e-3, "weight_decay": 0.1, "master": "kahan",
+                                     "state_dtype": "8bit", "fused": True}},
+    "stableadamw-kahan-fused": {"cls": "StableAdamW", "dtype": B,
+                                "kw": {"lr": 1e-2, "master": "kahan", "fused": True}},
+    "stableadamw-split": {"cls": "StableAdamW", "dtype": B,
+                          "kw": {"lr": 1e-2, "master": "split", "fused": False}},
     # A checkpoint of the full tensors is refused for sharded parameters, nothing loaded.
     "sgd-kahan-load-plain": {"cls": "SGD", "dtype": B, "load_plain": True,
                              "kw": {**SGD, "master": "kahan"}},
@@ -94,6 +108,9 @@ REFUSED = {
     "sr-dim1": ({"cls": "SGD", "dtype": B, "shard_dim": 1,
                  "kw": {"lr": 0.1, "master": "stochastic"}},
                 "NotImplementedError", "are not blocks of it"),
+    # Adafactor's row and column means (and Muon's orthogonalization) need the whole matrix.
+    "adafactor-sharded": ({"cls": "Adafactor", "dtype": B, "kw": {"master": "kahan"}},
+                          "NotImplementedError", "needs each parameter whole"),
 }
 
 

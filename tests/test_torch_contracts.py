@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, compiled
+from lowprec.optim import SGD, Adagrad, Adam, AdamW, Lamb, Lion, RAdam, StableAdamW, compiled
 from tests._same import assert_same, bits
 
 # A fused step that falls back to eager (its compilation failed) fails the test instead of warning.
@@ -776,6 +776,16 @@ MATRIX = [
     for master in MATRIX_MASTERS
     for dtype in MATRIX_DTYPES
     for state_dtype in (MATRIX_STATE_DTYPES if master == "none" and cls is AdamW else [None])
+] + [
+    # The elementwise optimizers beside the first four (Muon and Adafactor step whole tensors
+    # eagerly: tests/test_whole_tensor_optimizers.py), every strategy on BF16, FP32, and Kahan
+    # on FP16 (their kernels differ by dtype where the strategies do not).
+    (cls, kw, master, dtype, None)
+    for cls, kw in [(Adam, {"lr": 1e-2, "weight_decay": 0.1}), (RAdam, {"lr": 1e-2}),
+                    (Lion, {"lr": 1e-3, "weight_decay": 0.1}),
+                    (StableAdamW, {"lr": 1e-2, "weight_decay": 0.01})]
+    for master, dtype in [*((m, torch.bfloat16) for m in MATRIX_MASTERS),
+                          ("none", torch.float32), ("kahan", torch.float16)]
 ]
 
 

@@ -171,12 +171,17 @@ def test_trainer_with_optimizers_tuple_uses_the_callers_optimizer_and_scheduler(
 
 
 @pytest.mark.parametrize(
-    ("master", "how"),
-    [("kahan", "cls"), ("split", "cls"), ("stochastic", "cls"), ("stochastic", "tuple"),
-     ("split-8bit", "cls")],
+    ("master", "how", "name"),
+    [("kahan", "cls", "AdamW"), ("split", "cls", "AdamW"), ("stochastic", "cls", "AdamW"),
+     ("stochastic", "tuple", "AdamW"), ("split-8bit", "cls", "AdamW"),
+     # the optimizers beside AdamW: Lion with 8-bit momentum (compiled, elementwise) and
+     # Adafactor (each parameter whole, its factored statistics of their own shapes)
+     ("kahan-8bit", "cls", "Lion"), ("kahan", "cls", "Adafactor")],
 )
-def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how):
+def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how, name):
     # ("split-8bit": 8-bit moments, codes and scales in Trainer's optimizer.pt)
+    cls = getattr(lowprec, name)
+    lr = {"AdamW": LR, "Lion": LR / 10, "Adafactor": 1e-2}[name]
     kw = {"master": master.removesuffix("-8bit")}
     if master.endswith("-8bit"):
         kw["state_dtype"] = "8bit"
@@ -192,7 +197,7 @@ def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, master, how):
         if how == "cls":
             return Trainer(
                 model=model, args=args, train_dataset=TRAIN,
-                optimizer_cls_and_kwargs=(lowprec.AdamW, {"lr": LR, **kw}),
+                optimizer_cls_and_kwargs=(cls, {"lr": lr, **kw}),
             )
         # A seed of its own (its default, torch.initial_seed(), is 0 here): the checkpoint's
         # must win.
