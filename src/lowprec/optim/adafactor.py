@@ -15,9 +15,12 @@ whatever ``state_dtype`` says; a vector keeps a full ``variance``. Per step ``t`
     w = w - alpha * U / max(1, RMS(U) / d)
 
 The rule needs whole tensors (the means over rows and columns, the two RMS): each parameter's
-step is one eager call in its own shape (``LowPrecisionOptimizer._whole``), and the RMS stay
-0-d tensors (no host synchronisation, where torch reads them with ``.item()``). With a BF16
-parameter the RMS of the weight is that of the FP32 master.
+step is one call in its own shape (``LowPrecisionOptimizer._whole``), compiled as one graph
+where the step is fused (``_whole_compiles``), and the RMS stay 0-d tensors (no host
+synchronisation, where torch reads them with ``.item()``). The sums of squares and the means are
+FP64 (each square exact, rounded to FP32 once at the end), so the eager and the compiled step,
+which add in different orders, agree bit for bit (as LAMB's norms: ``numerics.sum_squares``).
+With a BF16 parameter the RMS of the weight is that of the FP32 master.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative
 
@@ -48,9 +52,11 @@ def adafactor_coefficients(
         rho = torch.clamp(step.rsqrt(), max=lr)
     else:
         rho = min(lr, 1 / step**0.5)
+    new = step**beta2_decay
     return {
         "decay": 1 - lr * weight_decay,
-        "new_weight": step**beta2_decay,
+        "new_weight": new,
+        "old_weight": 1 - new,
         "rho": rho,
         "eps1": eps1,
         "eps1_sq": eps1 * eps1,
@@ -60,7 +66,13 @@ def adafactor_coefficients(
 
 
 def _rms(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t) / t.numel() ** 0.5
+    """The root mean square of FP32 ``t``, from an FP64 sum, rounded to FP32 once."""
+    return (sum_squares(t) / t.numel()).sqrt().float()
+
+
+def _mean_squares(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """The mean of ``g * g`` over ``dim`` (kept), summed in FP64 and rounded to FP32 once."""
+    return (g.double().square().sum(dim, keepdim=True) / g.size(dim)).float()
 
 
 def adafactor_math(
@@ -79,19 +91,18 @@ def adafactor_math(
     alpha = torch.clamp(_rms(w), min=c["eps2"]) * c["rho"]
     if weight_decay:
         w = w * c["decay"]
-    beta = c["new_weight"]
+    new, old = c["new_weight"], c["old_weight"]
     if "row_var" in bufs:
-        # (the mean of g*g over a dimension, as the square of a norm: no g*g temporary)
-        rows = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
-        cols = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / g.size(-2)
-        row_var = bufs["row_var"].lerp(rows, beta)
-        col_var = bufs["col_var"].lerp(cols, beta)
-        var = (row_var @ col_var) / row_var.mean(dim=-2, keepdim=True).clamp(min=c["eps1"])
+        row_var = bufs["row_var"] * old + _mean_squares(g, -1) * new
+        col_var = bufs["col_var"] * old + _mean_squares(g, -2) * new
+        # (row_var @ col_var, an outer product: each element one rounded product)
+        mean = (row_var.double().sum(-2, keepdim=True) / row_var.size(-2)).float()
+        var = (row_var * col_var) / mean.clamp(min=c["eps1"])
         out = {"row_var": row_var, "col_var": col_var}
     else:
-        var = bufs["variance"].lerp(g * g, beta)
+        var = bufs["variance"] * old + (g * g) * new
         out = {"variance": var}
-    u = var.clamp(min=c["eps1_sq"]).rsqrt() * g
+    u = g / sqrt_rn(var.clamp(min=c["eps1_sq"]))
     denom = torch.clamp(_rms(u) / c["d"], min=1.0)
     return w - u * (alpha / denom), out
 
@@ -149,8 +160,9 @@ class Adafactor(LowPrecisionOptimizer):
             ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise); the factored
             statistics stay FP32.
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
-        fused: Accepted for the other optimizers' signature: the step is means over rows and
-            columns and norms of whole tensors, run as ATen calls per parameter (default: None).
+        fused: Run each parameter's step as one compiled graph in its shape (``torch.compile``),
+            with the same results as the eager step (default: None, meaning compiled wherever
+            torch.compile has a compiler; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
         capturable: Must be False (default: False).
         differentiable: Must be False (default: False).
@@ -211,6 +223,8 @@ class Adafactor(LowPrecisionOptimizer):
 
     def _whole(self, group):
         return True
+
+    _whole_compiles = True  # (its reductions and elementwise work fuse into a few passes)
 
     def _coefficients(self, group, step):
         return adafactor_coefficients(

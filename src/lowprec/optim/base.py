@@ -126,6 +126,12 @@ class LowPrecisionOptimizer(
         O(rows + columns)). None: shaped like ``p``, in the state dtype."""
         return None
 
+    #: A whole-tensor rule (``_whole``) whose step compiles as one graph in the parameter's shape
+    #: where the step is fused (Adafactor: reductions and elementwise work, which Inductor fuses
+    #: into a few passes; its sums are FP64, so compiled and eager agree bit for bit). False:
+    #: always eager (Muon: its matmuls are ATen's either way).
+    _whole_compiles = False
+
     def _whole(self, group: dict[str, Any]) -> bool:
         """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
         Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes

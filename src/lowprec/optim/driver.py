@@ -23,7 +23,7 @@ import torch
 from lowprec.numerics import stream_key, stream_key_halves
 
 # (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
-from lowprec.optim import loss_scale, qstate, update
+from lowprec.optim import compiled, loss_scale, qstate, update
 from lowprec.optim.batches import _by_size
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
@@ -232,11 +232,15 @@ class _FullStep:
             """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""
             return {k: v.view(-1)[_block_slice(sl) if k in scales else sl] for k, v in d.items()}
 
-        whole = self._whole(group)
-        if whole:  # (one eager call in the parameter's shape: Muon, Adafactor)
-            shape = {"shape": p.shape} if quantized else {}
-            _param_update(p, p.grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
-                          math=self._math, flags=flags, offset=start, **extra, **qkw, **shape)
+        if self._whole(group):  # (one call in the parameter's shape: Muon, Adafactor)
+            if not (self._whole_compiles and not quantized and not first_use and contiguous
+                    and p.numel() > 1 and _fused_enabled(self, group, p)
+                    and self._step_whole_fused(group, p, storage, flags, sbufs, mbufs, step,
+                                               coeffs, lo, hi, extra, scaling, memo)):
+                shape = {"shape": p.shape} if quantized else {}
+                _param_update(p, p.grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
+                              math=self._math, flags=flags, offset=start, **extra, **qkw,
+                              **shape)
             self._advance(state, step, scaling, p.device)
             if plan is not None:
                 plan.add(_Entry(group, p, index, storage, state, None))
@@ -293,6 +297,32 @@ class _FullStep:
         self._advance(state, step, scaling, p.device)
         if plan is not None:
             plan.add(_Entry(group, p, index, storage, state, None))
+
+    def _step_whole_fused(self, group, p, storage, flags, sbufs, mbufs, step, coeffs, lo, hi,
+                          extra, scaling, memo) -> bool:
+        """A whole-tensor rule's step compiled as one graph in the parameter's shape (one
+        kernel per optimizer variant and number of dimensions, sizes dynamic); False, having
+        written nothing, where it failed to compile (the eager call then takes it)."""
+        if storage.name == "kahan" and compiled._round_trips_dropped(p):
+            return False  # (this torch's C++ code would drop Kahan's round trip: eager)
+        if isinstance(step, int):  # (shared by the group's parameters at this step number)
+            coeffs, c32 = self._step_coefficients(group, step, memo)
+        else:
+            c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+        try:
+            kernel = compiled._compiled_kernel(
+                type(self), storage, flags, scaled=_mode(scaling),
+                extra_key=(("whole", p.dim()),),
+                signature=compiled._signature(p, p.grad, sbufs, mbufs),
+            )
+            # (a new view of the parameter: handed the leaf itself, Inductor fails to compile)
+            kernel(p.view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,
+                   *compiled._key_tensors(lo, hi), storage=storage, math=self._math,
+                   flags=flags, **extra)
+        except _COMPILE_ERRORS as e:  # compilation failed before anything was written
+            _disable_fused(self, e)
+            return False
+        return True
 
     @staticmethod
     def _advance(state, step, scaling, device) -> None:
