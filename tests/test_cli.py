@@ -324,6 +324,15 @@ def test_memory_table_agrees_with_the_tensors(tmp_path, capsys):
     assert rows["bf16-kahan-8bit"]["measured"]["total"] == pytest.approx(8.06, abs=0.01)
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_memory_of_optimizers_whose_model_state_is_mixed(optimizer, capsys):
+    # Muon steps the embeddings, head, norms and biases with AdamW; Adafactor keeps row and
+    # column means: the state column is the per-element figure, said so, the rest must agree.
+    assert cli.main(["memory", "--optimizer", optimizer]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NO" not in out and "agrees compares the other columns" in out
+
+
 def test_memory_with_accumulation_buffers(tmp_path, capsys):
     path = tmp_path / "m.json"
     assert cli.main(["memory", "--accumulate", "kahan", "--json", str(path)]) == 0

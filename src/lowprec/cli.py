@@ -170,10 +170,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                 "agrees", *peak):
         table.add_column(col, justify="left" if col == "recipe" else "right")
     all_agree = True
+    # (Muon's and Adafactor's state on a whole model is not their per-element figure)
+    mixed = memory.MIXED_STATE.get(args.optimizer)
+    skip = ("other", "optimizer_state") if mixed else ("other",)
     for row in rows:
         e, m = row["expected"], row["measured"]
         # The measured total also holds the per-tensor step counters (a few bytes per tensor).
-        agrees = all(abs(e[k] - m[k]) < 1e-9 for k in memory.CATEGORIES if k != "other")
+        agrees = all(abs(e[k] - m[k]) < 1e-9 for k in memory.CATEGORIES if k not in skip)
         all_agree &= agrees
         table.add_row(row["recipe"], f"{e['weights']:g}", f"{e['grads']:g}",
                       f"{e['optimizer_state']:.3g}", f"{e['master']:g}",
@@ -193,6 +196,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                   "parameters of at least 4096 elements, FP32 for the others); measured: counted "
                   "from the actual tensors (the remainder is the per-tensor step counters).",
                   style="dim")
+    if mixed:
+        console.print(f"{mixed}; agrees compares the other columns.", style="dim")
     if args.json is not None:
         _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
                                 "size": args.size, "batch_size": batch_size, "numel": numel,

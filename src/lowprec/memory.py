@@ -78,6 +78,15 @@ DEFAULT_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
     "muon": {"lr": 1e-3},
 }
 
+#: Optimizers whose state on a whole model is not their per-element figure: ``expected`` gives the
+#: bytes of the parameters the rule is for, and why the model's differ.
+MIXED_STATE: dict[str, str] = {
+    "muon": "muon: the state column is the momentum of the matrices Muon steps; the model's "
+            "embeddings, head, norms and biases take AdamW's two moments (muon_param_groups)",
+    "adafactor": "adafactor: no state per element; the measured total holds its row and column "
+                 "means (FP32, O(rows + columns) per matrix) and the vectors' full second moment",
+}
+
 # State keys of master-weight strategies, for optimizers that are not lowprec's.
 _MASTER_KEYS = ("master_weight", "trail", "compensation")
 
