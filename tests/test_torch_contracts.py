@@ -326,6 +326,23 @@ def test_lamb_state_dict_round_trips(dtype, master):
     _check_round_trips(ours, kw, dtype, master)
 
 
+# The elementwise optimizers beside the first four, each with an option set that uses its
+# buffers (torch's own sets of Adam and RAdam are checked against torch in test_adam_radam.py;
+# Muon and Adafactor in test_whole_tensor_optimizers.py).
+FAMILY_SETS = [
+    (Adam, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+    (RAdam, {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (Lion, {"lr": 1e-3, "weight_decay": 0.1}),
+    (StableAdamW, {"lr": 1e-2, "weight_decay": 0.01}),
+]
+
+
+@pytest.mark.parametrize(("dtype", "master"), STRATEGIES)
+@pytest.mark.parametrize(("cls", "kw"), FAMILY_SETS, ids=lambda v: getattr(v, "__name__", ""))
+def test_family_state_dict_round_trips(cls, kw, dtype, master):
+    _check_round_trips(cls, kw, dtype, master)
+
+
 @pytest.mark.parametrize(("ours", "ref", "desc", "kw"), _set_params(REFUSED_SETS, fused_slow=False))
 def test_unsupported_options_are_refused(ours, ref, desc, kw):
     # torch accepts the set (on CPU, where capturable is not CUDA-only)...

@@ -319,3 +319,20 @@ def test_a_skipped_step_under_a_loss_scaler_changes_nothing(cls):
     oa.step(grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0))
     ob.step()
     assert_same(a, oa, b, ob)
+
+
+@pytest.mark.parametrize("name", ["Adam", "RAdam", "Lion", "StableAdamW", "Adafactor", "Muon"])
+def test_master_state_dict_exports_each_optimizers_masters(name):
+    model = _Tiny().bfloat16()
+    params = muon_param_groups(model) if name == "Muon" else model.parameters()
+    opt = getattr(lowprec, name)(params, lr=1e-3, master="split")
+    x = torch.randint(0, 11, (4, 6))
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    exported = lowprec.master_state_dict(model, opt)
+    for n, p in model.named_parameters():
+        assert exported[n].dtype == torch.float32
+        assert torch.equal(exported[n], opt.master_weight(p)), n
+        assert not torch.equal(exported[n], p.detach().float()), n  # (split: more than BF16)
