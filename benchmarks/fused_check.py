@@ -61,7 +61,18 @@ except ImportError:
 
 from tests._fallback import fallbacks_are_errors  # noqa: E402
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, compiled  # noqa: E402
+from lowprec.optim import (  # noqa: E402
+    SGD,
+    Adafactor,
+    Adagrad,
+    Adam,
+    AdamW,
+    Lamb,
+    Lion,
+    RAdam,
+    StableAdamW,
+    compiled,
+)
 
 #: Optimizer -> (class, keywords): every flag that changes the compiled code on, as
 #: tests/test_fused.py steps them.
@@ -70,6 +81,12 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (AdamW, dict(lr=1e-3, amsgrad=True, weight_decay=0.1)),
     "Adagrad": (Adagrad, dict(lr=0.01, weight_decay=0.1, lr_decay=0.01)),
     "Lamb": (Lamb, dict(lr=1e-3, weight_decay=0.01)),
+    "Adam": (Adam, dict(lr=1e-3, amsgrad=True, weight_decay=0.1)),
+    "RAdam": (RAdam, dict(lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True)),
+    "Lion": (Lion, dict(lr=1e-4, weight_decay=0.1)),
+    "StableAdamW": (StableAdamW, dict(lr=1e-3, weight_decay=0.01)),
+    # (Muon is left out: its matrices' step is eager everywhere, its other groups AdamW's)
+    "Adafactor": (Adafactor, dict(lr=1e-2, weight_decay=0.01)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MASTERS = ("none", "fp32", "split", "kahan", "stochastic")
@@ -96,6 +113,8 @@ def variants() -> list[Variant]:
     first = [Variant(o, m, "bf16", s) for m, s in (("kahan", ""), ("split", ""),
                                                    ("stochastic", ""), ("kahan", "8bit"))
              for o in ("AdamW", "SGD", "Lamb", "Adagrad")]
+    first += [Variant(o, "kahan", "bf16") for o in OPTIMIZERS if Variant(o, "kahan", "bf16")
+              not in first]
     rest = [Variant(o, m, d) for o in OPTIMIZERS for m in MASTERS for d in ("bf16", "fp16")
             if not (m == "split" and d == "fp16")]  # (split refuses FP16: storage.resolve_master)
     rest += [Variant(o, "none", "fp32") for o in OPTIMIZERS]

@@ -33,11 +33,12 @@ CPU = torch.device("cpu")
 def test_variants_cover_every_optimizer_strategy_and_dtype():
     names = [v.name for v in fc.variants()]
     assert len(names) == len(set(names))
-    for opt in ("SGD", "AdamW", "Adagrad", "Lamb"):
+    for opt in fc.OPTIMIZERS:
         for master in ("none", "fp32", "split", "kahan", "stochastic"):
             assert f"{opt}/{master}/bf16" in names
             assert (f"{opt}/{master}/fp16" in names) == (master != "split")  # (split: BF16 only)
-        assert f"{opt}/kahan/bf16/8bit" in names and f"{opt}/none/fp32" in names
+        assert f"{opt}/split/bf16/8bit" in names and f"{opt}/none/fp32" in names
+        assert (f"{opt}/kahan/bf16/8bit" in names) == (opt in ("SGD", "AdamW", "Adagrad", "Lamb"))
     assert set(fc.QUICK) <= set(names)
     # The most informative first: a run cut short by its budget loses the least.
     assert names[0] == "AdamW/kahan/bf16"
