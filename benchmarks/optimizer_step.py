@@ -62,9 +62,14 @@ from typing import Any
 
 import torch
 
+# (the rows of the other families live beside this script; imported by path, as the tests load
+# this module from its file)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _family_rows as family_rows
+
 #: The optimizer families, in table order.
-FAMILIES = ("sgd", "adamw", "adagrad", "lamb")
-LR = {"sgd": 1e-2, "adamw": 1e-3, "adagrad": 1e-2, "lamb": 1e-3}
+FAMILIES = ("sgd", "adamw", "adagrad", "lamb", *family_rows.FAMILIES)
+LR = {"sgd": 1e-2, "adamw": 1e-3, "adagrad": 1e-2, "lamb": 1e-3, **family_rows.LR}
 MOMENTUM = 0.9
 #: The row each row's time is divided by (column ``x fused``), per family: the first of the
 #: candidates that ran. LAMB has no torch.optim peer; timm's Lamb stands in when it imports.
@@ -73,6 +78,7 @@ REFERENCE: dict[str, tuple[str, ...]] = {
     "adamw": ("torch-adamw-fp32-fused",),
     "adagrad": ("torch-adagrad-fp32-fused", "torch-adagrad-fp32-foreach"),
     "lamb": ("timm-lamb-fp32",),
+    **family_rows.REFERENCE,
 }
 #: Implementation variants of lowprec's optimizers: name -> extra constructor keyword arguments.
 #: Each variant named in --lowprec-variants gets its own rows (``lowprec-...-<variant>``), ratios
@@ -317,6 +323,7 @@ def peer_rows() -> list[Row]:
     rows += _bnb_rows()
     rows += _torch_adagrad_rows()
     rows += _timm_lamb_rows()
+    rows += family_rows.peer_rows(Row, _name)
     return rows
 
 
@@ -369,6 +376,8 @@ def lowprec_rows(variants: list[str]) -> list[Row]:
                     rows.append(Row(f"{name}-scaled", fam, "lowprec", dtype,
                                     None if skip else _under_scaler(make), master, variant, sd,
                                     skip=skip, compiled=_compiles(vkw), scaled=True))
+    rows += family_rows.lowprec_rows(
+        Row, _name, {v: LOWPREC_VARIANTS[v] for v in variants}, _compiles)
     return rows
 
 
@@ -453,6 +462,8 @@ COMPARISONS: list[tuple[str, Callable[[Row], bool], Callable[[Row], bool]]] = [
     ("LAMB fp32 none vs best torch AdamW fp32",
      _is(source="lowprec", family="lamb", dtype=torch.float32),
      lambda r: r.source == "torch" and r.family == "adamw" and r.dtype == torch.float32),
+    # Adam, RAdam, Lion, StableAdamW, Adafactor, Muon (_family_rows)
+    *family_rows.comparisons(_is),
 ]
 
 
@@ -538,7 +549,7 @@ def footprint(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[st
 
 
 #: Families whose update needs whole-tensor reductions first: their floor is two passes.
-TWO_PASS_FAMILIES = ("lamb",)
+TWO_PASS_FAMILIES = ("lamb", *family_rows.TWO_PASS)
 
 
 # ---------------------------------------------------------------------------------- timing

@@ -165,15 +165,20 @@ LOST_UPDATES_LIMIT = 0.1
 # Peak learning rates per optimizer for the built-in task, checked on it at the default size:
 # AdamW at 5e-4 keeps the runs stable through warm-up (1e-3 spiked near its end); SGD with
 # momentum 0.9 diverges at 0.3 and trains at 0.05-0.1; Adagrad and LAMB need larger steps.
-DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05, "adam": 5e-4,
-              "radam": 5e-4, "lion": 5e-5, "stableadamw": 5e-4, "adafactor": 1e-2,
+# The others: the best FP32 eval loss of benchmarks/lr_sweep.py on the task (docs/optimizers.md),
+# each between two rates that did worse: Adam 1e-3 (of 2.5e-4 to 2e-3), RAdam 4e-3 (5e-4 to
+# 8e-3: its first steps are un-adapted), Lion 1e-4 (2.5e-5 to 2e-4), StableAdamW 1e-3 (5e-4 to
+# 2e-3), Adafactor 3e-2 (3e-3 to 0.1: the cap of its relative step), Muon 2e-2 (1e-2 to 4e-2).
+DEFAULT_LR = {"adamw": 5e-4, "lamb": 4e-3, "adagrad": 2e-2, "sgd": 0.05, "adam": 1e-3,
+              "radam": 4e-3, "lion": 1e-4, "stableadamw": 1e-3, "adafactor": 3e-2,
               "muon": 2e-2}
 # Fine-tuning rates: AdamW at 3e-5, the range (1e-5 to 1e-4) where people fine-tune in BF16 and
 # where an Adam step is below half a BF16 ulp of most weights; the others about as far below
 # their pretraining rates.
-FINETUNE_LR = {"adamw": 3e-5, "lamb": 2.5e-4, "adagrad": 1.25e-3, "sgd": 3e-3, "adam": 3e-5,
-               "radam": 3e-5, "lion": 3e-6, "stableadamw": 3e-5, "adafactor": 1e-3,
-               "muon": 1e-3}
+# The other optimizers: their pretraining rate times AdamW's ratio, 0.06.
+FINETUNE_LR = {"adamw": 3e-5, "lamb": 2.5e-4, "adagrad": 1.25e-3, "sgd": 3e-3, "adam": 6e-5,
+               "radam": 2.4e-4, "lion": 6e-6, "stableadamw": 6e-5, "adafactor": 1.8e-3,
+               "muon": 1.2e-3}
 
 
 @dataclass
