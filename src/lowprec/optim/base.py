@@ -135,8 +135,9 @@ class LowPrecisionOptimizer(
     def _whole(self, group: dict[str, Any]) -> bool:
         """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
         Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes
-        one eager call of ``_math`` on its unflattened tensors (never chunks, pairs, batches or
-        shared compiled calls), and a DTensor parameter sharded across ranks is refused."""
+        one call of ``_math`` on its unflattened tensors, compiled where ``_whole_compiles`` and
+        the step is fused, else eager (never chunks, pairs, batches or shared compiled calls),
+        and a DTensor parameter sharded across ranks is refused."""
         return False
 
     #: The rule is elementwise (no reduction over the tensor), so the eager step may process a

@@ -147,6 +147,14 @@ class _FullStep:
         cache[id(group)] = (group, host, c32)
         return c32
 
+    def _kernel_coefficients(self, group, step, coeffs, memo) -> tuple[dict, Any]:
+        """A compiled call's coefficients: on the host and as 0-d FP32 tensors, shared by the
+        group's parameters at a host step number (``_step_coefficients``); for a step counted
+        on the device (``_scaled_numbers``' tensors) made from ``coeffs``."""
+        if isinstance(step, int):
+            return self._step_coefficients(group, step, memo)
+        return coeffs, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+
     def _scaled_numbers(self, group, p, index, storage, state, scaling: _Scaling, memo) -> tuple:
         """A parameter's step under a loss scaler: its step number (FP64), random key halves,
         FP32 coefficients and the scaler's tensors, all on its device. The step count lives there
@@ -247,10 +255,7 @@ class _FullStep:
             return
         if (p.numel() > 1 and contiguous and fusable and not first_use
                 and _fused_enabled(self, group, p)):
-            if isinstance(step, int):  # (shared by the group's parameters at this step number)
-                coeffs, c32 = self._step_coefficients(group, step, memo)
-            else:
-                c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+            coeffs, c32 = self._kernel_coefficients(group, step, coeffs, memo)
             try:
                 fused = self._prepare_fused(
                     storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
@@ -305,10 +310,7 @@ class _FullStep:
         written nothing, where it failed to compile (the eager call then takes it)."""
         if storage.name == "kahan" and compiled._round_trips_dropped(p):
             return False  # (this torch's C++ code would drop Kahan's round trip: eager)
-        if isinstance(step, int):  # (shared by the group's parameters at this step number)
-            coeffs, c32 = self._step_coefficients(group, step, memo)
-        else:
-            c32 = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+        coeffs, c32 = self._kernel_coefficients(group, step, coeffs, memo)
         try:
             kernel = compiled._compiled_kernel(
                 type(self), storage, flags, scaled=_mode(scaling),

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowprec.optim.adamw import adamw_coefficients, adamw_math
+from lowprec.optim.adamw import AdamW, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.options import _as_float, _check_nonnegative
 
 __all__ = ["Muon", "muon_math", "muon_param_groups", "newton_schulz"]
 
@@ -200,11 +200,10 @@ class Muon(LowPrecisionOptimizer):
     def _validate_hparams(self, group):
         if group["use_muon"] not in (True, False):
             raise ValueError(f"use_muon must be True or False, got {group['use_muon']!r}.")
-        _check_nonnegative(group, "lr", "weight_decay", "eps")
-        if not group["use_muon"]:
-            _validate_betas(group["betas"])
+        if not group["use_muon"]:  # (an AdamW group: AdamW's checks)
+            AdamW._validate_hparams(self, group)
             return
-        _check_nonnegative(group, "momentum")
+        _check_nonnegative(group, "lr", "weight_decay", "eps", "momentum")
         if group["adjust_lr_fn"] not in _ADJUST:
             raise ValueError(
                 f"Adjust learning rate function {group['adjust_lr_fn']} is not supported; "
@@ -225,32 +224,30 @@ class Muon(LowPrecisionOptimizer):
                     "makes both groups."
                 )
 
-    _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
+    _nonnegative_buffers = AdamW._nonnegative_buffers  # (the AdamW groups' second moments)
+
+    # A use_muon=False group is stepped by AdamW's rule: its buffers, coefficients and flags are
+    # AdamW's own (its methods, called on this optimizer).
 
     def _math_buffers(self, group, p=None):
         if not group["use_muon"]:
-            names = ("exp_avg", "exp_avg_sq")
-            return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
+            return AdamW._math_buffers(self, group, p)
         return ("momentum_buffer",)
 
     def _whole(self, group):
         return group["use_muon"]
 
     def _coefficients(self, group, step):
-        lr = _as_float(group["lr"], "lr")
         if not group["use_muon"]:
-            beta1, beta2 = group["betas"]
-            return adamw_coefficients(lr=lr, beta1=float(beta1), beta2=float(beta2),
-                                      eps=group["eps"], weight_decay=group["weight_decay"],
-                                      step=step)
+            return AdamW._coefficients(self, group, step)
+        lr = _as_float(group["lr"], "lr")
         momentum = float(group["momentum"])
         return {"lr": lr, "decay": 1 - lr * group["weight_decay"], "momentum": momentum,
                 "one_minus_momentum": 1 - momentum}
 
     def _flags(self, group):
         if not group["use_muon"]:
-            return dict(muon=False, amsgrad=group["amsgrad"], maximize=group["maximize"],
-                        weight_decay=group["weight_decay"] != 0)
+            return dict(muon=False, **AdamW._flags(self, group))
         return dict(
             muon=True, weight_decay=group["weight_decay"] != 0, nesterov=bool(group["nesterov"]),
             ns=tuple(map(float, group["ns_coefficients"])), ns_steps=group["ns_steps"],

@@ -149,14 +149,12 @@ def _param_update(
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
+    rows = w.shape
     if shape is not None:  # (a rule that needs the parameter's shape, its state in rows)
-        rows = w.shape
-        w, g = w.view(shape), g.view(shape)
-        m = {k: v.view(shape) for k, v in m.items()}
-        new_w, new_m = math(w, g, m, c, **flags)
+        w, g, m = w.view(shape), g.view(shape), {k: v.view(shape) for k, v in m.items()}
+    new_w, new_m = math(w, g, m, c, **flags)
+    if shape is not None:
         new_w, new_m = new_w.reshape(rows), {k: v.reshape(rows) for k, v in new_m.items()}
-    else:
-        new_w, new_m = math(w, g, m, c, **flags)
     bits = None
     if storage.needs_random_bits:
         bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
