@@ -318,3 +318,62 @@ def test_scaled_run_resumes_from_a_checkpoint_bitwise(device):
         opt2.step(grad_scale=torch.tensor(scale, device=device),
                   found_inf=torch.zeros((), device=device))
     _assert_same(_snapshot(fresh, opt2), _snapshot(full_params, full_opt))
+
+
+FAMILY = {  # the optimizers beside the four above, under the loss-scaler contract
+    "adam": ("Adam", dict(lr=1e-2, weight_decay=0.1)),
+    "radam": ("RAdam", dict(lr=1e-2, weight_decay=0.1)),
+    "lion": ("Lion", dict(lr=1e-3, weight_decay=0.1)),
+    "stableadamw": ("StableAdamW", dict(lr=1e-2, weight_decay=0.1)),
+    "adafactor": ("Adafactor", dict(lr=1e-2, weight_decay=0.1)),
+    "muon": ("Muon", dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("master", ["kahan", "stochastic"])
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_family_scaled_step_with_counts_on_the_device_equals_unscaled(name, master, monkeypatch,
+                                                                      device):
+    # The GPU's way for the six: each group's numbers made at once from its parameters' counts
+    # on the device (driver._scaled_numbers_many), on the default (compiled) path.
+    import lowprec.optim as lo
+
+    monkeypatch.setitem(OPTIMIZERS, name, (getattr(lo, FAMILY[name][0]), FAMILY[name][1]))
+    if name == "muon":  # (matrices only)
+        monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(33, 17), (6, 5)])
+    ref_params, ref_opt, _ = _run(name, master, fused=True, scaled=False, device=device)
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5),
+                              device=device)
+    assert found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
+    _assert_same(_snapshot(params, opt), _snapshot(ref_params, ref_opt))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scaled_step_makes_each_groups_numbers_once(fused, monkeypatch, device):
+    # With the counts on the device, a step's numbers are made per group (one vector operation
+    # per number for all its parameters), not once per parameter: on a GPU each of those
+    # operations is a kernel launch, and per parameter they were most of the step.
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    torch.manual_seed(0)
+    params = [torch.randn(s, device=device, dtype=torch.bfloat16, requires_grad=True)
+              for s in [(16, 8), (8,), (4, 4), (3,), (300,)]]
+    opt = AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 1e-3}], lr=1e-2,
+                master="kahan", fused=fused)
+    calls = []
+    real = opt._coefficients
+
+    def counted(group, step):
+        calls.append(tuple(step.shape) if isinstance(step, torch.Tensor) else step)
+        return real(group, step)
+
+    opt._coefficients = counted
+    for step in range(4):
+        for p in params:
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        calls.clear()
+        opt.step(grad_scale=torch.tensor(2.0, device=device),
+                 found_inf=torch.zeros((), device=device))
+        if step > 0:  # (the first step creates the state: its numbers come one by one)
+            assert sorted(calls) == [(2,), (3,)], calls
+    assert all(float(opt.state[p]["step"]) == 4 for p in params)

@@ -67,6 +67,14 @@ def _same_number(a: Any, b: Any) -> bool:
     return a.hex() == b.hex() if isinstance(a, float) else a == b
 
 
+def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a copy of ``t`` padded)."""
+    per = max(1, 16 // t.element_size())
+    padded = t.new_zeros((t.numel(), per))
+    padded[:, 0] = t
+    return padded[:, 0].unbind()
+
+
 class _FullStep:
     """``LowPrecisionOptimizer``'s step driver: the full step, one parameter's step, and the
     step's numbers."""
@@ -81,11 +89,16 @@ class _FullStep:
         self._step_plan = None
         late: list[Any] = []
         work = self._collect(late)
+        memo: dict[Any, Any] = {}
         scaling = None
         if scaled:
             scaling = _Scaling.prepare(
                 work, grad_scale, found_inf, self.__dict__.get("_shard_reduce")
             )
+            counted = [(g, p, i, s, self.state[p]) for g, p, i, s in work
+                       if "step" in self.state.get(p, ()) and not loss_scale._host_counts(p.device)]
+            if counted:  # (every parameter's numbers at once, per group: not one by one)
+                self._scaled_numbers_many(counted, scaling, memo)
         if late:  # (rare: a step that creates buffers is not recorded)
             self._step_late(late, scaling)
             ids = {id(p) for _, p, _, _ in late}
@@ -94,7 +107,7 @@ class _FullStep:
         else:
             # The step is recorded, for the next steps to redo (_replay).
             plan = _Plan(self, scaled)
-        memo: dict[Any, Any] = {"plan": plan}
+        memo["plan"] = plan
         large, small = _by_size(work)
         for group, p, index, storage in large:
             self._step_param(group, p, index, storage, scaling, memo)
@@ -161,6 +174,9 @@ class _FullStep:
         and advances only when the step is taken, so everything that depends on it is computed
         there too. The coefficients that do not depend on it (lr, weight decay...) are the same
         tensors for the group's parameters within a ``step()``."""
+        done = memo.get(("scaled", id(p)))
+        if done is not None:  # (computed with the group's others: _scaled_numbers_many)
+            return done
         if state["step"].device != p.device:
             state["step"] = state["step"].to(p.device)
         step = state["step"].double() + 1
@@ -179,6 +195,42 @@ class _FullStep:
                     t = shared[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
                 coeffs[k] = t
         return step, lo, hi, coeffs, scaling.kernel_args(p.device)
+
+    def _scaled_numbers_many(self, items: list, scaling: _Scaling, memo) -> None:
+        """``_scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
+        per group and device the step counts are stacked and every number is computed for all of
+        them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
+        which on a GPU were most of a step), each parameter's share a view. ``items``: (group,
+        p, index, storage, state) of parameters whose counts are kept on their devices.
+
+        The views lie 16 bytes apart, as a tensor of their own would begin: a compiled kernel
+        may take an input it was compiled for aligned only after copying it."""
+        sets: dict[Any, tuple[dict, list]] = {}
+        for group, p, index, storage, state in items:
+            if state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+            sets.setdefault((id(group), p.device), (group, []))[1].append((p, index, storage))
+        for (_, device), (group, members) in sets.items():
+            step = torch.stack([self.state[p]["step"] for p, _, _ in members]).double() + 1
+            steps = _aligned_views(step)
+            if any(storage.needs_random_bits for _, _, storage in members):
+                index = torch.tensor([i for _, i, _ in members], dtype=torch.int64, device=device)
+                los, his = map(_aligned_views,
+                               stream_key_halves(group["seed"], step.long(), index))
+            shared = memo.setdefault(("constants", id(group), device), {})
+            per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
+            for k, v in self._coefficients(group, step).items():
+                if isinstance(v, torch.Tensor):
+                    per[k] = _aligned_views(torch.as_tensor(v, dtype=torch.float32, device=device))
+                else:
+                    if k not in shared:
+                        shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
+                    per[k] = None
+            extra = scaling.kernel_args(device)
+            for i, (p, _, storage) in enumerate(members):
+                coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
+                lo_i, hi_i = (los[i], his[i]) if storage.needs_random_bits else (0, 0)
+                memo[("scaled", id(p))] = (steps[i], lo_i, hi_i, coeffs, extra)
 
     @staticmethod
     def _keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:

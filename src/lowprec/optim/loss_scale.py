@@ -113,12 +113,16 @@ def _mode(scaling: _Scaling | None) -> str | bool:
 
 
 def _advance_counts(counts: list[torch.Tensor], scaling: _Scaling | None) -> None:
-    """Advance the step counts of parameters stepped together, in one call. Each holds the whole
-    number read on the host before the step, so adding 1 stores what ``_advance``'s
-    ``fill_(count + 1)`` would, for floating-point or integer counts (a loaded checkpoint keeps
-    its dtype); under a loss scaler, ``1 - skip``, decided on the device (these counts are on the
-    CPU, where the flag costs no synchronisation)."""
-    torch._foreach_add_(counts, 1 if scaling is None else scaling.taken_on(counts[0].device))
+    """Advance the step counts of parameters stepped together, in one call per device. Each
+    holds the whole number read on the host before the step (or, under a loss scaler off the
+    CPU, the count its numbers were computed from on its device), so adding 1 stores what
+    ``_advance``'s ``fill_(count + 1)`` would, for floating-point or integer counts (a loaded
+    checkpoint keeps its dtype); under a loss scaler, ``1 - skip``, decided on the device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for c in counts:
+        by_device.setdefault(c.device, []).append(c)
+    for device, same in by_device.items():
+        torch._foreach_add_(same, 1 if scaling is None else scaling.taken_on(device))
 
 
 def _host_counts(device: torch.device) -> bool:

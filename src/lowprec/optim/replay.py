@@ -75,6 +75,10 @@ class _Replay:
                 [(e.group, e.p, e.index, e.storage) for e in plan.entries], grad_scale, found_inf,
                 self.__dict__.get("_shard_reduce"),
             )
+            on_device = [(e.group, e.p, e.index, e.storage, e.state) for e in plan.entries
+                         if not loss_scale._host_counts(e.p.device)]
+            if on_device:  # (every parameter's numbers at once, per group: not one by one)
+                self._scaled_numbers_many(on_device, scaling, memo)
         fused: list[_Entry] = []  # stepped by a compiled call here: their counts advance below
         try:
             for run in plan.merged(self):
@@ -89,7 +93,7 @@ class _Replay:
                     self._replay_run(run, memo, scaling, fused)
         finally:
             if fused:  # (also when a later parameter raised: these were stepped)
-                _advance_counts([e.count for e in fused], scaling)
+                _advance_counts([e.state["step"] for e in fused], scaling)
         return True
 
     def _replay_run(self, run, memo, scaling, fused: list[_Entry]) -> None:
@@ -121,10 +125,7 @@ class _Replay:
                 _disable_fused(self, err)
                 self._step_plan = None
             else:
-                if host:
-                    fused.append(e)
-                else:
-                    self._advance(e.state, step, scaling, e.p.device)
+                fused.append(e)  # (its count advances with the others': _advance_counts)
                 return
         self._step_param(e.group, e.p, e.index, e.storage, scaling, memo)
 
