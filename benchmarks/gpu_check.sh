@@ -10,9 +10,11 @@
 #                  lowprec compiles with present; whether the default step compiles here
 #   2 fused        benchmarks/fused_check.py: fused == eager bit for bit, every optimizer x
 #                  master x dtype and 8-bit state; a fallback to eager is a failure
-#   3 pytest       python -m pytest -m gpu, one process per test file, each under `timeout`
-#   4 bench        benchmarks/optimizer_step.py on CUDA: the default step's BF16 rows against
-#                  torch's fused FP32 and BF16 AdamW (same-run ratios, %axpy)
+#   3 pytest       python -m pytest -m gpu -v over tests/ (pytest-xdist workers where it is
+#                  installed): each test's outcome, also of a run its time limit cut short
+#   4 bench        benchmarks/step_profile.py (host launch time against device time, kernels
+#                  per step), then benchmarks/optimizer_step.py on CUDA: the default step's BF16
+#                  rows against torch's fused FP32 and BF16 AdamW (same-run ratios, %axpy)
 #   5 choices      benchmarks/device_choices.py and benchmarks/fast_path.py on CUDA
 #   6 train        lowprec compare and lowprec memory on CUDA; the FSDP2 and DDP 1-bit
 #                  examples on one rank (torchrun)
@@ -170,8 +172,9 @@ sec_fused() {
     if ((GPU)); then
         # Workers compile in parallel: half the cores, at most 6 (each holds a CUDA context).
         local jobs=$((NPROC / 2)); ((jobs > 6)) && jobs=6; ((jobs < 1)) && jobs=1
-        # Start no variant in the last 35 s: the ones under way finish, the rest are SKIPPED.
-        args=(--device cuda --jobs "$jobs" --budget-s $(($1 - 35)))
+        # Start no variant in the last 60 s: the ones under way finish (a variant takes up to
+        # 25 s on an H200, its worker's start more), the rest are SKIPPED.
+        args=(--device cuda --jobs "$jobs" --budget-s $(($1 - 60)))
     else
         args=(--device cpu --quick)
     fi
@@ -183,72 +186,74 @@ sec_fused() {
     last=$(grep -E '^fused check on' "$log" | cut -d: -f2- | sed 's/^ //')
     case $rc in
         0) STATUS=pass; REASON="${last:-every variant equal}" ;;
-        124 | 137) STATUS=fail; REASON="timed out after $1 s" ;;
+        124 | 137) STATUS=fail
+                   REASON="timed out after $1 s: $(grep -cE ': equal \[' "$log") variants equal, $(
+                       grep -cE ': (DIFFERS|FALLBACK|ERROR)' "$log") not, before it" ;;
         *) STATUS=fail; REASON="${last:-exit $rc: $(tail -n1 "$log")}" ;;
     esac
     if ((!GPU)); then REASON="CPU, --quick subset: $REASON"; fi
 }
 
 # ---------------------------------------------------------------------------- 3 pytest -m gpu
-# The most informative files first; test_fused.py last (section 2 checks the same on CUDA).
-PYTEST_ORDER=(tests/test_device.py tests/test_numerics.py tests/test_optim.py
-              tests/test_qstate.py tests/test_step_scaling.py tests/test_scaling.py
-              tests/test_gradscaler_contract.py tests/test_torch_contracts.py
-              tests/test_distributed.py tests/test_dtensor.py)
-PYTEST_LAST=(tests/test_fused.py)
-
+# One run over tests/, -v: each test's outcome is in the log as it happens, so a run its time
+# limit ends still names what passed and what failed. With pytest-xdist, half the cores (at
+# most 6) as workers, each with its own CUDA context.
 sec_pytest() {
     if ((!GPU)); then STATUS=skip; REASON="no GPU"; return; fi
-    local end=$(($(now) + $1)) collect="$OUT/3-pytest-collect.log" f files=() ordered=()
-    local failed=() passed=0 notrun=() t rc log line start
-    # The files that hold tests marked gpu (the CUDA parameters of the device tests among them).
-    run "$(min 90 "$1")" "$collect" "$PY" -m pytest --collect-only -q -m gpu -p no:cacheprovider \
-        --continue-on-collection-errors tests
-    mapfile -t files < <(grep -oE '^tests/[^:]+\.py' "$collect" | sort -u)
+    local log="$OUT/3-pytest.log" rc jobs par=() counts
     "$PY" -c 'import rich' >/dev/null 2>&1 \
         || key "rich does not import: tests that run the lowprec command (its cli extra) fail"
-    if ((${#files[@]} == 0)); then
-        key "collection found no gpu tests (see 3-pytest-collect.log); running the known files"
-        files=("${PYTEST_ORDER[@]}" "${PYTEST_LAST[@]}")
+    if "$PY" -c 'import xdist' >/dev/null 2>&1; then
+        jobs=$((NPROC / 2)); ((jobs > 6)) && jobs=6; ((jobs < 1)) && jobs=1
+        par=(-n "$jobs")
     fi
-    for f in "${PYTEST_ORDER[@]}"; do
-        [[ " ${files[*]} " == *" $f "* ]] && ordered+=("$f")
-    done
-    for f in "${files[@]}"; do
-        [[ " ${PYTEST_ORDER[*]} ${PYTEST_LAST[*]} " == *" $f "* ]] || ordered+=("$f")
-    done
-    for f in "${PYTEST_LAST[@]}"; do
-        [[ " ${files[*]} " == *" $f "* ]] && ordered+=("$f")
-    done
-    for f in "${ordered[@]}"; do
-        t=$(min 150 $((end - $(now))))
-        if ((t < 20)); then notrun+=("$f"); continue; fi
-        log="$OUT/3-pytest-$(basename "$f" .py).log"
-        start=$(now)
-        # -o faulthandler_timeout: a test past 60 s dumps every thread's stack into the log, so
-        # a hang that `timeout` then ends shows where it hung.
-        run "$t" "$log" "$PY" -m pytest -m gpu -x -q -p no:cacheprovider -o faulthandler_timeout=60 \
-            -o "filterwarnings=$FALLBACK_FILTER" "$f"
-        rc=$?
-        line=$(grep -E '(passed|failed|error|skipped|deselected|no tests ran)' "$log" | tail -n1)
-        case $rc in
-            0) [[ $line == *passed* ]] && passed=$((passed + 1))
-               key "$f: ${line:-passed} [$(($(now) - start)) s]" ;;
-            5) key "$f: no gpu tests collected" ;;
-            124 | 137) failed+=("$f"); key "$f: TIMED OUT after $t s (stacks in its log)" ;;
-            *) failed+=("$f"); key "$f: FAILED: ${line:-exit $rc} [$(($(now) - start)) s]"
-               grep -E '^(FAILED|ERROR) ' "$log" | head -n 3 >>"$KEY" ;;
-        esac
-    done
-    ((${#notrun[@]})) && key "not run, no time left: ${notrun[*]}"
-    if ((${#failed[@]})); then
-        STATUS=fail; REASON="failed: ${failed[*]}"
-    elif ((passed == 0)); then
-        STATUS=skip; REASON="no test passed (every one skipped or none collected)"
-    else
-        STATUS=pass; REASON="$passed file(s) passed"
-        ((${#notrun[@]})) && REASON="$REASON; ${#notrun[@]} not run (no time left)"
-    fi
+    # -o faulthandler_timeout: a test past 60 s dumps every thread's stack into the log, so a
+    # hang that `timeout` then ends shows where it hung.
+    run "$1" "$log" "$PY" -m pytest -m gpu -v -rfE --tb=line -p no:cacheprovider "${par[@]}" \
+        -o faulthandler_timeout=60 -o "filterwarnings=$FALLBACK_FILTER" tests
+    rc=$?
+    counts=$("$PY" - "$log" 2>&1 <<'PY'
+import collections, re, sys
+
+# "tests/f.py::t[x] PASSED [ 5%]" (one process) or "[gw0] [ 5%] PASSED tests/f.py::t[x]"
+# (xdist); the -rfE summary's "FAILED tests/f.py::t[x] - message" lines are kept apart.
+outcome = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+node = re.compile(r"(tests/[^\s:]+\.py)::(\S+)")
+per_file = collections.defaultdict(collections.Counter)
+bad, summary = [], []
+for line in open(sys.argv[1], errors="replace"):
+    line = line.rstrip()
+    o, n = outcome.search(line), node.search(line)
+    if not (o and n):
+        continue
+    if line.startswith(("FAILED ", "ERROR ")):
+        summary.append(line[:300])
+        continue
+    per_file[n.group(1)][o.group(1)] += 1
+    if o.group(1) in ("FAILED", "ERROR"):
+        bad.append(f"{o.group(1)} {n.group(0)}")
+total = collections.Counter()
+for f, c in sorted(per_file.items()):
+    total.update(c)
+    print(f"KEY {f}: " + ", ".join(f"{v} {k.lower()}" for k, v in sorted(c.items())))
+for line in (summary or bad)[:10]:
+    print(f"KEY {line}")
+if len(summary or bad) > 10:
+    print(f"KEY ... and {len(summary or bad) - 10} more (3-pytest.log)")
+print(f"{total['PASSED']} {total['FAILED'] + total['ERROR']} {total['SKIPPED']}")
+PY
+)
+    grep '^KEY ' <<<"$counts" | cut -c5- >>"$KEY"
+    local p f s
+    read -r p f s < <(tail -n1 <<<"$counts")
+    p=${p:-0} f=${f:-0} s=${s:-0}
+    case $rc in
+        0) if ((p > 0)); then STATUS=pass; REASON="$p passed, $s skipped"
+           else STATUS=skip; REASON="no test passed (every one skipped or none collected)"; fi ;;
+        124 | 137) STATUS=fail
+                   REASON="timed out after $1 s: $p passed, $f failed so far (stacks in 3-pytest.log)" ;;
+        *) STATUS=fail; REASON="$f failed, $p passed, $s skipped (exit $rc)" ;;
+    esac
 }
 
 # ------------------------------------------------------------------ 4 optimizer-step benchmark
@@ -258,7 +263,24 @@ sec_pytest() {
 BENCH_ROWS=lowprec-adamw-bf16-kahan-default,lowprec-adamw-bf16-split-default,lowprec-adamw-bf16-stochastic-default,lowprec-adamw-bf16-kahan-state8bit-default,torch-adamw-bf16-fused
 
 sec_bench() {
-    local log="$OUT/4-bench.log" json="$OUT/optimizer_step.json" rc
+    local log="$OUT/4-bench.log" json="$OUT/optimizer_step.json" rc plog="$OUT/4-profile.log" t
+    # First where the step's time goes (host launch time, device time, kernels per step).
+    if ((GPU)); then
+        t=$(min 75 $(($1 / 2)))
+        run "$t" "$plog" "$PY" benchmarks/step_profile.py --device cuda --steps 10
+    else
+        t=$(min 40 $(($1 / 3)))
+        run "$t" "$plog" env LOWPREC_FUSED=0 "$PY" benchmarks/step_profile.py --device cpu \
+            --params-millions 0.2 --warmup 1 --steps 1 --profile-steps 1 --top 5 \
+            --configs torch-fp32-fused,lowprec-kahan-eager
+    fi
+    rc=$?
+    ((rc == 0)) || key "step_profile.py: exit $rc after at most $t s (4-profile.log)"
+    sed -n '/^config /,/^$/p' "$plog" | grep -v '^$' | sed 's/^/profile: /' >>"$KEY"
+    t=$(($1 - ($(now) - SECTION_START)))
+    if ((t < 20)); then
+        STATUS=fail; REASON="no time left for optimizer_step.py after the profile"; return
+    fi
     if ((GPU)); then
         # 100M parameters (8 blocks of width 1024, 128 tensors): a step of torch's fused FP32
         # AdamW moves 1.6 GB, long enough against launch and host costs to show bandwidth.
@@ -266,20 +288,20 @@ sec_bench() {
         # round. (The script counts a lowprec row as compiled by whether the CPU compiles: with
         # a smaller budget a row whose first step compiled for seconds would stop warming up
         # there and time its second step, which compiles the shared calls.)
-        run "$1" "$log" "$PY" benchmarks/optimizer_step.py --device cuda --rows "$BENCH_ROWS" \
+        run "$t" "$log" "$PY" benchmarks/optimizer_step.py --device cuda --rows "$BENCH_ROWS" \
             --lowprec-variants default --params-millions 100 --rounds 2 --steps 20 \
             --row-seconds 60 --retries 0 --ab-steps 10 --json "$json"
     else
         # A smoke run, smaller than --quick: 0.5M parameters, one lowprec row, eager
         # (LOWPREC_FUSED=0, as .ci/run's smoke run), so that it compiles nothing.
-        run "$1" "$log" env LOWPREC_FUSED=0 "$PY" benchmarks/optimizer_step.py \
+        run "$t" "$log" env LOWPREC_FUSED=0 "$PY" benchmarks/optimizer_step.py \
             --rows lowprec-adamw-bf16-split-default,torch-adamw-bf16-fused \
             --lowprec-variants default --params-millions 0.5 --steps 3 --warmup 1 --rounds 1 \
             --row-seconds 2 --retries 0 --ab-steps 0 --axpy-millions 4 --json "$json"
     fi
     rc=$?
     if ((rc == 124 || rc == 137)); then
-        STATUS=fail; REASON="timed out after $1 s (the rows it finished are in its log)"
+        STATUS=fail; REASON="timed out after $t s (the rows it finished are in its log)"
         grep -E '^  .*ms median' "$log" >>"$KEY"
         return
     fi
@@ -547,13 +569,13 @@ PY
 # ----------------------------------------------------------------------------- the sections
 # name, title, minimum and cap (seconds) with a GPU, and without one (a minimum of 0: it skips).
 if ((GPU)); then
-    PLAN=("1-versions|versions|10|45" "2-fused|fused == eager, bit for bit|60|160"
-          "3-pytest|pytest -m gpu, per file|40|130" "4-bench|optimizer-step benchmark|40|100"
-          "5-choices|device_choices, fast_path|30|70"
-          "6-train|compare, memory, FSDP2 + DDP 1-bit examples|60|160")
+    PLAN=("1-versions|versions|10|45" "2-fused|fused == eager, bit for bit|60|120"
+          "3-pytest|pytest -m gpu|60|150" "4-bench|step profile, optimizer-step benchmark|60|120"
+          "5-choices|device_choices, fast_path|30|50"
+          "6-train|compare, memory, FSDP2 + DDP 1-bit examples|60|100")
 else
     PLAN=("1-versions|versions|10|45" "2-fused|fused == eager, bit for bit|30|80"
-          "3-pytest|pytest -m gpu, per file|0|0" "4-bench|optimizer-step benchmark|15|45"
+          "3-pytest|pytest -m gpu|0|0" "4-bench|step profile, optimizer-step benchmark|25|60"
           "5-choices|device_choices, fast_path|20|75"
           "6-train|compare, memory, FSDP2 + DDP 1-bit examples|20|60")
 fi
