@@ -129,8 +129,12 @@ class LowPrecisionOptimizer(
     #: A whole-tensor rule (``_whole``) whose step compiles as one graph in the parameter's shape
     #: where the step is fused (Adafactor: reductions and elementwise work, which Inductor fuses
     #: into a few passes; its sums are FP64, so compiled and eager agree bit for bit). False:
-    #: always eager (Muon: its matmuls are ATen's either way).
+    #: always eager.
     _whole_compiles = False
+    #: The compiled whole-tensor step may break its graph where the rule calls a function under
+    #: ``torch.compiler.disable`` (Muon's matmuls: the elementwise work around them compiles as
+    #: two graphs). False: one graph, which must compile whole (``fullgraph``).
+    _whole_graph_breaks = False
 
     def _whole(self, group: dict[str, Any]) -> bool:
         """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's

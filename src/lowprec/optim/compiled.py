@@ -82,7 +82,7 @@ def _key_tensors(lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def _compiled_kernel(
     cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
-    options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (),
+    options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
 ) -> Callable[..., Any]:
     """A compiled ``_param_update`` (or ``fn``) for one variant: optimizer, storage, flags, and
     the ``signature`` of its tensors (``_signature``: device type and dtypes).
@@ -92,10 +92,11 @@ def _compiled_kernel(
     that changes the generated code is in the key: a dtype or device left out made one function
     recompile for every combination a process stepped, until Dynamo's recompile limit raised.
     Shapes are dynamic (parameters are passed flattened), so one compilation serves every size.
-    ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``).
+    ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``). ``fullgraph``
+    False lets Dynamo break the graph at a call it must not trace (``_whole_graph_breaks``).
     """
     key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key,
-           tuple(sorted((options or {}).items())), signature)
+           tuple(sorted((options or {}).items())), signature, fullgraph)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
@@ -115,7 +116,7 @@ def _compiled_kernel(
         # small, and its on-disk cache then hands the single-threaded kernel to every later
         # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
         kernel = _Kernel(torch.compile(
-            variant, dynamic=True, fullgraph=True,
+            variant, dynamic=True, fullgraph=fullgraph,
             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
                      **COMPILED_AS_EAGER, **(options or {})},
         ), name)

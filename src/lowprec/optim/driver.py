@@ -368,6 +368,7 @@ class _FullStep:
                 type(self), storage, flags, scaled=_mode(scaling),
                 extra_key=(("whole", p.dim()),),
                 signature=compiled._signature(p, p.grad, sbufs, mbufs),
+                fullgraph=not self._whole_graph_breaks,
             )
             # (a new view of the parameter: handed the leaf itself, Inductor fails to compile)
             kernel(p.view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,

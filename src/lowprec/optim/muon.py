@@ -9,8 +9,10 @@ Per step, for a 2-D parameter::
     O = NewtonSchulz(U)                             (in BF16, as torch: ns_steps quintic steps)
     w = w * (1 - lr * weight_decay) - lr * adjust(shape) * O
 
-The orthogonalization needs the whole matrix: each parameter's step is one eager call in its
-own shape (``LowPrecisionOptimizer._whole``); its matmuls are the step's cost, as in torch.
+The orthogonalization needs the whole matrix: each parameter's step is one call in its own
+shape (``LowPrecisionOptimizer._whole``). Fused, the elementwise work before and after the
+matmuls compiles (two graphs, ``_momentum_and_orthogonalize`` eager between them), bit for bit
+the eager step.
 A group with ``use_muon=False`` is an AdamW group (``adamw_math``, elementwise: compiled and
 batched as ``lowprec.AdamW``'s), with torch.optim.AdamW's defaults for the options it does not
 set; ``muon_param_groups`` makes both groups from a model.
@@ -64,6 +66,24 @@ def _adjusted_ratio(adjust: str | None, shape: Sequence[int]) -> float:
     return 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw" (Moonshot's)
 
 
+@torch.compiler.disable
+def _momentum_and_orthogonalize(
+    g: torch.Tensor, buf: torch.Tensor, c: dict[str, Any], nesterov: bool,
+    ns: tuple[float, float, float], steps: int, eps: float, adjust: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new momentum, ``newton_schulz`` of the update, and the learning rate's shape ratio
+    as a 0-d FP32 tensor: always ATen's calls. Where the step is fused this is where its graph
+    breaks: the master's load before and the decay, update and store after compile, while these
+    run as torch.optim.Muon runs them (ATen's CPU lerp fuses a multiply-add in its vector loop
+    but not in its tail, which compiled code does not follow; Inductor would split ``addmm``
+    into a product and a sum rounded apart). The ratio is a tensor so that ``lr * ratio`` is
+    the same FP32 product in eager and compiled code."""
+    buf = buf.lerp(g, c["one_minus_momentum"])
+    u = g.lerp(buf, c["momentum"]) if nesterov else buf
+    ratio = torch.tensor(_adjusted_ratio(adjust, u.shape), dtype=torch.float32)
+    return buf, newton_schulz(u, ns, steps, eps), ratio
+
+
 def muon_math(
     w: torch.Tensor,
     g: torch.Tensor,
@@ -84,12 +104,11 @@ def muon_math(
     if not muon:
         return adamw_math(w, g, bufs, c, amsgrad=amsgrad, weight_decay=weight_decay,
                           maximize=maximize)
-    buf = bufs["momentum_buffer"].lerp(g, c["one_minus_momentum"])
-    u = g.lerp(buf, c["momentum"]) if nesterov else buf
-    o = newton_schulz(u, ns, ns_steps, ns_eps)
+    buf, o, ratio = _momentum_and_orthogonalize(g, bufs["momentum_buffer"], c, nesterov, ns,
+                                                ns_steps, ns_eps, adjust)
     if weight_decay:
         w = w * c["decay"]
-    return w - o.float() * (c["lr"] * _adjusted_ratio(adjust, w.shape)), {"momentum_buffer": buf}
+    return w - o.float() * (c["lr"] * ratio), {"momentum_buffer": buf}
 
 
 def muon_param_groups(
@@ -236,6 +255,11 @@ class Muon(LowPrecisionOptimizer):
 
     def _whole(self, group):
         return group["use_muon"]
+
+    # Fused, a Muon parameter's step compiles its elementwise work around the matmuls (two
+    # graphs, `_orthogonalize` between them: `_whole_graph_breaks`).
+    _whole_compiles = True
+    _whole_graph_breaks = True
 
     def _coefficients(self, group, step):
         if not group["use_muon"]:
