@@ -69,6 +69,7 @@ from lowprec.optim import (  # noqa: E402
     AdamW,
     Lamb,
     Lion,
+    Muon,
     RAdam,
     StableAdamW,
     compiled,
@@ -85,9 +86,15 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "RAdam": (RAdam, dict(lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True)),
     "Lion": (Lion, dict(lr=1e-4, weight_decay=0.1)),
     "StableAdamW": (StableAdamW, dict(lr=1e-3, weight_decay=0.01)),
-    # (Muon is left out: its matrices' step is eager everywhere, its other groups AdamW's)
     "Adafactor": (Adafactor, dict(lr=1e-2, weight_decay=0.01)),
+    "Muon": (lambda params, **kw: _muon(params, **kw), dict(lr=2e-2, weight_decay=0.1)),
 }
+
+
+def _muon(params: list[torch.Tensor], **kw: Any) -> Muon:
+    """Muon for the matrices (compiled around its eager matmuls), AdamW for the rest."""
+    return Muon([{"params": [p for p in params if p.dim() == 2]},
+                 {"params": [p for p in params if p.dim() != 2], "use_muon": False}], **kw)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MASTERS = ("none", "fp32", "split", "kahan", "stochastic")
 
