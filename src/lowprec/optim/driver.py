@@ -214,7 +214,13 @@ class _FullStep:
             step = torch.stack([self.state[p]["step"] for p, _, _ in members]).double() + 1
             steps = _aligned_views(step)
             if any(storage.needs_random_bits for _, _, storage in members):
-                index = torch.tensor([i for _, i, _ in members], dtype=torch.int64, device=device)
+                # (kept: a host list copied to a GPU waits for the work queued before it)
+                indices = tuple(i for _, i, _ in members)
+                cache = self.__dict__.setdefault("_index_tensors", {})
+                index = cache.get((device, indices))
+                if index is None:
+                    index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64,
+                                                                  device=device)
                 los, his = map(_aligned_views,
                                stream_key_halves(group["seed"], step.long(), index))
             shared = memo.setdefault(("constants", id(group), device), {})
