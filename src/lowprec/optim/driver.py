@@ -175,26 +175,10 @@ class _FullStep:
         there too. The coefficients that do not depend on it (lr, weight decay...) are the same
         tensors for the group's parameters within a ``step()``."""
         done = memo.get(("scaled", id(p)))
-        if done is not None:  # (computed with the group's others: _scaled_numbers_many)
-            return done
-        if state["step"].device != p.device:
-            state["step"] = state["step"].to(p.device)
-        step = state["step"].double() + 1
-        lo, hi = (
-            stream_key_halves(group["seed"], step.long(), index)
-            if storage.needs_random_bits else (0, 0)
-        )
-        shared = memo.setdefault(("constants", id(group), p.device), {})
-        coeffs = {}
-        for k, v in self._coefficients(group, step).items():
-            if isinstance(v, torch.Tensor):
-                coeffs[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
-            else:
-                t = shared.get(k)
-                if t is None:
-                    t = shared[k] = torch.as_tensor(v, dtype=torch.float32, device=p.device)
-                coeffs[k] = t
-        return step, lo, hi, coeffs, scaling.kernel_args(p.device)
+        if done is None:  # (not made with its group's others: e.g. its state is new this step)
+            self._scaled_numbers_many([(group, p, index, storage, state)], scaling, memo)
+            done = memo[("scaled", id(p))]
+        return done
 
     def _scaled_numbers_many(self, items: list, scaling: _Scaling, memo) -> None:
         """``_scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:

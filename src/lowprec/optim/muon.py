@@ -257,7 +257,7 @@ class Muon(LowPrecisionOptimizer):
         return group["use_muon"]
 
     # Fused, a Muon parameter's step compiles its elementwise work around the matmuls (two
-    # graphs, `_orthogonalize` between them: `_whole_graph_breaks`).
+    # graphs, `_momentum_and_orthogonalize` between them: `_whole_graph_breaks`).
     _whole_compiles = True
     _whole_graph_breaks = True
 

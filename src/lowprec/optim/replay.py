@@ -117,7 +117,7 @@ class _Replay:
                         {} if scaling is None else scaling.kernel_args(e.p.device),
                     )
                 else:
-                    step, lo, hi, coeffs, extra = self._scaled_numbers(
+                    _, lo, hi, coeffs, extra = self._scaled_numbers(
                         e.group, e.p, e.index, e.storage, e.state, scaling, memo
                     )
                     self._run_fused(e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
