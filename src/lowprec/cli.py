@@ -142,6 +142,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     model_cfg, batch_size = config.sized(args.size, batch_size=args.batch_size)
     if args.json is not None:
         _check_output(args.json, "--json")
+    if args.params is not None:
+        if args.measure_peak:
+            raise UsageError("--params plans for a model of that size and --measure-peak "
+                             "measures the probe model: run them one at a time")
+        return _memory_plan(args)
     import torch
 
     from lowprec import memory
@@ -198,12 +203,131 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                   style="dim")
     if mixed:
         console.print(f"{mixed}; agrees compares the other columns.", style="dim")
+    peak = _memory_peak(args, console, device) if args.measure_peak else None
     if args.json is not None:
         _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
                                 "size": args.size, "batch_size": batch_size, "numel": numel,
-                                "device": device, "rows": rows, "environment": _environment()})
+                                "device": device, "rows": rows, "peak": peak,
+                                "environment": _environment()})
         console.print(f"JSON: {args.json}")
-    return 0 if all_agree else 1
+    met = peak is None or all(t["passed"] for t in peak["targets"])
+    return 0 if all_agree and met else 1
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> dict[str, Any]:
+    """``--measure-peak``: every recipe's step, without and with step_in_backward, measured in
+    fresh processes (``memory_peak.peak_table``), its table and the issue's targets."""
+    from lowprec import memory_peak
+
+    _, Table = _import_rich()
+    probe = {"depth": args.probe_depth, "width": args.probe_width, "batch": args.probe_batch}
+    with console.status("") as status:
+        def progress(recipe: str, mode: bool) -> None:
+            status.update(f"measuring {recipe}, step_in_backward {_yes(mode)} (a fresh process)")
+
+        rows = memory_peak.peak_table(args.optimizer, device=str(device["device"]),
+                                      progress=progress, **probe)
+    cuda = device["type"] == "cuda"
+    how = "the CUDA allocator's peak" if cuda else "peak resident memory (VmHWM)"
+    numel = next((r["numel"] for r in rows if "numel" in r), None)
+    title = (f"Peak of a training step, {args.optimizer}: {args.probe_depth} x Linear("
+             f"{args.probe_width}, {args.probe_width}), no bias"
+             + (f" ({numel:,} parameters)" if numel else "")
+             + f", batch {args.probe_batch}, after 2 warm-up steps, one fresh process each, "
+               f"on {device['device']}")
+    table = Table(title=title, title_justify="left")
+    for col in ("recipe", "in backward", "weights", "grads", "state", "master", "B/param",
+                "accounted MiB", "grads MiB", "measured MiB", "saved MiB"):
+        table.add_column(col, justify="left" if col in ("recipe", "in backward") else "right")
+    notes: set[str] = set()
+    for r in rows:
+        mode = _yes(r["in_backward"]) + (" (recipe)" if r["in_backward"] and
+                                         r.get("recipe_in_backward") else "")
+        if "error" in r:
+            table.add_row(r["recipe"], mode, f"[red]{r['error']}", *("",) * 8)
+            continue
+        per, acc, meas = r["accounted_per_param"], r["accounted"], r["measured"]
+        if "note" in meas:
+            notes.add(meas["note"])
+        saved = r.get("saved")
+        table.add_row(r["recipe"], mode, f"{per['weights']:g}", f"{per['grads']:.3g}",
+                      f"{per['optimizer_state']:.3g}", f"{per['master']:g}",
+                      f"[bold]{per['total']:.3f}", f"{acc['total'] / 2**20:.1f}",
+                      f"{acc['grads'] / 2**20:.1f}", f"{meas['over_baseline'] / 2**20:.1f}",
+                      _fmt(saved, ".1f", scale=2**-20))
+    console.print(table)
+    console.print(
+        "weights .. B/param: the tensors at the peak of the measured step, per parameter "
+        "(grads: the most gradient bytes alive at once, after any accumulation or at "
+        "optimizer.step(); the rest counted by lowprec.memory.measure); accounted MiB: their "
+        f"sum; measured MiB: {how} during the step over what the process held before it "
+        "(gradients, activations, the step's temporaries; "
+        + ("torch.cuda.max_memory_allocated" if cuda else
+           f"glibc made to unmap freed tensors, MALLOC_MMAP_THRESHOLD_="
+           f"{memory_peak.MMAP_THRESHOLD}")
+        + "); saved: the measured MiB without step_in_backward minus with it.", style="dim")
+    for note in sorted(notes):
+        console.print(f"note: {note}", style="yellow")
+    checks = memory_peak.targets(rows)
+    for t in checks:
+        mark = "[green]met" if t["passed"] else "[red]NOT MET"
+        console.print(f"target {t['name']}: {t['detail']}: {mark}")
+    return {"probe": probe, "rows": rows, "targets": checks}
+
+
+def _fit(gib: float, card: int) -> str:
+    """"fits", "tight" (over 90% of the card: activations and the context may not fit) or
+    "no"."""
+    return "fits" if gib <= 0.9 * card else "[yellow]tight" if gib <= card else "[red]no"
+
+
+def _memory_plan(args: argparse.Namespace) -> int:
+    """``--params``: the GiB each recipe needs for a model of that size (``memory_plan``)."""
+    from lowprec import memory, memory_plan
+
+    _, Table = _import_rich()
+    console = _console()
+    size = args.params
+    rows = memory_plan.plan(size, args.optimizer)
+    largest = (f", largest parameter {size.largest:,}" if size.largest else "")
+    table = Table(title=f"GiB of tensors at a step's peak, {args.optimizer}: {size.numel:,} "
+                        f"parameters ({size.source}{largest})", title_justify="left")
+    cards = memory_plan.CARDS
+    for col in ("recipe", "in backward", "B/param", "weights", "grads", "state", "master",
+                "total", *(f"{c} GiB" for c in cards)):
+        table.add_column(col, justify="left" if col in ("recipe", "in backward") else "right")
+    for r in rows:
+        g = r["gib"]
+        mode = _yes(r["in_backward"]) + (" (recipe)" if r["in_backward"] and
+                                         r["recipe_in_backward"] else "")
+        per = g["total"] * 2**30 / size.numel
+        table.add_row(r["recipe"], mode, f"{per:.3g}", *(f"{g[k]:.1f}" for k in
+                      ("weights", "grads", "optimizer_state", "master")),
+                      f"[bold]{g['total']:.1f}",
+                      *(_fit(g["total"], c) for c in cards))
+    console.print(table)
+    grads = ("the largest parameter's gradient, stepped as soon as it is made" if size.largest
+             else "0: each parameter's gradient is freed once it is stepped (one parameter's "
+                  "at a time; give a config.json to count it)")
+    console.print(
+        "From lowprec.memory.expected per element (every parameter in the recipe's weight dtype "
+        f"and large enough for 8-bit state). In backward: step_in_backward, gradients {grads}. "
+        "The tensors only: activations, temporaries, the CUDA context and the allocator's slack "
+        "come on top (tight: over 90% of the card).", style="dim")
+    mixed = memory.MIXED_STATE.get(args.optimizer)
+    if mixed:
+        console.print(f"{mixed}.", style="dim")
+    if args.json is not None:
+        _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
+                                "params": size.as_dict(), "cards_gib": list(cards),
+                                "plan": [{**r, "fits": {str(c): v for c, v in r["fits"].items()}}
+                                         for r in rows]})
+        console.print(f"JSON: {args.json}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------- numerics

@@ -73,6 +73,16 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
+def _model_size(text: str):
+    """``--params``: a parameter count or a Hugging Face config.json (``memory_plan``)."""
+    from lowprec.memory_plan import parse_params  # (torch-free)
+
+    try:
+        return parse_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _sizes_help() -> str:
     """The presets with their parameter counts and batch sizes, for ``--size``'s help."""
     return ", ".join(f"{name} ({s.model.num_parameters / 1e6:.1f}M parameters: d_model "
@@ -205,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
             "optimizer's own choices, and measured from the tensors of the built-in model "
             "after one step (every layer converted, so the two must agree). On CUDA it adds "
             "the allocator's bytes of a real training step: held between steps, and the peak "
-            "during one (torch.cuda.max_memory_allocated)."
+            "during one (torch.cuda.max_memory_allocated). --measure-peak adds the measured "
+            "peak of a whole training step, without and with step_in_backward, each in a fresh "
+            "process; --params 7B (or a config.json) gives, instead, the GiB a model of that "
+            "size needs per recipe."
         ),
     )
     m.add_argument("--optimizer", type=_optimizer, default="adamw",
@@ -216,6 +229,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--accumulate", choices=("fp32", "kahan"), default=None,
                    help="add lowprec.accumulate's buffers (gradient accumulation without "
                         "rounding loss) to the recipes with BF16/FP16 weights")
+    m.add_argument("--params", type=_model_size, default=None, metavar="N|CONFIG",
+                   help="instead of the built-in model: the GiB each recipe's weights, "
+                        "gradients, optimizer state and master need for a model of N parameters "
+                        "(3e9, 7B, 1.5e9, 350M) or of a Hugging Face config.json (Llama, "
+                        "Mistral, Qwen2/3 style), without and with step_in_backward, and whether "
+                        "that fits in 24, 40 and 80 GiB")
+    m.add_argument("--measure-peak", action="store_true",
+                   help="also measure the peak of a whole training step (forward, backward, "
+                        "step) for every recipe, without and with step_in_backward, each in a "
+                        "fresh process on a deep MLP (minutes on a CPU), beside the tensors "
+                        "accounted at that peak")
+    m.add_argument("--probe-depth", type=_positive_int, default=32,
+                   help="--measure-peak's model: bias-free Linear layers (default: 32)")
+    m.add_argument("--probe-width", type=_positive_int, default=1024,
+                   help="--measure-peak's model: their width (default: 1024)")
+    m.add_argument("--probe-batch", type=_positive_int, default=8,
+                   help="--measure-peak's step: rows of its input (default: 8)")
     m.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     m.set_defaults(command="memory")
 
