@@ -29,6 +29,8 @@ _LAZY = {
     "Muon": "lowprec.optim",
     "muon_param_groups": "lowprec.optim",
     "master_state_dict": "lowprec.optim",
+    "StepInBackward": "lowprec.optim",
+    "step_in_backward": "lowprec.optim",
     "LossScaler": "lowprec.scaling",
     "NonFiniteLossError": "lowprec.scaling",
     "diagnostics": "lowprec.diagnostics",
@@ -51,6 +53,7 @@ __all__ = [
     "NonFiniteLossError",
     "RAdam",
     "StableAdamW",
+    "StepInBackward",
     "__version__",
     "accumulate",
     "diagnostics",
@@ -59,6 +62,7 @@ __all__ = [
     "numerics",
     "optim",
     "recipes",
+    "step_in_backward",
 ]
 
 if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
@@ -75,8 +79,10 @@ if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
         Muon,
         RAdam,
         StableAdamW,
+        StepInBackward,
         master_state_dict,
         muon_param_groups,
+        step_in_backward,
     )
     from lowprec.scaling import LossScaler, NonFiniteLossError
 

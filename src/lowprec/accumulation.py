@@ -68,6 +68,7 @@ class Accumulator:
         for p, s in zip(params, self._sums, strict=True):
             self._handles.append(p.register_hook(self._incoming(p, s)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(s)))
+            p._lowprec_accumulating = True  # (lowprec.step_in_backward refuses such parameters)
 
     def _incoming(self, p: torch.Tensor, s: _Sum):
         """The tensor hook: a micro-batch's gradient ``g``, before autograd adds it."""
@@ -129,6 +130,9 @@ class Accumulator:
             h.remove()
         self._handles.clear()
         self._sums.clear()
+        for p in self.params:
+            if getattr(p, "_lowprec_accumulating", False):
+                del p._lowprec_accumulating
 
 
 def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> Accumulator:
@@ -152,6 +156,11 @@ def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> 
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"accumulate() takes a module or tensors, got {type(p).__name__}.")
+        if getattr(p, "_lowprec_in_backward", False):
+            raise ValueError(
+                "accumulate(): a parameter is stepped inside backward (lowprec.step_in_backward), "
+                "which updates it at every backward; remove() that first to accumulate gradients."
+            )
         if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) and id(p) not in seen:
             seen.add(id(p))
             chosen.append(p)

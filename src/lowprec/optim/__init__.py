@@ -31,6 +31,7 @@ from lowprec.optim.adagrad import Adagrad, adagrad_update
 from lowprec.optim.adam import Adam, adam_update
 from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
+from lowprec.optim.in_backward import StepInBackward, step_in_backward
 from lowprec.optim.lamb import Lamb, lamb_update
 from lowprec.optim.lion import Lion, lion_update
 from lowprec.optim.muon import Muon, muon_param_groups
@@ -54,6 +55,7 @@ __all__ = [
     "Muon",
     "RAdam",
     "StableAdamW",
+    "StepInBackward",
     "adafactor_update",
     "adagrad_update",
     "adam_update",
@@ -66,4 +68,5 @@ __all__ = [
     "resolve_master",
     "sgd_update",
     "stable_adamw_update",
+    "step_in_backward",
 ]

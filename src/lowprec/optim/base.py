@@ -354,33 +354,43 @@ class LowPrecisionOptimizer(
                         "param_groups directly; add it with add_param_group (or pass it to the "
                         "constructor) so that steps run on its local shard."
                     )
-                g = p.grad
-                if g is None:
+                if p.grad is None:
                     continue
-                if g.is_sparse:
-                    raise ValueError(
-                        f"parameter group {gi}, parameter {pi}: sparse gradients are not "
-                        "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
-                        "torch.optim.SparseAdam."
-                    )
-                if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
-                    raise ValueError(
-                        f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
-                        f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
-                        f"{p.dtype} on {p.device}."
-                    )
-                state = self.state.get(p)
-                if state:
-                    key = (gi, p.dtype, storage.name, qstate.qualifies(p), p.dim())
-                    if key not in expected:
-                        expected[key] = self._expected_state(group, p, storage)
-                    missing = self._check_state(
-                        state, group, p, storage, (gi, pi), expected[key]
-                    )
-                    if missing and late is not None:
-                        late.append((group, p, index, storage))
+                if self._check_param(group, p, storage, (gi, pi), expected) and late is not None:
+                    late.append((group, p, index, storage))
                 work.append((group, p, index, storage))
         return work
+
+    def _check_param(self, group, p, storage, where: tuple[int, int], expected: dict) -> bool:
+        """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
+        its state lacks buffers the rule now keeps (``_collect``'s ``late``). ``expected``
+        caches ``_expected_state`` per kind of parameter across calls."""
+        self._check_grad(p, where)
+        state = self.state.get(p)
+        if not state:
+            return False
+        key = (where[0], p.dtype, storage.name, qstate.qualifies(p), p.dim())
+        if key not in expected:
+            expected[key] = self._expected_state(group, p, storage)
+        return bool(self._check_state(state, group, p, storage, where, expected[key]))
+
+    @staticmethod
+    def _check_grad(p, where: tuple[int, int]) -> None:
+        """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
+        g = p.grad
+        gi, pi = where
+        if g.is_sparse:
+            raise ValueError(
+                f"parameter group {gi}, parameter {pi}: sparse gradients are not "
+                "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
+                "torch.optim.SparseAdam."
+            )
+        if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
+            raise ValueError(
+                f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
+                f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
+                f"{p.dtype} on {p.device}."
+            )
 
     def _expected_state(self, group, p, storage) -> dict[str, torch.dtype]:
         sd = self._state_dtype(group, p, storage)
@@ -528,6 +538,9 @@ class LowPrecisionOptimizer(
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        in_backward = self.__dict__.get("_in_backward")
+        if in_backward is not None:  # (lowprec.step_in_backward: this call ends its step)
+            in_backward._end_step(grad_scale, found_inf)
         if self.__dict__.get("_has_dtensors"):
             with local_shards(self):
                 self._step_all(grad_scale, found_inf)
