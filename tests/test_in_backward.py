@@ -226,3 +226,11 @@ def test_accumulate_refuses_parameters_stepped_inside_backward():
     lowprec.step_in_backward(model, _optimizer("adamw", model))
     with pytest.raises(ValueError, match="step_in_backward"):
         lowprec.accumulate(model)
+
+
+def test_update_monitor_refuses_a_step_inside_backward():
+    model = _model()
+    opt = _optimizer("adamw", model)
+    lowprec.step_in_backward(model, opt)
+    with pytest.raises(ValueError, match="inside backward"):
+        lowprec.diagnostics.UpdateMonitor(model, opt)

@@ -15,7 +15,8 @@ STEPS = 150
 TOLERANCE = {
     "amp-bf16": 0.03, "amp-fp16": 0.03, "bf16": 0.10, "bf16-kahan": 0.03, "bf16-split": 0.03,
     "bf16-sr": 0.03, "bf16-kahan-8bit": 0.03, "bf16-split-8bit": 0.03, "fp16-master": 0.03,
-    "dfp16": 0.03,
+    "dfp16": 0.03, "bf16-kahan-8bit-release": 0.03, "bf16-kahan-4bit": 0.03,
+    "bf16-kahan-4bit-release": 0.03,
 }
 
 
@@ -40,7 +41,7 @@ def _data(n=512):
 def _train(recipe, *, steps=STEPS, loss_factor=1.0, lr=1e-2):
     torch.manual_seed(0)
     model = recipe.convert(_Net())
-    opt = recipe.optimizer("adamw", model.parameters(), lr=lr, weight_decay=0.0)
+    opt = recipe.optimizer("adamw", model, lr=lr, weight_decay=0.0)
     x, y = _data()
     losses = []
     for i in range(steps):
@@ -69,6 +70,26 @@ def test_recipe_trains_within_tolerance_of_fp32(name, fp32_loss):
     print(f"recipe {name}: final {final:.5f} vs fp32 {fp32_loss:.5f}, gap {gap:+.2%}")
     assert final < 0.6 * losses[0]  # it learned
     assert gap < TOLERANCE[name]
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.RECIPES if n.endswith("-release")])
+def test_release_recipe_trains_the_same_bits_as_its_normal_step(name):
+    # The update inside backward (lowprec.step_in_backward) is the same step, taken earlier.
+    final, losses, model, opt = _train(recipes.get(name))
+    ref_final, ref_losses, ref_model, _ = _train(recipes.get(name.removesuffix("-release")))
+    assert opt._in_backward is not None
+    assert all(p.grad is None for p in model.parameters())  # (freed in backward)
+    assert losses == ref_losses and final == ref_final
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_release_recipe_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="loss_scaling"):
+        recipes.get("bf16-kahan-8bit-release", loss_scaling="dynamic")
+    model = recipes.get("bf16-kahan-8bit-release").convert(_Net())
+    with pytest.raises(ValueError, match="pass the model"):
+        recipes.get("bf16-kahan-8bit-release").optimizer("adamw", model.parameters())
 
 
 def test_fp16_master_keeps_the_small_gradients_plain_fp16_loses():
@@ -173,7 +194,8 @@ def test_every_named_recipe_is_buildable_and_listed():
     assert recipes.names() == recipes.RECIPES
     assert set(recipes.RECIPES) == {"fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan",
                                     "bf16-split", "bf16-sr", "bf16-kahan-8bit",
-                                    "bf16-split-8bit", "fp16-master", "dfp16"}
+                                    "bf16-split-8bit", "bf16-kahan-8bit-release",
+                                    "fp16-master", "dfp16"}
     for name in recipes.RECIPES:
         assert recipes.get(name).name == name
 

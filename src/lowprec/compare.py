@@ -215,7 +215,9 @@ class _Run:
         self.opt = recipe.optimizer(cfg.optimizer, model, seed=self.seed, **hp)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
         self.monitor = None
-        if cfg.monitor_every:
+        # (a step inside backward has moved the weights before the monitor could preview it; its
+        # updates are those of the same recipe stepped normally, bit for bit)
+        if cfg.monitor_every and not recipe.step_in_backward:
             self.monitor = diagnostics.UpdateMonitor(
                 model, self.opt, every=cfg.monitor_every, scaler=recipe.scaler
             )

@@ -166,7 +166,9 @@ class Recipe:
             rounding (``"nearest"``, ``"stochastic"``, ``"biased"`` or ``"floor"``) for
             activations, weights and output gradients (default: None, no DFP).
         state_dtype: The optimizer's ``state_dtype`` (default: None, the strategy's own;
-            ``"8bit"`` for 8-bit moments).
+            ``"8bit"``/``"4bit"`` for 8-bit/4-bit moments).
+        step_in_backward: Step each parameter during backward and free its gradient at once
+            (``lowprec.step_in_backward``; ``optimizer`` then needs the model) (default: False).
         description: One line for tables.
     """
 
@@ -179,6 +181,7 @@ class Recipe:
     keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
     scaler_options: dict[str, Any] = field(default_factory=dict)
     dfp_rounding: str | None = None
+    step_in_backward: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -191,6 +194,12 @@ class Recipe:
             raise ValueError(
                 f"recipe {self.name!r}: DFP layers keep FP32 master weights; set "
                 "param_dtype=torch.float32."
+            )
+        if self.step_in_backward and self.loss_scaling is not None:
+            raise ValueError(
+                f"recipe {self.name!r}: step_in_backward cannot skip a step on inf/NaN (each "
+                "parameter is stepped during backward), so it cannot have loss_scaling; use "
+                "BF16 weights, which need none."
             )
         self.scaler: LossScaler | None = None
         if self.loss_scaling is not None:
@@ -281,13 +290,20 @@ class Recipe:
         if self.state_dtype is not None:
             hyperparameters = {**hyperparameters, "state_dtype": self.state_dtype}
         adamw = hyperparameters.pop("adamw", None)
-        if isinstance(params, nn.Module):
-            params = (optim.muon_param_groups(params, adamw=adamw) if key == "muon"
-                      else params.parameters())
+        model = params if isinstance(params, nn.Module) else None
+        if model is not None:
+            params = (optim.muon_param_groups(model, adamw=adamw) if key == "muon"
+                      else model.parameters())
         elif adamw is not None:
             raise ValueError("adamw= (the options of Muon's AdamW group) needs the model as "
                              "params, whose groups it then makes.")
-        return _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
+        elif self.step_in_backward:
+            raise ValueError(f"recipe {self.name!r} steps inside backward, whose hooks it "
+                             "installs on the model: pass the model as params.")
+        opt = _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
+        if self.step_in_backward:  # (the handle lives on the optimizer: opt._in_backward)
+            optim.step_in_backward(model, opt)
+        return opt
 
     # ------------------------------------------------------------------ the step
 
@@ -386,6 +402,9 @@ _SPECS: dict[str, dict[str, Any]] = {
                             description="BF16 weights, Kahan compensation, 8-bit moments."),
     "bf16-split-8bit": dict(param_dtype=torch.bfloat16, master="split", state_dtype="8bit",
                             description="BF16 weights with a 16-bit trail, 8-bit moments."),
+    "bf16-kahan-8bit-release": dict(
+        param_dtype=torch.bfloat16, master="kahan", state_dtype="8bit", step_in_backward=True,
+        description="BF16 + Kahan + 8-bit moments, each stepped in backward, gradient freed."),
     "fp16-master": dict(param_dtype=torch.float16, master="fp32", loss_scaling="dynamic",
                         description="FP16 weights, FP32 master copy, dynamic loss scaling."),
     "dfp16": dict(param_dtype=torch.float32, master="none", dfp_rounding="nearest",

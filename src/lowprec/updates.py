@@ -264,6 +264,12 @@ class UpdateMonitor:
                 )
             if not (math.isfinite(scaler) and scaler > 0):
                 raise ValueError(f"a fixed scaler must be finite and > 0, got {scaler}.")
+        if optimizer.__dict__.get("_in_backward") is not None:
+            raise ValueError(
+                "UpdateMonitor previews each step from the gradients before step(), but this "
+                "optimizer steps inside backward (lowprec.step_in_backward), where they are gone "
+                "by then; monitor the same optimizer without it (the updates are the same bits)."
+            )
         in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._names = {
             id(p): name for name, p in model.named_parameters() if id(p) in in_optimizer
