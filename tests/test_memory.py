@@ -24,6 +24,8 @@ ADAM_LIKE = {  # two moments
     # 8-bit state: a byte per element and an FP32 scale per 256 (a parameter large enough)
     "bf16-kahan-8bit": (2, 2, 2 * (1 + 4 / 256), 2),
     "bf16-split-8bit": (2, 2, 2 * (1 + 4 / 256), 2),
+    # each parameter stepped in backward, its gradient freed: none held per element
+    "bf16-kahan-8bit-release": (2, 0, 2 * (1 + 4 / 256), 2),
     "fp16-master": (2, 2, 8, 4),
     "dfp16": (4, 4, 8, 0),  # FP32 masters; DFP-16 exists only inside Linear/Conv2d products
 }
@@ -37,6 +39,7 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "bf16-sr": (2, 2, 2, 0),
     "bf16-kahan-8bit": (2, 2, 1 + 4 / 256, 2),
     "bf16-split-8bit": (2, 2, 1 + 4 / 256, 2),
+    "bf16-kahan-8bit-release": (2, 0, 1 + 4 / 256, 2),
     "fp16-master": (2, 2, 4, 4),
     "dfp16": (4, 4, 4, 0),
 }
@@ -98,9 +101,9 @@ def test_measured_equals_expected_without_kept_layers(optimizer):
 def test_table_without_a_model_has_no_measurement():
     rows = memory.table("adamw")
     assert all(r["measured"] is None and r["measured_bytes"] is None for r in rows)
-    eight_bit = 6 + 2 * (1 + 4 / 256)
-    assert [r["expected"]["total"] for r in rows] == [16, 16, 16, 8, 10, 14, 8, eight_bit,
-                                                      eight_bit, 16, 16]
+    assert [r["expected"]["total"] for r in rows] == [sum(ADAM_LIKE[r["recipe"]]) for r in rows]
+    assert [r["expected"]["total"] for r in rows if r["recipe"] in ("fp32", "bf16-kahan")] == [
+        16, 10]
 
 
 def test_kept_fp32_layers_show_in_the_measurement():

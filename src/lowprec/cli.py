@@ -244,11 +244,13 @@ def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> d
                 "accounted MiB", "grads MiB", "measured MiB", "saved MiB"):
         table.add_column(col, justify="left" if col in ("recipe", "in backward") else "right")
     notes: set[str] = set()
+    errors: dict[str, int] = {}  # (each error's text once, below the table)
     for r in rows:
         mode = _yes(r["in_backward"]) + (" (recipe)" if r["in_backward"] and
                                          r.get("recipe_in_backward") else "")
         if "error" in r:
-            table.add_row(r["recipe"], mode, f"[red]{r['error']}", *("",) * 8)
+            n = errors.setdefault(r["error"], len(errors) + 1)
+            table.add_row(r["recipe"], mode, f"[red]failed ({n})", *("",) * 8)
             continue
         per, acc, meas = r["accounted_per_param"], r["accounted"], r["measured"]
         if "note" in meas:
@@ -272,6 +274,8 @@ def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> d
         + "); saved: the measured MiB without step_in_backward minus with it.", style="dim")
     for note in sorted(notes):
         console.print(f"note: {note}", style="yellow")
+    for error, n in errors.items():
+        console.print(f"({n}) {error}", style="red")
     checks = memory_peak.targets(rows)
     for t in checks:
         mark = "[green]met" if t["passed"] else "[red]NOT MET"

@@ -30,7 +30,10 @@ table; ``table`` lists every recipe, optionally beside a measurement of a real m
 
 On CUDA, ``cuda_peak`` adds what the tensor accounting leaves out: the allocator's peak during a
 real training step (activations, temporaries, the allocator's rounding), from
-``torch.cuda.max_memory_allocated``.
+``torch.cuda.max_memory_allocated``. ``lowprec.memory_peak`` measures the peak of a whole step
+on any device, each configuration in a fresh process, with and without ``step_in_backward``
+(``lowprec memory --measure-peak``), and ``lowprec.memory_plan`` gives what a model of a given
+size needs per recipe (``lowprec memory --params 7B``).
 """
 
 from __future__ import annotations
@@ -226,6 +229,12 @@ def measure(
     return MemoryReport(numel=numel, bytes=by_cat, bytes_per_param=per)
 
 
+def _in_backward(recipe: recipes.Recipe) -> bool:
+    """Whether ``recipe`` steps each parameter during backward (``lowprec.step_in_backward``),
+    which frees its gradient once stepped and cannot accumulate over micro-batches."""
+    return bool(getattr(recipe, "step_in_backward", False))
+
+
 def _check_optimizer_name(optimizer_name: str) -> str:
     key = optimizer_name.lower() if isinstance(optimizer_name, str) else optimizer_name
     if key not in DEFAULT_HYPERPARAMETERS:
@@ -276,15 +285,22 @@ def expected(
 
     Returns:
         Bytes per element for each of ``CATEGORIES`` and ``"total"``; ``"other"`` is 0.0 (the
-        4-byte step counters are per tensor, not per element).
+        4-byte step counters are per tensor, not per element). ``"grads"`` and
+        ``"accumulation"`` are 0.0 for a recipe that steps each parameter in backward
+        (``step_in_backward``): it frees each gradient once stepped, so none is held per
+        element (one parameter's at a time: ``lowprec.memory_peak``), and it cannot accumulate.
 
     Raises:
         ValueError: An unknown optimizer or recipe name.
     """
     key = _check_optimizer_name(optimizer_name)
     recipe = recipes.get(recipe_name)
-    p = nn.Parameter(torch.zeros(2, 2, dtype=recipe.param_dtype))
-    opt = recipe.optimizer(key, [p], **_hyperparameters(key, hyperparameters))
+    in_backward = _in_backward(recipe)
+    # (a recipe stepping in backward installs its hooks on a model: one Linear's weight)
+    holder = nn.Linear(2, 2, bias=False, dtype=recipe.param_dtype).requires_grad_(True)
+    p = holder.weight
+    opt = recipe.optimizer(key, holder if in_backward else [p],
+                           **_hyperparameters(key, hyperparameters))
     group = opt._group_of(p)
     storage = opt._storage(group, p)
 
@@ -299,13 +315,15 @@ def expected(
     state = sum(n * state_bytes(n) for n in numels) / sum(numels)
     out = {
         "weights": size(p.dtype),
-        "grads": size(p.dtype),  # autograd gives a parameter a gradient of its own dtype
+        # (autograd gives a parameter a gradient of its own dtype; a recipe stepping in
+        # backward frees each as soon as it is stepped: none per element)
+        "grads": 0.0 if in_backward else size(p.dtype),
         # (buffers shaped like the parameter; Adafactor's row and column statistics are
         # O(rows + columns): nothing per element)
         "optimizer_state": state * sum(
             opt._buffer_shape(k, p) is None for k in opt._math_buffers(group, p)),
         "master": float(sum(size(d) for d in storage.buffers(p).values())),
-        "accumulation": 0.0 if accumulate is None or p.dtype == torch.float32
+        "accumulation": 0.0 if accumulate is None or p.dtype == torch.float32 or in_backward
         else size(torch.float32) if accumulate == "fp32" else size(p.dtype),
         "other": 0.0,
     }
@@ -332,8 +350,11 @@ def _measured_after_one_step(
     recipe = recipes.get(recipe_name, **overrides)
     fresh = recipe.convert(fresh)
     params = [p for p in fresh.parameters() if p.requires_grad]
-    # (Muon: its two groups, from the model: optim.muon_param_groups)
-    opt = recipe.optimizer(optimizer_name, fresh if optimizer_name == "muon" else params,
+    in_backward = _in_backward(recipe)
+    # (Muon: its two groups, from the model: optim.muon_param_groups; a recipe stepping in
+    # backward installs its hooks on the model)
+    opt = recipe.optimizer(optimizer_name,
+                           fresh if optimizer_name == "muon" or in_backward else params,
                            **hyperparameters)
     gen = torch.Generator().manual_seed(seed)
     for p in params:
@@ -341,8 +362,11 @@ def _measured_after_one_step(
         g = torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(1e-3)
         p.grad = g.to(device=p.device, dtype=p.dtype)
     opt.step()  # the state is created lazily by the first step
+    if in_backward:  # (its hooks free each gradient once stepped: none is left after a step)
+        opt.zero_grad(set_to_none=True)
     accumulator = None
-    if accumulate is not None and any(p.dtype != torch.float32 for p in params):
+    if (accumulate is not None and not in_backward
+            and any(p.dtype != torch.float32 for p in params)):
         from lowprec.accumulation import accumulate as install
 
         accumulator = install(fresh, how=accumulate)
@@ -484,8 +508,9 @@ def cuda_peak(
                          "(model.cuda()), or pass a function that builds it there.")
     device = next(fresh.parameters()).device
     fresh = recipe.convert(fresh)
+    whole = key == "muon" or _in_backward(recipe)  # (Muon's groups; the in-backward hooks)
     opt = recipe.optimizer(
-        key, fresh if key == "muon" else [p for p in fresh.parameters() if p.requires_grad], **hp)
+        key, fresh if whole else [p for p in fresh.parameters() if p.requires_grad], **hp)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

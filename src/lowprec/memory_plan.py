@@ -181,7 +181,9 @@ def plan(
         e = memory.expected(optimizer_name, name)
         own = bool(getattr(recipes.get(name), "step_in_backward", False))
         for mode in (False, True):
-            grads = e["grads"] * (size.numel if not mode else (size.largest or 0))
+            # (a gradient has its parameter's dtype: expected() gives a recipe stepping in
+            # backward none per element, so the weights' size is the one to take)
+            grads = e["weights"] * (size.numel if not mode else (size.largest or 0))
             b = {"weights": e["weights"] * size.numel, "grads": grads,
                  "optimizer_state": e["optimizer_state"] * size.numel,
                  "master": e["master"] * size.numel}

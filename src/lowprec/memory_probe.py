@@ -179,11 +179,16 @@ def run(
     torch.manual_seed(seed)
     model = recipe.convert(build_model(depth, width).to(dev))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = recipe.optimizer(key, model if key == "muon" else params,
+    # (before any step_in_backward hook, a recipe's included: it sees each gradient first)
+    tracker = _GradTracker(params)
+    # (Muon's groups, and a recipe stepping in backward installs its hooks: from the model)
+    opt = recipe.optimizer(key, model if key == "muon" or own else params,
                            **memory._hyperparameters(key, None))
-    tracker = _GradTracker(params)  # (before step_in_backward's hooks: it sees each gradient)
-    handle = None
-    if in_backward and opt.__dict__.get("_in_backward") is None:  # (not already, by a recipe)
+    handle = opt.__dict__.get("_in_backward")  # (the recipe's own StepInBackward)
+    if handle is not None and not in_backward:
+        handle.remove()  # (the recipe's way, undone: the normal step to compare with)
+        handle = None
+    elif handle is None and in_backward:
         handle = _install_in_backward(model, opt)
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(batch, width, generator=gen, device=dev)
