@@ -304,10 +304,15 @@ def _memory_plan(args: argparse.Namespace) -> int:
     for col in ("recipe", "in backward", "B/param", "weights", "grads", "state", "master",
                 "total", *(f"{c} GiB" for c in cards)):
         table.add_column(col, justify="left" if col in ("recipe", "in backward") else "right")
+    refusals: dict[str, int] = {}
     for r in rows:
         g = r["gib"]
         mode = _yes(r["in_backward"]) + (" (recipe)" if r["in_backward"] and
                                          r["recipe_in_backward"] else "")
+        if r["refused"] is not None:
+            n = refusals.setdefault(r["refused"], len(refusals) + 1)
+            table.add_row(r["recipe"], mode, f"refused ({n})", *("-",) * (5 + len(cards)))
+            continue
         per = g["total"] * 2**30 / size.numel
         table.add_row(r["recipe"], mode, f"{per:.3g}", *(f"{g[k]:.1f}" for k in
                       ("weights", "grads", "optimizer_state", "master")),
@@ -322,13 +327,16 @@ def _memory_plan(args: argparse.Namespace) -> int:
         f"and large enough for 8-bit state). In backward: step_in_backward, gradients {grads}. "
         "The tensors only: activations, temporaries, the CUDA context and the allocator's slack "
         "come on top (tight: over 90% of the card).", style="dim")
+    for refused, n in refusals.items():
+        console.print(f"({n}) {refused}", style="dim")
     mixed = memory.MIXED_STATE.get(args.optimizer)
     if mixed:
         console.print(f"{mixed}.", style="dim")
     if args.json is not None:
         _write_json(args.json, {"command": "memory", "optimizer": args.optimizer,
                                 "params": size.as_dict(), "cards_gib": list(cards),
-                                "plan": [{**r, "fits": {str(c): v for c, v in r["fits"].items()}}
+                                "plan": [{**r, "fits": r["fits"] and {str(c): v for c, v in
+                                                                      r["fits"].items()}}
                                          for r in rows]})
         console.print(f"JSON: {args.json}")
     return 0

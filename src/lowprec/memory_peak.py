@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from lowprec.memory_plan import in_backward_refusal
 from lowprec.memory_probe import DEFAULTS
 
 __all__ = ["MMAP_THRESHOLD", "SAVING_TOLERANCE", "TARGET_BYTES_PER_PARAM", "TARGET_RECIPE", "in_backward_available", "peak_table",
@@ -114,8 +115,9 @@ def peak_table(
     Args:
         optimizer_name: The optimizer (default: ``"adamw"``).
         recipe_names: Recipes to run (default: None, all of ``recipes.RECIPES``).
-        modes: ``step_in_backward`` off and on (default: both); the "on" runs are left out,
-            with a row saying why, where this lowprec has no ``step_in_backward``.
+        modes: ``step_in_backward`` off and on (default: both); an "on" run is left out, with
+            a row saying why, where the recipe refuses it (a loss scaler) or this lowprec has no
+            ``step_in_backward``.
         depth, width, batch, warmup, device: The probe's (``memory_probe.run``).
         timeout: Seconds each process may take.
         progress: Called with ``(recipe, in_backward)`` before each run (default: None).
@@ -133,12 +135,16 @@ def peak_table(
     available = in_backward_available()
     rows: list[dict[str, Any]] = []
     for name in names:
-        own = bool(getattr(recipes.get(name), "step_in_backward", False))
+        recipe = recipes.get(name)
+        own = bool(getattr(recipe, "step_in_backward", False))
         by_mode: dict[bool, dict[str, Any]] = {}
         for mode in modes:
+            refused = in_backward_refusal(recipe) if mode else None
             if mode and not available:
+                refused = "this lowprec has no step_in_backward"
+            if refused is not None:  # (not run: it would be refused)
                 row = {"recipe": name, "optimizer": optimizer_name, "in_backward": True,
-                       "error": "this lowprec has no step_in_backward"}
+                       "error": refused}
             else:
                 if progress is not None:
                     progress(name, mode)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CARDS", "ModelSize", "count_config", "parse_params", "plan"]
+__all__ = ["CARDS", "ModelSize", "count_config", "in_backward_refusal", "parse_params", "plan"]
 
 #: Card sizes, in GiB, that ``plan`` says a recipe fits in or not.
 CARDS: tuple[int, ...] = (24, 40, 80)
@@ -170,8 +170,10 @@ def plan(
     Returns:
         One dict per recipe and mode: ``"recipe"``, ``"in_backward"``, ``"recipe_in_backward"``
         (the recipe's own choice), ``"bytes_per_param"`` (``expected()``'s dict),
-        ``"gib"`` (``weights``, ``grads``, ``optimizer_state``, ``master``, ``total``) and
-        ``"fits"`` (card GiB -> bool).
+        ``"gib"`` (``weights``, ``grads``, ``optimizer_state``, ``master``, ``total``),
+        ``"fits"`` (card GiB -> bool) and ``"refused"``: None, or why the recipe cannot step in
+        backward (the recipe's own check: a loss scaler cannot skip a step already taken),
+        where ``"gib"`` and ``"fits"`` are None.
     """
     from lowprec import memory, recipes
 
@@ -179,8 +181,15 @@ def plan(
     rows = []
     for name in names:
         e = memory.expected(optimizer_name, name)
-        own = bool(getattr(recipes.get(name), "step_in_backward", False))
+        recipe = recipes.get(name)
+        own = bool(getattr(recipe, "step_in_backward", False))
         for mode in (False, True):
+            refused = in_backward_refusal(recipe) if mode else None
+            if refused is not None:
+                rows.append({"recipe": name, "in_backward": mode, "recipe_in_backward": own,
+                             "bytes_per_param": e, "gib": None, "fits": None,
+                             "refused": refused})
+                continue
             # (a gradient has its parameter's dtype: expected() gives a recipe stepping in
             # backward none per element, so the weights' size is the one to take)
             grads = e["weights"] * (size.numel if not mode else (size.largest or 0))
@@ -191,5 +200,19 @@ def plan(
             gib = {k: v / 2**30 for k, v in b.items()}
             rows.append({"recipe": name, "in_backward": mode, "recipe_in_backward": own,
                          "bytes_per_param": e, "gib": gib,
-                         "fits": {c: gib["total"] <= c for c in cards}})
+                         "fits": {c: gib["total"] <= c for c in cards}, "refused": None})
     return rows
+
+
+def in_backward_refusal(recipe: Any) -> str | None:
+    """Why ``recipe`` cannot step in backward, by its own check (``Recipe.__post_init__``), or
+    None where it can."""
+    if getattr(recipe, "step_in_backward", False):
+        return None
+    try:
+        replace(recipe, step_in_backward=True)
+    except TypeError:  # (a Recipe without the field: nothing to check it by)
+        return None
+    except ValueError as exc:
+        return str(exc)
+    return None
