@@ -266,7 +266,7 @@ def test_bad_8bit_state_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"'exp_avg_scale' should be a \(20,\) torch.float32"):
         opt.load_state_dict(sd)
     _same_state(before["state"][0], opt.state_dict()["state"][0])
-    with pytest.raises(ValueError, match="state_dtype must be None, '8bit' or one of"):
+    with pytest.raises(ValueError, match="state_dtype must be None, '8bit', '4bit' or one of"):
         AdamW(params, lr=1e-2, state_dtype="int8")
 
 

@@ -269,9 +269,9 @@ def expected(
     with gradients present and the optimizer's state created. The figures come from the
     optimizer the recipe builds: its master strategy's buffers and their dtypes, the dtype of its
     update-rule buffers (``state_dtype``, by default FP32 under ``"fp32"``/``"split"`` and the
-    weight dtype otherwise; 8-bit codes and one FP32 scale per block of ``qstate.BLOCK``, FP32
-    for parameters too small for them) and the buffers the rule keeps with these
-    hyperparameters. ``numels``: the sizes of the model's parameters, which decide which of
+    weight dtype otherwise; 8-bit or 4-bit codes and one FP32 scale per block of
+    ``qstate.BLOCK``, FP32 for parameters too small for them) and the buffers the rule keeps
+    with these hyperparameters. ``numels``: the sizes of the model's parameters, which decide which of
     them get 8-bit state (default: None, one parameter large enough for it). ``accumulate``:
     ``lowprec.accumulate``'s ``how`` (``"fp32"``, ``"kahan"``), whose buffers a BF16 or FP16
     parameter then has (default: None, none).
@@ -309,7 +309,9 @@ def expected(
 
     def state_bytes(n: int) -> float:  # (per element of a parameter of n elements)
         dtype = opt._state_dtype(group, torch.empty(n, dtype=p.dtype, device="meta"), storage)
-        return size(dtype) + (4 / qstate.BLOCK if dtype == torch.uint8 else 0.0)
+        if dtype == torch.uint8:  # (8-bit or 4-bit codes and an FP32 scale per block)
+            return qstate.element_bytes(qstate.BITS[group["state_dtype"]])
+        return size(dtype)
 
     numels = numels or [1 << 20]
     state = sum(n * state_bytes(n) for n in numels) / sum(numels)

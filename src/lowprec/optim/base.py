@@ -62,8 +62,8 @@ from lowprec.optim.compiled import _CompiledStep, _default_mode
 from lowprec.optim.driver import _FullStep
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
-    _STATE_DTYPES,
     _TORCH_ONLY_OPTIONS,
+    _check_state_dtype,
     _check_torch_options,
     _state_dtype_value,
     _step_tensor,
@@ -276,13 +276,9 @@ class LowPrecisionOptimizer(
                 f"{where}: unknown master={group['master']!r}; choose one of "
                 f"{', '.join(MASTER_CHOICES)}."
             )
-        sd = group["state_dtype"] = _state_dtype_value(group["state_dtype"])
-        if sd is not None and sd != qstate.EIGHT_BIT and sd not in _STATE_DTYPES:
-            raise ValueError(
-                f"{where}: state_dtype must be None, '8bit' or one of torch.float32, "
-                f"torch.bfloat16, torch.float16, torch.float64 (or their names, 'bfloat16'); "
-                f"got {sd!r}."
-            )
+        group["state_dtype"] = _state_dtype_value(group["state_dtype"])
+        _check_state_dtype(group["state_dtype"], where)
+        qstate.check_group(group, where)  # (4-bit state: no DTensor parameters)
         if group["fused"] not in (None, True, False):
             raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
         if group["fused"] is None:
@@ -324,8 +320,9 @@ class LowPrecisionOptimizer(
 
     def _state_dtype(self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage):
         """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
-        as 8-bit codes (``qstate``), FP32 for the parameters too small for that."""
-        if group["state_dtype"] == qstate.EIGHT_BIT:
+        as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
+        the parameters too small for that."""
+        if group["state_dtype"] in qstate.BITS:
             return torch.uint8 if qstate.qualifies(p) else torch.float32
         if group["state_dtype"] is not None:
             return group["state_dtype"]
@@ -397,34 +394,38 @@ class LowPrecisionOptimizer(
         names = self._math_buffers(group, p)
         shaped = [k for k in names if self._buffer_shape(k, p) is None]
         scales = {}
-        if sd == torch.uint8:  # (8-bit codes: one FP32 scale per block beside each)
+        if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
             scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
         return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
                 **dict.fromkeys(shaped, sd), **scales}
 
     def _qstate(
         self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[tuple[str, bool], ...]:
-        """The update rule's buffers that ``state`` (of ``p``) keeps as 8-bit codes, each with
-        whether it is signed (``update._param_update``'s ``qstate``)."""
-        return tuple((k, k not in self._nonnegative_buffers) for k in self._math_buffers(group, p)
-                     if qstate.scale_key(k) in state)
+    ) -> tuple[tuple[str, str], ...]:
+        """The update rule's buffers that ``state`` (of ``p``) keeps as codes, each with its
+        format (``update._param_update``'s ``qstate``: signed or not, and the group's 8 or 4
+        bits; ``_check_state`` has checked that the codes are of that width)."""
+        bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
+        return tuple((k, qstate.fmt(k not in self._nonnegative_buffers, bits))
+                     for k in self._math_buffers(group, p) if qstate.scale_key(k) in state)
 
     def _mbufs(
         self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
         """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
-        those kept as 8-bit codes (``"<name>_scale"``)."""
+        those kept as codes (``"<name>_scale"``)."""
         names = self._math_buffers(group, p)
         out = {k: state[k] for k in names}
         out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
         return out
 
     def _math_state(self, group, p, state) -> dict[str, torch.Tensor]:
-        """The update rule's buffers of ``p`` as FP32 values (8-bit codes decoded)."""
-        signed = dict(self._qstate(group, state, p))
-        return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)], signed[k])
-                if k in signed else state[k].float() for k in self._math_buffers(group, p)}
+        """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
+        shaped as ``p``)."""
+        fmts = dict(self._qstate(group, state, p))
+        return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
+                                     qstate.is_signed(fmts[k]), p.shape)
+                if k in fmts else state[k].float() for k in self._math_buffers(group, p)}
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
@@ -442,13 +443,16 @@ class LowPrecisionOptimizer(
         missing = tuple(
             name for name in self._math_buffers(group, p) if state.get(name, None) is None
         )
-        # (an 8-bit buffer's scales: one per block, missing with their buffer)
+        # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
+        # flat, two per byte)
         scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
+        bits = qstate.BITS.get(group["state_dtype"], 8)
         for name, dtype in expected.items():
             t = state.get(name)
             if name in missing or scale_of.get(name) in missing:
                 continue
             shape = (qstate.scale_shape(p) if name in scale_of
+                     else qstate.codes_shape(p, bits) if dtype == torch.uint8
                      else self._buffer_shape(name, p) or p.shape)
             if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
                 got = (
@@ -475,13 +479,14 @@ class LowPrecisionOptimizer(
 
     def _new_math_buffer(self, group, p, name: str, dtype: torch.dtype) -> dict[str, Any]:
         """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
-        8-bit codes (``dtype`` ``torch.uint8``) its scales."""
+        codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
         value = self._init_math_buffer(name, p, group)
         shape = self._buffer_shape(name, p)
         if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
             return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
         if dtype == torch.uint8:
-            codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers)
+            codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers,
+                                            qstate.BITS.get(group["state_dtype"], 8))
             return {name: codes, qstate.scale_key(name): scale}
         return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 

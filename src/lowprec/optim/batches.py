@@ -57,9 +57,9 @@ def _batches_on(device: torch.device, storage, dtype: torch.dtype) -> bool:
 
 
 def _eight_bit(item: tuple) -> bool:
-    """Whether a work item's buffers are 8-bit codes (``qstate``): stepped one by one, with
-    their blocks' scales (a batch concatenates flat state)."""
-    return item[0]["state_dtype"] == qstate.EIGHT_BIT and qstate.qualifies(item[1])
+    """Whether a work item's buffers are 8-bit or 4-bit codes (``qstate``): stepped one by one,
+    with their blocks' scales (a batch concatenates flat state)."""
+    return item[0]["state_dtype"] in qstate.BITS and qstate.qualifies(item[1])
 
 
 class _SmallBatches:

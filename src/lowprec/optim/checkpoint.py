@@ -182,9 +182,11 @@ class _Checkpoints:
     def _cast_math_buffers(self, st, group, p, storage) -> None:
         """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
         optimizer was given, or the one a converted master implies): cast, or decoded from
-        8-bit codes, or encoded to them (``qstate``). A buffer not shaped as ``p`` is left for
-        ``_check_state`` to refuse."""
+        8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
+        FP32 values (``qstate``). A buffer that is neither values shaped as ``p`` nor codes of
+        ``p`` with their scales is left for ``_check_state`` to refuse."""
         dtype = self._state_dtype(group, p, storage)
+        want = qstate.BITS.get(group["state_dtype"], 8) if dtype == torch.uint8 else 0
         # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
         lp = local(p)
 
@@ -194,25 +196,32 @@ class _Checkpoints:
         for name in self._math_buffers(group, p):
             key = qstate.scale_key(name)
             t, scale = st.get(name), st.get(key)
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+            saved = _saved_width(t, scale, p)
+            if saved is None:
                 continue
-            if (isinstance(scale, torch.Tensor) and not is_dtensor(scale)
-                    and scale.numel() * qstate.BLOCK == t.numel()):
+            if saved and not is_dtensor(scale):
                 # (scales saved as another layout keeps them: an FSDP2 run's full state dict
                 # holds a row per row, a plain parameter's are flat)
-                st[key] = scale.reshape(qstate.scale_shape(p))
+                st[key] = scale = scale.reshape(qstate.scale_shape(p))
+            if saved and saved == want:
+                continue
             signed = name not in self._nonnegative_buffers
             lt = local(t)
-            if lt.dtype == torch.uint8 and dtype != torch.uint8 and isinstance(scale, torch.Tensor):
+            if saved:  # (codes of another width, or values wanted: their FP32 values)
                 ls = local(scale)
-                if ls.numel() * qstate.BLOCK == lt.numel():
-                    st[name] = keep(name, qstate.from_codes(lt, ls, signed).to(dtype))
-                    del st[key]
-            elif dtype == torch.uint8 and lt.is_floating_point():
-                codes, scales = qstate.to_codes(lt, signed)
+                if ls.numel() * qstate.BLOCK != lp.numel():
+                    continue
+                values = qstate.from_codes(lt, ls, signed, lp.shape)
+                del st[key]
+                if not want:
+                    st[name] = keep(name, values.to(dtype))
+                    continue
+                lt = values
+            if want:
+                codes, scales = qstate.to_codes(lt, signed, want)
                 st[name] = keep(name, codes)
                 st[key] = keep(key, scales.view(qstate.scale_shape(lp)))
-            elif lt.is_floating_point() and lt.dtype != dtype:
+            elif lt.dtype != dtype:
                 st[name] = t.to(dtype)
 
     def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
@@ -277,3 +286,17 @@ class _Checkpoints:
                     {(st[name].dtype, st[name].device) for st in states}
                 ) == 1:
                     _flat_state(states, name, sizes, True)
+
+
+def _saved_width(t: Any, scale: Any, p: torch.Tensor) -> int | None:
+    """What a checkpoint holds for a buffer of ``p``: 8 or 4 (codes of that width with their
+    scales, one per block of ``p``), 0 (floating-point values shaped as ``p``), None (neither:
+    not this parameter's)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if (t.dtype == torch.uint8 and isinstance(scale, torch.Tensor)
+            and scale.numel() * qstate.BLOCK == p.numel()):
+        if t.shape == p.shape:
+            return 8
+        return 4 if t.shape == (p.numel() // 2,) and not is_dtensor(t) else None
+    return 0 if t.shape == p.shape and t.is_floating_point() else None

@@ -387,8 +387,8 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
     words of pairs of elements. Always a new view, even of a 1-d ``t``: handed a 1-d parameter
     itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
-    if f.qkw:  # (8-bit state: rows of a block; see _prepare_fused)
-        return t.view(-1, qstate_mod.BLOCK)
+    if f.qkw:  # (8-bit or 4-bit state: rows of a block; see _prepare_fused)
+        return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]))
     return t.view(-1) if f.pairs is None else _pair_words(t, f.n)
 
 
@@ -450,7 +450,7 @@ class _CompiledStep:
         index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
         shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
         over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
-        the buffers kept as 8-bit codes (``update._param_update``; never on pairs).
+        the buffers kept as codes (``update._param_update``; never on pairs).
         """
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
@@ -469,12 +469,14 @@ class _CompiledStep:
             # (bfloat16 hashes pairs: the first pair's index; start is even there)
             f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
                                   dtype=torch.int64)
+        four = qstate_mod.four_bit(qstate)
         if qstate:
-            # Rows of a block, each 8-bit buffer's scales a column (_run_fused_rows steps them
-            # a piece of rows at a time).
-            scales = {qstate_mod.scale_key(k) for k, _ in qstate}
-            f.views = ({k: v.view(-1, qstate_mod.BLOCK) for k, v in sbufs.items()},
-                       {k: v.view(-1, 1 if k in scales else qstate_mod.BLOCK)
+            # Rows of a block (4-bit: its two halves), each quantized buffer's scales a column
+            # (_run_fused_rows steps them a piece of rows at a time).
+            role = {k: "codes" for k, _ in qstate}
+            role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+            f.views = ({k: qstate_mod.rows(v, four) for k, v in sbufs.items()},
+                       {k: qstate_mod.rows(v, four, role.get(k, "values"))
                         for k, v in mbufs.items()})
         elif pairs is None:
             if keyed:
@@ -493,17 +495,19 @@ class _CompiledStep:
         f.sums_fn = None
         f.sums_kernel = None
         f.signature = signature = _signature(p, grad, sbufs, mbufs)
+        # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
+        codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
         if self._norm_terms is not None:
             f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
             f.sums_kernel = _compiled_kernel(
                 type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
-                extra_key=() if pairs is None
+                extra_key=codes_key if pairs is None
                 else pairs,
                 signature=signature,
             )
         f.kernel = _compiled_kernel(
             type(self), storage, flags, scaled=scaled, fn=f.update_fn,
-            extra_key=() if pairs is None
+            extra_key=codes_key if pairs is None
             else (*pairs, *((("keys", "batched"),) if keyed else ())),
             signature=signature,
         )
@@ -553,7 +557,7 @@ class _CompiledStep:
             )
 
     def _run_fused_rows(self, f: _Fused, grad, c32, lo, hi, extra) -> None:
-        """The compiled step of a parameter with 8-bit state, a call per ``_QROWS`` (per device
+        """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
         type) rows of a block (a rule with norms: every piece's sums first, then every piece's
         update). Inductor writes the new moments and weights to full-size temporaries between
         its loops over the rows; per piece they stay in cache and the allocator reuses them,

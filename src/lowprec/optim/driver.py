@@ -53,11 +53,13 @@ def _eager_chunk(device: torch.device) -> int:
     return _EAGER_CHUNKS.get(device.type, _EAGER_CHUNKS["cuda"])
 
 
-def _block_slice(sl: slice) -> slice:
-    """The blocks' scales of the elements ``sl`` (which start on a block, or are all of them)."""
+def _block_slice(sl: slice, per: int | None = None) -> slice:
+    """The blocks' scales of the elements ``sl`` (which start on a block, or are all of them);
+    ``per`` 2: the bytes of their packed 4-bit codes (a block's elements are its bytes')."""
     if sl.start is None:
         return sl
-    return slice(sl.start // qstate.BLOCK, -(-sl.stop // qstate.BLOCK))
+    per = per or qstate.BLOCK
+    return slice(sl.start // per, -(-sl.stop // per))
 
 
 def _same_number(a: Any, b: Any) -> bool:
@@ -245,7 +247,7 @@ class _FullStep:
             state.update(self._init_state(group, p, storage))
         sbufs = {k: state[k] for k in storage.buffers(p)}
         mbufs = self._mbufs(group, state, p)
-        quantized = self._qstate(group, state, p)  # (8-bit buffers: rows of qstate.BLOCK elements)
+        quantized = self._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
         qkw = {"qstate": quantized} if quantized else {}
         flags = self._group_flags(group, memo)
         if scaling is None or loss_scale._host_counts(p.device):
@@ -276,11 +278,14 @@ class _FullStep:
         # Flattening must give views for the in-place writes to land: both the fused kernel and
         # the chunked eager step need contiguous tensors.
         contiguous = all(t.is_contiguous() for t in tensors)
-        scales = {qstate.scale_key(k) for k, _ in quantized}
+        per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}  # (elements per entry)
+        per.update({k: 2 for k, f in quantized if f.endswith("4")})  # (4-bit codes: 2 a byte)
 
         def flat(d, sl=slice(None)):
-            """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them)."""
-            return {k: v.view(-1)[_block_slice(sl) if k in scales else sl] for k, v in d.items()}
+            """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them, the
+            bytes of their 4-bit codes)."""
+            return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
+                    for k, v in d.items()}
 
         if self._whole(group):  # (one call in the parameter's shape: Muon, Adafactor)
             if not (self._whole_compiles and not quantized and not first_use and contiguous
@@ -323,7 +328,7 @@ class _FullStep:
                  start + sl.start)
                 for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
             ]
-        elif quantized:  # (8-bit buffers: flat, their scales one per block)
+        elif quantized:  # (codes: flat, their scales one per block)
             pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
         else:
             pieces = [(p, p.grad, sbufs, mbufs, start)]

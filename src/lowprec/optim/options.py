@@ -22,10 +22,29 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STATE_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _STATE_DTYPES}
 
 
+#: The ``state_dtype`` values that keep the moments as codes with a scale per block
+#: (``lowprec.optim.qstate``: ``EIGHT_BIT``, ``FOUR_BIT``).
+_QUANTIZED_STATE = ("8bit", "4bit")
+
+
 def _state_dtype_value(value: Any) -> Any:
     """A group's ``state_dtype`` as lowprec keeps it: a dtype's name (``"bfloat16"``) as the
-    dtype, anything else as it is (``_validate_options`` checks it)."""
+    dtype, anything else as it is (``_check_state_dtype`` checks it)."""
     return _STATE_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
+
+
+def _check_state_dtype(value: Any, where: str) -> None:
+    """Raise ``ValueError`` unless ``value`` (as ``_state_dtype_value`` keeps it) is a
+    ``state_dtype`` lowprec knows: None, ``"8bit"``, ``"4bit"`` or one of ``_STATE_DTYPES``."""
+    if value is None or value in _STATE_DTYPES:
+        return
+    if isinstance(value, str) and value in _QUANTIZED_STATE:
+        return
+    raise ValueError(
+        f"{where}: state_dtype must be None, '8bit', '4bit' or one of torch.float32, "
+        f"torch.bfloat16, torch.float16, torch.float64 (or their names, 'bfloat16'); "
+        f"got {value!r}."
+    )
 _COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
 # Options of torch.optim's implementations (how its step runs), accepted for code written for
 # torch.optim and kept out of lowprec's groups: lowprec chooses its own implementation.

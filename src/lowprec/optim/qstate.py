@@ -1,4 +1,5 @@
-"""8-bit optimizer state: moments kept as one byte per element with a scale per block.
+"""8-bit and 4-bit optimizer state: moments kept as codes of one byte or half a byte per element,
+with a scale per block.
 
 ``state_dtype="8bit"`` keeps each of an update rule's buffers (AdamW's moments, SGD's momentum,
 Adagrad's sum, LAMB's moments) for a parameter of at least ``MIN_NUMEL`` elements, a multiple
@@ -35,6 +36,25 @@ chosen by measurement against those and linear codes (``benchmarks/state_formats
 numbers are in docs/architecture.md). ``encode``/``decode`` work on ``[blocks, BLOCK]`` tensors
 (``decode`` on anything whose last dimension is a block), eagerly and compiled alike (the roots
 are correctly rounded in both: ``numerics.sqrt_rn``).
+
+``state_dtype="4bit"`` keeps the same buffers of the same parameters as 4-bit codes, two per
+byte, with the same FP32 scale per block of ``BLOCK`` (``encode4``/``decode4``): a moment costs
+0.5 + 4 / ``BLOCK`` bytes per element, so AdamW's two 1.03. Element ``j`` of a block shares its
+byte with element ``j + HALF`` (low and high half-byte), so that a block is two rows of
+``HALF`` (``rows``: ``[blocks, 2, HALF]``) that unpack and pack with elementwise integer
+operations on whole rows, which compiled CPU code vectorizes. The codes, measured as the 8-bit
+ones were:
+
+* signed buffers: ``x = s * sign * (k / 7)**2`` for code ``8 + sign * k``, ``k`` in 0..7
+  (code 0 is never written): 15 values, zero below ``s / 196``;
+* non-negative buffers: ``x = s * ((k + 1) / 16)**4`` for code ``k`` in 0..15: no zero, the
+  smallest ``s / 65536``. A second moment rounded to zero would divide its update by ``eps``
+  alone (the 8-bit codes reach far enough below the scale; 16 codes cannot), so the values
+  below the smallest code round up to it, which can only shrink their updates.
+
+The parameters that qualify are those of 8-bit state (``qualifies``); DTensor parameters are
+refused under 4-bit state (``check_group``). The packed codes of a parameter are flat,
+``[numel / 2]`` (``codes_shape``).
 """
 
 from __future__ import annotations
@@ -44,18 +64,27 @@ import math
 import torch
 
 from lowprec.numerics import sqrt_rn
+from lowprec.optim.options import _QUANTIZED_STATE
 
-__all__ = ["BLOCK", "EIGHT_BIT", "MIN_NUMEL", "decode", "encode", "from_codes", "qualifies",
+__all__ = ["BITS", "BLOCK", "EIGHT_BIT", "FOUR_BIT", "HALF", "MIN_NUMEL", "check_group",
+           "codes_shape", "decode", "decode4", "encode", "encode4", "from_codes", "qualifies",
            "scale_key", "scale_shape", "to_codes"]
 
-#: The ``state_dtype`` value that asks for 8-bit state.
-EIGHT_BIT = "8bit"
+#: The ``state_dtype`` values that ask for 8-bit and for 4-bit state.
+EIGHT_BIT, FOUR_BIT = _QUANTIZED_STATE
+#: Bits per code of each of those ``state_dtype`` values.
+BITS = {EIGHT_BIT: 8, FOUR_BIT: 4}
 #: Elements per block: each block has its own scale.
 BLOCK = 256
+#: A block's half: 4-bit codes pack element ``j`` of a block with element ``j + HALF``.
+HALF = BLOCK // 2
 #: Parameters smaller than this keep FP32 state.
 MIN_NUMEL = 4096
 #: The largest root-scale code of a signed buffer (about 0, +-127) and of a non-negative one.
 _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
+#: 4-bit codes: the largest signed root-scale code (about 8, +-7), and the steps of the
+#: non-negative codes' root scale (codes 0..15 are steps 1..16: no zero).
+_SIGNED4, _UNSIGNED4 = 7.0, 16.0
 #: The attribute in which ``lowprec.optim.shards`` notes, on a DTensor parameter and on its local
 #: tensor, whether the parameter gets 8-bit state: decided from the whole parameter, so that
 #: every rank keeps its shard's state alike (``shards.mark_blocks``).
@@ -68,7 +97,7 @@ def scale_key(name: str) -> str:
 
 
 def qualifies(p: torch.Tensor) -> bool:
-    """Whether parameter ``p`` gets 8-bit state under ``state_dtype="8bit"`` (a contiguous one:
+    """Whether parameter ``p`` gets codes under ``state_dtype="8bit"`` or ``"4bit"`` (a contiguous one:
     its blocks are runs of its flat view; for a DTensor parameter and its shard, what
     ``shards.mark_blocks`` decided for the whole parameter)."""
     decided = getattr(p, SHARDED, None)
@@ -119,21 +148,140 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tens
     return q * q.abs() * scale
 
 
-def to_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def to_codes(x: torch.Tensor, signed: bool, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole buffer ``x`` (any shape, a multiple of ``BLOCK`` elements, contiguous) as it is
-    kept in state: codes shaped as ``x`` and scales flat, ``[numel / BLOCK]``."""
+    kept in state: codes shaped as ``x`` (4-bit: flat, packed, ``codes_shape``) and scales
+    flat, ``[numel / BLOCK]``."""
+    if bits == 4:
+        codes, scale = encode4(rows(x.float().reshape(-1), True), signed)
+        return codes.view(-1), scale.view(-1)
     codes, scale = encode(x.float().reshape(-1, BLOCK), signed)
     return codes.view(x.shape), scale.view(-1)
 
 
-def from_codes(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The FP32 values of a whole buffer kept as ``to_codes`` keeps it, shaped as ``codes``."""
-    rows = codes.reshape(-1, BLOCK)
-    return decode(rows, scale.reshape(-1, 1).float(), signed).view(codes.shape)
+def from_codes(codes: torch.Tensor, scale: torch.Tensor, signed: bool,
+               shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The FP32 values of a whole buffer kept as ``to_codes`` keeps it, shaped as ``codes``, or
+    as ``shape`` (the parameter's: 4-bit codes are flat). Which width the codes are is read from
+    their number against the scales' (two per byte: 4-bit)."""
+    scale = scale.reshape(-1).float()
+    if codes.numel() != scale.numel() * BLOCK:  # (4-bit)
+        out = decode4(rows(codes.reshape(-1), True, "codes"), rows(scale, True, "scale"), signed)
+        return out.view(shape if shape is not None else (-1,))
+    out = decode(codes.reshape(-1, BLOCK), scale.view(-1, 1), signed)
+    return out.view(shape if shape is not None else codes.shape)
 
 
-def new_state(value: float, p: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def new_state(value: float, p: torch.Tensor, signed: bool,
+              bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales (``to_codes``, the scales shaped by ``scale_shape``) of a buffer of
     ``p``'s shape filled with ``value``."""
-    codes, scale = to_codes(torch.full(p.shape, float(value), device=p.device), signed)
+    codes, scale = to_codes(torch.full(p.shape, float(value), device=p.device), signed, bits)
     return codes, scale.view(scale_shape(p))
+
+
+# ---------------------------------------------------------------------- 4-bit codes and formats
+#
+# ``update._param_update``'s ``qstate`` names each buffer kept as codes with its format: "s8"
+# and "u8" (8-bit, signed or not: ``encode``/``decode``), "s4" and "u4" (4-bit, packed:
+# ``encode4``/``decode4``). A parameter's buffers are all of one width.
+
+
+def fmt(signed: bool, bits: int) -> str:
+    """The format of a buffer's codes (``"s8"``, ``"u8"``, ``"s4"``, ``"u4"``)."""
+    return f"{'s' if signed else 'u'}{bits}"
+
+
+def is_signed(f: str) -> bool:
+    return f[0] == "s"
+
+
+def four_bit(quantized: tuple[tuple[str, str], ...]) -> bool:
+    """Whether ``qstate`` (``(name, format)`` pairs) keeps 4-bit codes."""
+    return any(f[1:] == "4" for _, f in quantized)
+
+
+def rows(t: torch.Tensor, four: bool, role: str = "values") -> torch.Tensor:
+    """A flat tensor (a parameter's, a chunk's or a piece's, whole blocks) as ``encode``/
+    ``encode4`` and the decoders take it: ``role`` ``"values"`` (the parameter, its gradient,
+    its master's buffers) and ``"codes"`` (8-bit) as rows of a block, ``[blocks, BLOCK]``, and
+    4-bit as the block's two halves, ``[blocks, 2, HALF]``, packed codes ``[blocks, 1, HALF]``;
+    ``"scale"``: a column, ``[blocks, 1]`` (``[blocks, 1, 1]``)."""
+    if role == "scale":
+        return t.view(-1, 1, 1) if four else t.view(-1, 1)
+    if not four:
+        return t.view(-1, BLOCK)
+    return t.view(-1, 1, HALF) if role == "codes" else t.view(-1, 2, HALF)
+
+
+def encode4(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed 4-bit codes (``uint8``, ``[blocks, 1, HALF]``: element ``j`` of a block in the low
+    half-byte, element ``j + HALF`` in the high one) and scales (FP32, ``[blocks, 1, 1]``: the
+    blocks' largest magnitudes) of FP32 ``x`` (``[blocks, 2, HALF]``; non-negative unless
+    ``signed``). Each code is the nearest on its root scale, as ``encode``'s; a block of zeros
+    has scale 0, one holding inf or NaN a non-finite scale."""
+    scale = x.abs().amax(dim=(-2, -1), keepdim=True)
+    y = x.abs() / torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.where(y == y, y, torch.zeros_like(y))
+    if signed:
+        k = torch.round(_SIGNED4 * sqrt_rn(y))
+        k = torch.where(x < 0, 8 - k, 8 + k)
+    else:  # (steps 1..16 of the root scale, the values below step 1 rounded up to it)
+        k = torch.clamp(torch.round(_UNSIGNED4 * sqrt_rn(sqrt_rn(y))), min=1.0) - 1
+    return (k[..., :1, :] + 16 * k[..., 1:, :]).to(torch.uint8), scale
+
+
+def decode4(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    """FP32 values (``[blocks, 2, HALF]``) of packed 4-bit ``codes`` (``[blocks, 1, HALF]``)
+    with their blocks' ``scale`` (``[blocks, 1, 1]``)."""
+    # (each byte shifted by 0 for the block's first half and by 4 for its second: elementwise,
+    # where a concatenation of the two halves was a full-size temporary of its own)
+    shift = 4 * torch.arange(2, device=codes.device, dtype=torch.int32).view(2, 1)
+    q = ((codes.to(torch.int32) >> shift) & 15).float()
+    if signed:
+        q = (q - 8) * (1 / _SIGNED4)
+        return q * q.abs() * scale
+    q = (q + 1) * (1 / _UNSIGNED4)
+    q = q * q
+    return q * q * scale
+
+
+def encode_as(x: torch.Tensor, f: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encode`` or ``encode4`` for format ``f`` (``x`` as ``rows`` gives it)."""
+    if f[1:] == "4":
+        return encode4(x, is_signed(f))
+    return encode(x, is_signed(f))
+
+
+def decode_as(codes: torch.Tensor, scale: torch.Tensor, f: str) -> torch.Tensor:
+    """``decode`` or ``decode4`` for format ``f`` (``codes`` and ``scale`` as ``rows`` gives
+    them)."""
+    if f[1:] == "4":
+        return decode4(codes, scale, is_signed(f))
+    return decode(codes, scale, is_signed(f))
+
+
+def codes_shape(p: torch.Tensor, bits: int) -> tuple[int, ...]:
+    """The shape of ``p``'s codes: ``p``'s (8-bit), or flat, two per byte (4-bit)."""
+    return tuple(p.shape) if bits == 8 else (p.numel() // 2,)
+
+
+def element_bytes(bits: int) -> float:
+    """Bytes per element of a buffer kept as codes of ``bits``: the code and its share of the
+    block's FP32 scale."""
+    return bits / 8 + 4 / BLOCK
+
+
+def check_group(group: dict, where: str) -> None:
+    """Refuse DTensor parameters (FSDP2, tensor parallelism) in a group under 4-bit state,
+    naming the first: their shards would need the packed codes placed as the parameter; 8-bit
+    state keeps sharded parameters (``lowprec.optim.shards``)."""
+    if group.get("state_dtype") != FOUR_BIT:
+        return
+    for i, p in enumerate(group["params"]):
+        if hasattr(p, "device_mesh") or getattr(p, SHARDED, None) is not None:
+            raise ValueError(
+                f"{where}, parameter {i}: state_dtype='4bit' does not support DTensor "
+                "parameters (FSDP2's fully_shard, tensor parallelism) yet; use "
+                "state_dtype='8bit', which keeps a sharded parameter's moments as 8-bit codes."
+            )

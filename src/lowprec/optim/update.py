@@ -42,28 +42,31 @@ def _inputs(
     mbufs: dict[str, torch.Tensor],
     storage: MasterStorage,
     inv_scale: torch.Tensor | None,
-    qstate: tuple[tuple[str, bool], ...] = (),
+    qstate: tuple[tuple[str, str], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The update rule's FP32 inputs: the master weight, the (unscaled) gradient, the buffers
-    (those in ``qstate`` decoded from their 8-bit codes and scales)."""
+    (those in ``qstate`` decoded from their 8-bit or 4-bit codes and scales)."""
     g = grad.float() if inv_scale is None else grad.float() * inv_scale
-    signed = dict(qstate)
-    scales = set(map(qstate_mod.scale_key, signed))
-    m = {k: qstate_mod.decode(v, mbufs[qstate_mod.scale_key(k)], signed[k]) if k in signed
+    fmts = dict(qstate)
+    scales = set(map(qstate_mod.scale_key, fmts))
+    m = {k: qstate_mod.decode_as(v, mbufs[qstate_mod.scale_key(k)], fmts[k]) if k in fmts
          else v.float() for k, v in mbufs.items() if k not in scales}
     return storage.load(p, sbufs), g, m
 
 
 def _blocks(p, grad, sbufs, mbufs, qstate) -> tuple[Any, ...]:
-    """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements, the
-    scales of its 8-bit buffers as a column: the shapes ``encode``/``decode`` take."""
-    scales = {qstate_mod.scale_key(k) for k, _ in qstate}
+    """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements (4-bit
+    codes: a block's two halves, ``qstate.rows``), the scales of its quantized buffers as a
+    column: the shapes the encoders and decoders take."""
+    four = qstate_mod.four_bit(qstate)
+    role = {k: "codes" for k, _ in qstate}
+    role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
     # (Told that the size is a multiple of the block, the compiler indexes the rows without a
     # modulo.)
     torch._check(p.numel() % qstate_mod.BLOCK == 0)
-    rows = lambda t: t.view(-1, qstate_mod.BLOCK)  # noqa: E731
-    return (rows(p), rows(grad), {k: rows(v) for k, v in sbufs.items()},
-            {k: v.view(-1, 1) if k in scales else rows(v) for k, v in mbufs.items()})
+    rows = qstate_mod.rows
+    return (rows(p, four), rows(grad, four), {k: rows(v, four) for k, v in sbufs.items()},
+            {k: rows(v, four, role.get(k, "values")) for k, v in mbufs.items()})
 
 
 def _param_sums(
@@ -77,7 +80,7 @@ def _param_sums(
     norm_terms: Callable[..., tuple[torch.Tensor, ...]],
     flags: dict[str, bool],
     inv_scale: torch.Tensor | None = None,
-    qstate: tuple[tuple[str, bool], ...] = (),
+    qstate: tuple[tuple[str, str], ...] = (),
 ) -> torch.Tensor:
     """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each)."""
     if qstate:
@@ -121,16 +124,16 @@ def _param_update(
     inv_scale: torch.Tensor | None = None,
     skip: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
-    qstate: tuple[tuple[str, bool], ...] = (),
+    qstate: tuple[tuple[str, str], ...] = (),
     shape: tuple[int, ...] | None = None,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
-    ``qstate`` names the buffers kept as 8-bit codes, each with whether it is signed; their
-    scales are ``mbufs["<name>_scale"]`` and every tensor is taken as rows of
-    ``qstate.BLOCK`` elements (``p.numel()`` a multiple of it: a whole parameter, or a chunk
-    of one that starts on a block). They are decoded before the rule and encoded after it,
-    each block with its new largest magnitude.
+    ``qstate`` names the buffers kept as codes, each with its format (``qstate.fmt``: signed or
+    not, 8 or 4 bits); their scales are ``mbufs["<name>_scale"]`` and every tensor is taken as
+    rows of ``qstate.BLOCK`` elements (``qstate.rows``; ``p.numel()`` a multiple of it: a whole
+    parameter, or a chunk of one that starts on a block). They are decoded before the rule and
+    encoded after it, each block with its new largest magnitude.
 
     ``shape``: the parameter's own shape, which ``math`` takes where ``qstate`` has made
     every tensor rows of a block (a rule that needs the shape: ``_whole``).
@@ -149,7 +152,7 @@ def _param_update(
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
-    rows = w.shape
+    rows, unscaled = w.shape, g  # (the gradient written back as the step viewed it)
     if shape is not None:  # (a rule that needs the parameter's shape, its state in rows)
         w, g, m = w.view(shape), g.view(shape), {k: v.view(shape) for k, v in m.items()}
     new_w, new_m = math(w, g, m, c, **flags)
@@ -160,9 +163,9 @@ def _param_update(
         bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
         bits = bits.view(p.shape)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
-    new_q = {}  # (8-bit buffers: their codes and scales, written as they are)
-    for k, signed in qstate:
-        new_q[k], new_q[qstate_mod.scale_key(k)] = qstate_mod.encode(new_m.pop(k), signed)
+    new_q = {}  # (quantized buffers: their codes and scales, written as they are)
+    for k, f in qstate:
+        new_q[k], new_q[qstate_mod.scale_key(k)] = qstate_mod.encode_as(new_m.pop(k), f)
     if skip is not None:  # a skipped step writes back what was there, bit for bit
         new_p = torch.where(skip, p, new_p)
         new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
@@ -174,7 +177,7 @@ def _param_update(
         sbufs[k].copy_(v)
     p.copy_(new_p)
     if inv_scale is not None:
-        grad.copy_(g)
+        grad.copy_(unscaled)
 
 
 def _random_bits(
