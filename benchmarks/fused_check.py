@@ -1,7 +1,7 @@
 """Fused equals eager, bit for bit, on one device: every optimizer x master strategy x dtype.
 
-For each variant (optimizer, ``master=``, parameter dtype, and 8-bit state or a loss scaler's
-contract where named) the script steps one optimizer with ``fused=False`` and one with
+For each variant (optimizer, ``master=``, parameter dtype, and 8-bit or 4-bit state or a loss
+scaler's contract where named) the script steps one optimizer with ``fused=False`` and one with
 ``fused=True`` from the same parameters and the same gradients, a few steps (a gradient left out
 at one step, so that the recorded step is dropped and redone), and compares the parameters, the
 gradients and every state tensor bit for bit; then it saves the fused optimizer's
@@ -104,7 +104,7 @@ class Variant:
     optimizer: str
     master: str
     dtype: str
-    state: str = ""  # "8bit": state_dtype="8bit"
+    state: str = ""  # "8bit" or "4bit": that state_dtype
     scaled: bool = False  # stepped under a loss scaler's contract (grad_scale, found_inf)
 
     @property
@@ -115,10 +115,11 @@ class Variant:
 
 def variants() -> list[Variant]:
     """Every variant, most informative first (a run cut short by its budget loses the last):
-    each optimizer's BF16 + Kahan (the default for BF16), split, stochastic rounding and 8-bit
-    state, then the other strategies and FP16, then the loss scaler's kernels."""
+    each optimizer's BF16 + Kahan (the default for BF16), split, stochastic rounding, 8-bit and
+    4-bit state, then the other strategies and FP16, then the loss scaler's kernels."""
     first = [Variant(o, m, "bf16", s) for m, s in (("kahan", ""), ("split", ""),
-                                                   ("stochastic", ""), ("kahan", "8bit"))
+                                                   ("stochastic", ""), ("kahan", "8bit"),
+                                                   ("kahan", "4bit"))
              for o in ("AdamW", "SGD", "Lamb", "Adagrad")]
     first += [Variant(o, "kahan", "bf16") for o in OPTIMIZERS if Variant(o, "kahan", "bf16")
               not in first]
@@ -126,6 +127,7 @@ def variants() -> list[Variant]:
             if not (m == "split" and d == "fp16")]  # (split refuses FP16: storage.resolve_master)
     rest += [Variant(o, "none", "fp32") for o in OPTIMIZERS]
     rest += [Variant(o, "split", "bf16", "8bit") for o in OPTIMIZERS]
+    rest += [Variant(o, m, "bf16", "4bit") for o in OPTIMIZERS for m in ("kahan", "stochastic")]
     rest += [Variant("AdamW", "kahan", d, scaled=True) for d in ("bf16", "fp16")]
     return first + [v for v in dict.fromkeys(rest) if v not in first]
 
@@ -226,7 +228,7 @@ def _run(v: Variant, device: torch.device, fused: bool, init: list[torch.Tensor]
     dtype = DTYPES[v.dtype]
     params = [x.clone().requires_grad_() for x in init]
     opt = cls(params, master=v.master, fused=fused, seed=7, **kw,
-              **({"state_dtype": "8bit"} if v.state == "8bit" else {}))
+              **({"state_dtype": v.state} if v.state else {}))
     if state is not None:
         opt.load_state_dict(copy.deepcopy(state))
         for group in opt.param_groups:  # (the checkpoint's groups bring the saver's "fused")
