@@ -275,3 +275,19 @@ def test_cli_measure_peak_table_and_json(tmp_path, capsys, monkeypatch):
         assert target["name"].startswith("bf16-kahan-8bit + step_in_backward")
         assert status == (0 if all(t["passed"] for t in peak["targets"]) else 1)
         assert ("NOT MET" in text) == (status == 1)
+
+
+def test_readme_totals_by_size_are_the_plans():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("Totals by size", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    assert len(rows) >= 3
+    plans = {n: memory_plan.plan(memory_plan.parse_params(n), "adamw") for n in ("1B", "3B", "7B")}
+    for name, *cells in rows:
+        recipe = name.strip().strip("`")
+        for cell, (n, mode) in zip(cells, [(n, m) for n in plans for m in (False, True)],
+                                   strict=True):
+            (row,) = [r for r in plans[n] if r["recipe"] == recipe and r["in_backward"] == mode]
+            assert float(cell.split()[0]) == round(row["gib"]["total"], 1), (recipe, n, mode)
