@@ -66,30 +66,48 @@ def _train(name, inside: bool, steps=3, dtype=torch.bfloat16, model=None, opt=No
 @pytest.mark.parametrize("master", STRATEGIES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_inside_backward_equals_the_normal_step(name, master):
+    # (eager: the suite's default, tests/conftest.py; the compiled step below)
     ref = _train(name, False, master=master)
     got = _train(name, True, master=master)
     assert_same(*got, *ref)
 
 
+COMPILED = [(name, "kahan") for name in sorted(OPTIMIZERS)] + [
+    ("adamw", master) for master in STRATEGIES if master != "kahan"]
+
+
+@pytest.mark.fused
+@pytest.mark.parametrize(("name", "master"), COMPILED)
+def test_inside_backward_equals_the_normal_step_compiled(name, master):
+    # The default path (fused=None compiles where it can): large parameters redo their prepared
+    # compiled step in their hooks from the second step on, small ones the recorded batches.
+    ref = _train(name, False, master=master, fused=True)
+    got = _train(name, True, master=master, fused=True)
+    assert_same(*got, *ref)
+
+
+@pytest.mark.fused
 @pytest.mark.parametrize("name", ["adamw", "lamb", "sgd", "muon"])
 def test_inside_backward_with_8bit_state_and_eager_and_fp32(name):
-    for dtype, kw in [(torch.bfloat16, dict(master="kahan", state_dtype="8bit")),
+    for dtype, kw in [(torch.bfloat16, dict(master="kahan", state_dtype="8bit", fused=True)),
                       (torch.bfloat16, dict(master="stochastic", fused=False)),
-                      (torch.float32, dict())]:
+                      (torch.bfloat16, dict(master="kahan", fused=False)),
+                      (torch.float32, dict(fused=True))]:
         ref = _train(name, False, dtype=dtype, **kw)
         got = _train(name, True, dtype=dtype, **kw)
         assert_same(*got, *ref)
 
 
+@pytest.mark.fused
 def test_checkpoint_resumes_bit_for_bit():
-    ref_params, ref_opt = _train("adamw", True, steps=4, master="kahan")
+    ref_params, ref_opt = _train("adamw", True, steps=4, master="kahan", fused=True)
     model = _model()
-    opt = _optimizer("adamw", model, master="kahan")
+    opt = _optimizer("adamw", model, master="kahan", fused=True)
     _train("adamw", True, steps=2, model=model, opt=opt)
     saved = (model.state_dict(), opt.state_dict(), opt.schedule.state_dict())
     model2 = _model()
     model2.load_state_dict(saved[0])
-    opt2 = _optimizer("adamw", model2, master="kahan")
+    opt2 = _optimizer("adamw", model2, master="kahan", fused=True)
     opt2.load_state_dict(saved[1])
     params, opt2 = _train("adamw", True, steps=2, model=model2, opt=opt2, start=2,
                           sched=saved[2])
@@ -234,3 +252,35 @@ def test_update_monitor_refuses_a_step_inside_backward():
     lowprec.step_in_backward(model, opt)
     with pytest.raises(ValueError, match="inside backward"):
         lowprec.diagnostics.UpdateMonitor(model, opt)
+
+
+@pytest.mark.fused
+def test_later_steps_redo_the_prepared_step_and_notice_changes(monkeypatch):
+    # From the second step on, a large parameter's hook redoes its prepared compiled step
+    # (no full _step_param) unless something it relied on changed; either way the same bits.
+    model = _model()
+    opt = _optimizer("adamw", model, master="kahan", fused=True)
+    ref_model = _model()
+    ref = _optimizer("adamw", ref_model, master="kahan", fused=True)
+    handle = lowprec.step_in_backward(model, opt)
+    full = []
+    real = type(opt)._step_param
+    monkeypatch.setattr(type(opt), "_step_param",
+                        lambda self, *a, **k: (self is opt and full.append(a[1].shape))
+                        or real(self, *a, **k))
+    large = model[2].weight
+    for step in range(4):
+        full.clear()
+        if step == 2:  # (a state tensor replaced: that parameter takes the full step once)
+            opt.state[large]["exp_avg"] = opt.state[large]["exp_avg"].clone()
+            ref.state[ref_model[2].weight]["exp_avg"] = (
+                ref.state[ref_model[2].weight]["exp_avg"].clone())
+        for m, o in ((model, opt), (ref_model, ref)):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).bfloat16()
+            m(x).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+        redone = [s for s in full if s == large.shape]
+        assert len(redone) == (1 if step in (0, 2) else 0), (step, full)
+    assert handle._entries
+    assert_same(list(model.parameters()), opt, list(ref_model.parameters()), ref)

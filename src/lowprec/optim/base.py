@@ -544,8 +544,9 @@ class LowPrecisionOptimizer(
             with torch.enable_grad():
                 loss = closure()
         in_backward = self.__dict__.get("_in_backward")
-        if in_backward is not None:  # (lowprec.step_in_backward: this call ends its step)
-            in_backward._end_step(grad_scale, found_inf)
+        # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
+        if in_backward is not None and not in_backward._end_step(grad_scale, found_inf):
+            return loss
         if self.__dict__.get("_has_dtensors"):
             with local_shards(self):
                 self._step_all(grad_scale, found_inf)

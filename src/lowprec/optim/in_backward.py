@@ -40,6 +40,7 @@ What cannot work is refused, before anything is written where it can be known th
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ from torch import nn
 
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.batches import _by_size
+from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused
+from lowprec.optim.plan import _Entry
 from lowprec.optim.shards import is_dtensor
 
 __all__ = ["StepInBackward", "step_in_backward"]
@@ -55,17 +58,27 @@ __all__ = ["StepInBackward", "step_in_backward"]
 MARK = "_lowprec_in_backward"
 
 
-class _Step:
-    """What one optimizer step's hooks share: each parameter's group, index and storage, the
-    per-group numbers (``memo``), the small parameters waiting for the end of backward."""
+class _Item:
+    """A parameter's place in the optimizer, as the last full look at the groups found it."""
 
-    __slots__ = ("items", "memo", "queued", "small")
+    __slots__ = ("dtype", "group", "index", "p", "small", "storage", "where")
 
-    def __init__(self, items: dict[int, tuple]) -> None:
-        self.items = items
-        self.memo: dict[Any, Any] = {}
-        self.small: list[tuple] = []
-        self.queued = False
+    def __init__(self, group, p, index, storage, where) -> None:
+        self.group, self.p, self.index, self.storage, self.where = group, p, index, storage, where
+        self.dtype = p.dtype
+        self.small = not _by_size([(group, p, index, storage)])[0]
+
+
+class _Recorder:
+    """``memo["plan"]`` for ``_step_param``: keeps each parameter's ``_Entry`` (its prepared
+    compiled step), for the next step's hook to redo."""
+
+    def __init__(self, entries: dict[int, _Entry]) -> None:
+        self.entries = entries
+
+    def add(self, entry: Any) -> None:
+        if isinstance(entry, _Entry):
+            self.entries[id(entry.p)] = entry
 
 
 class StepInBackward:
@@ -80,8 +93,12 @@ class StepInBackward:
         self.optimizer = optimizer
         self.params = _check(model, optimizer)
         self._stepped: set[int] = set()  # (stepped since the last optimizer.step())
-        self._step: _Step | None = None
+        self._memo: dict[Any, Any] | None = None  # (this step's numbers; None between steps)
+        self._items: dict[int, _Item] | None = None
+        self._groups: list[tuple] = []  # (what _items was made from)
         self._checked: dict[int, tuple] = {}  # (state tensors last found valid, per parameter)
+        self._entries: dict[int, _Entry] = {}
+        self._small_waiting = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
             setattr(p, MARK, True)
@@ -89,32 +106,42 @@ class StepInBackward:
 
     # ------------------------------------------------------------------ the hooks
 
-    def _begin(self) -> _Step:
-        """The first hook of a step: check every group's options and every parameter's state
-        (as ``step()`` does before writing anything), and note each parameter's place."""
+    def _begin(self) -> dict[Any, Any]:
+        """The first hook of a step: check every group's options and every parameter's state,
+        as ``step()`` does before writing anything; returns the step's memo."""
         opt = self.optimizer
         for name in ("grad_scale", "found_inf"):
             if opt.__dict__.get(name) is not None:
                 raise _scaler_error()
-        items = {}
-        index = -1
-        for gi, group in enumerate(opt.param_groups):
-            storages = opt._validate_group(group, gi)
-            for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
-                index += 1
-                late = False
-                state = opt.state.get(p)
-                if state:
-                    # (the same options and state tensors as at the last check: not again)
-                    key = (storage.name, group["state_dtype"], opt._math_buffers(group, p),
-                           tuple(map(id, state.values())))
-                    checked = self._checked.get(id(p))
-                    if checked is None or checked[0] != key:
-                        missing = opt._check_state(state, group, p, storage, (gi, pi))
-                        checked = self._checked[id(p)] = (key, bool(missing))
-                    late = checked[1]
-                items[id(p)] = (group, index, storage, (gi, pi), late)
-        return _Step(items)
+        groups = opt.param_groups
+        same = self._items is not None and len(groups) == len(self._groups)
+        for gi, group in enumerate(groups):
+            if same:
+                ref, params, options, flags = self._groups[gi]
+                same = (group is ref and len(group["params"]) == len(params)
+                        and all(map(operator.is_, group["params"], params)))
+            opt._validate_options(group, gi)  # (raises as step() would)
+            same = same and opt._plan_options(group) == options and opt._flags(group) == flags
+        if same:
+            same = all(it.p.dtype == it.dtype for it in self._items.values())
+        if not same:  # (what step() checks of the groups: each parameter's strategy, devices)
+            self._items, self._groups, self._entries = {}, [], {}
+            index = -1
+            for gi, group in enumerate(groups):
+                storages = opt._validate_group(group, gi)
+                self._groups.append((group, tuple(group["params"]), opt._plan_options(group),
+                                     opt._flags(group)))
+                for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
+                    index += 1
+                    self._items[id(p)] = _Item(group, p, index, storage, (gi, pi))
+        for it in self._items.values():
+            state = opt.state.get(it.p)
+            if state:  # (state tensors as at the last check: not checked again)
+                key = tuple(map(id, state.values()))
+                if self._checked.get(id(it.p)) != key:
+                    opt._check_state(state, it.group, it.p, it.storage, it.where)
+                    self._checked[id(it.p)] = key
+        return {"plan": _Recorder(self._entries)}
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -126,52 +153,75 @@ class StepInBackward:
                 "run it in one backward (or remove() this and use lowprec.accumulate with the "
                 "normal step)."
             )
-        step = self._step
-        if step is None:
-            step = self._step = self._begin()
-        item = step.items.get(id(p))
-        if item is None:  # (no longer in the optimizer's groups)
+        memo = self._memo
+        if memo is None:
+            memo = self._memo = self._begin()
+        it = self._items.get(id(p))
+        if it is None:  # (no longer in the optimizer's groups)
             return
-        group, index, storage, where, late = item
-        opt = self.optimizer
-        opt._check_grad(p, where)
-        work = (group, p, index, storage)
-        if late:  # (buffers an option turned on since the last step: created now)
-            self._checked.pop(id(p), None)
-            opt._step_late([work], None)
-        elif not _by_size([work])[0]:  # (small: with the others at the end of backward)
-            step.small.append(work)
-            if not step.queued:
-                step.queued = True
+        self._stepped.add(id(p))
+        if it.small:  # (with the others, in the normal step's batches, at the end of backward)
+            if not self._small_waiting:
+                self._small_waiting = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
-        else:
-            opt._step_param(group, p, index, storage, None, step.memo)
+        if not self._redo(p, memo):
+            self.optimizer._check_grad(p, it.where)
+            self._step(it, memo)
         p.grad = None
-        self._stepped.add(id(p))
+
+    def _redo(self, p: torch.Tensor, memo: dict[Any, Any]) -> bool:
+        """The parameter's compiled step as prepared at its last step (``_Entry``), if nothing
+        it relied on changed (as ``step()`` redoes a recorded step); False, having written
+        nothing, otherwise."""
+        opt = self.optimizer
+        e = self._entries.get(id(p))
+        if e is None or e.fused is None or not e.current(opt.state):
+            return False
+        step = int(e.count.item()) + 1
+        try:
+            opt._run_fused(e.fused, p.grad, *opt._step_coefficients(e.group, step, memo),
+                           *opt._keys(e.group, e.storage, step, e.index), {})
+        except _COMPILE_ERRORS as err:  # compilation failed before anything was written
+            _disable_fused(opt, err)
+            self._entries.clear()
+            return False
+        e.count.fill_(step)
+        return True
+
+    def _step(self, it: _Item, memo: dict[Any, Any]) -> None:
+        """A parameter's full step, as ``step()`` takes it (recording its prepared step)."""
+        opt = self.optimizer
+        state = opt.state.get(it.p)
+        work = (it.group, it.p, it.index, it.storage)
+        if state and opt._check_state(state, it.group, it.p, it.storage, it.where):
+            opt._step_late([work], None)  # (buffers an option turned on since: created now)
+            self._checked.pop(id(it.p), None)
+            return
+        opt._step_param(*work, None, memo)
 
     @torch.no_grad()
     def _flush(self) -> None:
-        """The end of backward: step the small parameters together, as ``step()`` would."""
-        step = self._step
-        if step is None or not step.small:
+        """The end of backward: the small parameters, the only ones left with gradients, take
+        the optimizer's own step (recorded and redone as ever: their batches)."""
+        if not self._small_waiting:
             return
-        small = sorted(step.small, key=lambda item: (-item[1].numel(), item[2]))
-        step.small, step.queued = [], False
-        opt = self.optimizer
-        for group, p, index, storage in opt._step_small_fused(small, step.memo):
-            opt._step_param(group, p, index, storage, None, step.memo)
-        for _, p, _, _ in small:
-            p.grad = None
-            self._stepped.add(id(p))
+        self._small_waiting = False
+        self.optimizer._step_all(None, None)
+        for it in self._items.values():
+            if it.small:
+                it.p.grad = None
 
-    def _end_step(self, grad_scale: Any, found_inf: Any) -> None:
-        """``optimizer.step()``: the step's end (called before it looks for gradients)."""
+    def _end_step(self, grad_scale: Any, found_inf: Any) -> bool:
+        """``optimizer.step()``: the step's end, before it looks for gradients. Returns whether
+        a parameter still has a gradient for it to step (one the hooks did not see)."""
         if grad_scale is not None or found_inf is not None:
             raise _scaler_error()
         self._flush()  # (a backward whose end was not seen: torch.autograd.backward inputs=)
         self._stepped.clear()
-        self._step = None
+        self._memo = None
+        return any(p.grad is not None for group in self.optimizer.param_groups
+                   for p in group["params"])
 
     # ------------------------------------------------------------------ undo
 
@@ -185,7 +235,7 @@ class StepInBackward:
                 delattr(p, MARK)
         if self.optimizer.__dict__.get("_in_backward") is self:
             del self.optimizer._in_backward
-        self._step = None
+        self._memo = None
         self._stepped.clear()
 
 
