@@ -26,6 +26,8 @@ ADAM_LIKE = {  # two moments
     "bf16-split-8bit": (2, 2, 2 * (1 + 4 / 256), 2),
     # each parameter stepped in backward, its gradient freed: none held per element
     "bf16-kahan-8bit-release": (2, 0, 2 * (1 + 4 / 256), 2),
+    "bf16-kahan-4bit": (2, 2, 2 * (0.5 + 4 / 256), 2),
+    "bf16-kahan-4bit-release": (2, 0, 2 * (0.5 + 4 / 256), 2),
     "fp16-master": (2, 2, 8, 4),
     "dfp16": (4, 4, 8, 0),  # FP32 masters; DFP-16 exists only inside Linear/Conv2d products
 }
@@ -40,6 +42,8 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "bf16-kahan-8bit": (2, 2, 1 + 4 / 256, 2),
     "bf16-split-8bit": (2, 2, 1 + 4 / 256, 2),
     "bf16-kahan-8bit-release": (2, 0, 1 + 4 / 256, 2),
+    "bf16-kahan-4bit": (2, 2, 0.5 + 4 / 256, 2),
+    "bf16-kahan-4bit-release": (2, 0, 0.5 + 4 / 256, 2),
     "fp16-master": (2, 2, 4, 4),
     "dfp16": (4, 4, 4, 0),
 }

@@ -195,6 +195,7 @@ def test_every_named_recipe_is_buildable_and_listed():
     assert set(recipes.RECIPES) == {"fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan",
                                     "bf16-split", "bf16-sr", "bf16-kahan-8bit",
                                     "bf16-split-8bit", "bf16-kahan-8bit-release",
+                                    "bf16-kahan-4bit", "bf16-kahan-4bit-release",
                                     "fp16-master", "dfp16"}
     for name in recipes.RECIPES:
         assert recipes.get(name).name == name

@@ -20,7 +20,8 @@ __all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR", 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
     "fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr",
-    "bf16-kahan-8bit", "bf16-split-8bit", "bf16-kahan-8bit-release", "fp16-master", "dfp16",
+    "bf16-kahan-8bit", "bf16-split-8bit", "bf16-kahan-8bit-release", "bf16-kahan-4bit",
+    "bf16-kahan-4bit-release", "fp16-master", "dfp16",
 )
 
 
@@ -136,7 +137,7 @@ def check_device(device: str) -> str:
 #: integer emulation costs ~20 FP32 steps per step.
 DEFAULT_RECIPES: tuple[str, ...] = (
     "fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr", "bf16-kahan-8bit",
-    "bf16-split-8bit", "bf16-kahan-8bit-release", "fp16-master",
+    "bf16-split-8bit", "bf16-kahan-8bit-release", "bf16-kahan-4bit", "fp16-master",
 )
 #: What ``lowprec compare --task finetune`` runs by default: the above but ``amp-bf16``, whose
 #: FP32 weights and optimizer lose no update (its loss follows fp32's), so that the run fits in

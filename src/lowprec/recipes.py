@@ -405,6 +405,11 @@ _SPECS: dict[str, dict[str, Any]] = {
     "bf16-kahan-8bit-release": dict(
         param_dtype=torch.bfloat16, master="kahan", state_dtype="8bit", step_in_backward=True,
         description="BF16 + Kahan + 8-bit moments, each stepped in backward, gradient freed."),
+    "bf16-kahan-4bit": dict(param_dtype=torch.bfloat16, master="kahan", state_dtype="4bit",
+                            description="BF16 weights, Kahan compensation, 4-bit moments."),
+    "bf16-kahan-4bit-release": dict(
+        param_dtype=torch.bfloat16, master="kahan", state_dtype="4bit", step_in_backward=True,
+        description="BF16 + Kahan + 4-bit moments, each stepped in backward, gradient freed."),
     "fp16-master": dict(param_dtype=torch.float16, master="fp32", loss_scaling="dynamic",
                         description="FP16 weights, FP32 master copy, dynamic loss scaling."),
     "dfp16": dict(param_dtype=torch.float32, master="none", dfp_rounding="nearest",
