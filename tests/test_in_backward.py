@@ -27,12 +27,12 @@ OPTIMIZERS = {  # name: (class, options)
 STRATEGIES = ["none", "fp32", "split", "kahan", "stochastic"]
 
 
-def _model(dtype=torch.bfloat16) -> nn.Module:
+def _model(dtype=torch.bfloat16, device="cpu") -> nn.Module:
     # A large matrix (> batches._SMALL elements: stepped in its hook), small ones and vectors
     # (stepped together at the end of backward), a norm.
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 300), nn.GELU(), nn.Linear(300, 256), nn.LayerNorm(256),
-                         nn.Linear(256, 16)).to(dtype)
+                         nn.Linear(256, 16)).to(device=device, dtype=dtype)
 
 
 def _optimizer(name, model, **kw):
@@ -42,15 +42,16 @@ def _optimizer(name, model, **kw):
 
 
 def _train(name, inside: bool, steps=3, dtype=torch.bfloat16, model=None, opt=None, start=0,
-           sched=None, **kw):
-    model = _model(dtype) if model is None else model
+           sched=None, device="cpu", **kw):
+    model = _model(dtype, device) if model is None else model
     opt = _optimizer(name, model, **kw) if opt is None else opt
     schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
     if sched is not None:  # (a resumed run: the scheduler's saved state)
         schedule.load_state_dict(sched)
     handle = lowprec.step_in_backward(model, opt) if inside else None
     for step in range(start, start + steps):
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).to(dtype)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        x = x.to(device=device, dtype=dtype)
         model(x).float().square().mean().backward()
         if inside:
             assert all(p.grad is None for p in model.parameters())
@@ -78,11 +79,12 @@ COMPILED = [(name, "kahan") for name in sorted(OPTIMIZERS)] + [
 
 @pytest.mark.fused
 @pytest.mark.parametrize(("name", "master"), COMPILED)
-def test_inside_backward_equals_the_normal_step_compiled(name, master):
+def test_inside_backward_equals_the_normal_step_compiled(name, master, device):
     # The default path (fused=None compiles where it can): large parameters redo their prepared
     # compiled step in their hooks from the second step on, small ones the recorded batches.
-    ref = _train(name, False, master=master, fused=True)
-    got = _train(name, True, master=master, fused=True)
+    # (On CUDA the hooks run on autograd's device thread.)
+    ref = _train(name, False, master=master, fused=True, device=device)
+    got = _train(name, True, master=master, fused=True, device=device)
     assert_same(*got, *ref)
 
 
