@@ -167,6 +167,30 @@ def test_trainer_with_optimizers_tuple_uses_the_callers_optimizer_and_scheduler(
         )
 
 
+def test_trainer_with_the_update_inside_backward_trains_the_same_bits(tmp_path):
+    # lowprec.step_in_backward under the Trainer: its loop (backward, accelerate's optimizer
+    # step, the scheduler, zero_grad) unchanged; no clipping (max_grad_norm=0: a global norm
+    # finds no gradient once they are freed in backward).
+    def run(inside: bool):
+        reset_accelerate_state()
+        model = gpt2(dtype=torch.bfloat16)
+        opt = lowprec.AdamW(model.parameters(), lr=LR, weight_decay=0.0, master="kahan",
+                            state_dtype="8bit")
+        if inside:
+            lowprec.step_in_backward(model, opt)
+        sched = get_linear_schedule_with_warmup(opt, 0, STEPS)
+        trainer = Trainer(model=model, args=_args(tmp_path / str(inside), max_grad_norm=0.0),
+                          train_dataset=TRAIN, optimizers=(opt, sched))
+        trainer.train()
+        assert sched.last_epoch == STEPS
+        return trainer
+
+    normal, inside = run(False), run(True)
+    assert all(p.grad is None for p in inside.model.parameters())
+    assert _logged(inside, "loss") == _logged(normal, "loss")
+    assert_bit_equal(trained_params(inside.model), trained_params(normal.model), "parameter")
+
+
 # ---------------------------------------------------------------------------- resume
 
 
