@@ -47,10 +47,13 @@ ones were:
 
 * signed buffers: ``x = s * sign * (k / 7)**2`` for code ``8 + sign * k``, ``k`` in 0..7
   (code 0 is never written): 15 values, zero below ``s / 196``;
-* non-negative buffers: ``x = s * ((k + 1) / 16)**4`` for code ``k`` in 0..15: no zero, the
-  smallest ``s / 65536``. A second moment rounded to zero would divide its update by ``eps``
-  alone (the 8-bit codes reach far enough below the scale; 16 codes cannot), so the values
-  below the smallest code round up to it, which can only shrink their updates.
+* non-negative buffers: ``x = s * (k + 1) / 16`` for code ``k`` in 0..15 (the linear map
+  without zero of torchao's 4-bit optimizers, after Li et al. 2023): no zero, the smallest
+  ``s / 16``. A second moment rounded to zero would divide its update by ``eps`` alone (the
+  8-bit codes reach far enough below the scale; 16 codes cannot), so the values below the
+  smallest code round up to it, which can only shrink their updates. Power-law codes without
+  zero (``((k + 1) / 16)**4``) kept small values better but trained further from FP32 on the
+  measured task (docs/architecture.md).
 
 The parameters that qualify are those of 8-bit state (``qualifies``); DTensor parameters are
 refused under 4-bit state (``check_group``). The packed codes of a parameter are flat,
@@ -83,7 +86,7 @@ MIN_NUMEL = 4096
 #: The largest root-scale code of a signed buffer (about 0, +-127) and of a non-negative one.
 _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
 #: 4-bit codes: the largest signed root-scale code (about 8, +-7), and the steps of the
-#: non-negative codes' root scale (codes 0..15 are steps 1..16: no zero).
+#: non-negative codes' linear scale (codes 0..15 are steps 1..16: no zero).
 _SIGNED4, _UNSIGNED4 = 7.0, 16.0
 #: The attribute in which ``lowprec.optim.shards`` notes, on a DTensor parameter and on its local
 #: tensor, whether the parameter gets 8-bit state: decided from the whole parameter, so that
@@ -218,16 +221,16 @@ def encode4(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed 4-bit codes (``uint8``, ``[blocks, 1, HALF]``: element ``j`` of a block in the low
     half-byte, element ``j + HALF`` in the high one) and scales (FP32, ``[blocks, 1, 1]``: the
     blocks' largest magnitudes) of FP32 ``x`` (``[blocks, 2, HALF]``; non-negative unless
-    ``signed``). Each code is the nearest on its root scale, as ``encode``'s; a block of zeros
-    has scale 0, one holding inf or NaN a non-finite scale."""
+    ``signed``). Each code is the nearest, on the root scale for signed codes as ``encode``'s;
+    a block of zeros has scale 0, one holding inf or NaN a non-finite scale."""
     scale = x.abs().amax(dim=(-2, -1), keepdim=True)
     y = x.abs() / torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.where(y == y, y, torch.zeros_like(y))
     if signed:
         k = torch.round(_SIGNED4 * sqrt_rn(y))
         k = torch.where(x < 0, 8 - k, 8 + k)
-    else:  # (steps 1..16 of the root scale, the values below step 1 rounded up to it)
-        k = torch.clamp(torch.round(_UNSIGNED4 * sqrt_rn(sqrt_rn(y))), min=1.0) - 1
+    else:  # (steps 1..16 of a linear scale, the values below step 1 rounded up to it)
+        k = torch.clamp(torch.round(_UNSIGNED4 * y), min=1.0) - 1
     return (k[..., :1, :] + 16 * k[..., 1:, :]).to(torch.uint8), scale
 
 
@@ -241,9 +244,7 @@ def decode4(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Ten
     if signed:
         q = (q - 8) * (1 / _SIGNED4)
         return q * q.abs() * scale
-    q = (q + 1) * (1 / _UNSIGNED4)
-    q = q * q
-    return q * q * scale
+    return (q + 1) * (1 / _UNSIGNED4) * scale
 
 
 def encode_as(x: torch.Tensor, f: str) -> tuple[torch.Tensor, torch.Tensor]:
