@@ -48,7 +48,6 @@ from torch import nn
 
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.batches import _by_size
-from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused
 from lowprec.optim.plan import _Entry
 from lowprec.optim.shards import is_dtensor
 
@@ -171,22 +170,20 @@ class StepInBackward:
         p.grad = None
 
     def _redo(self, p: torch.Tensor, memo: dict[Any, Any]) -> bool:
-        """The parameter's compiled step as prepared at its last step (``_Entry``), if nothing
-        it relied on changed (as ``step()`` redoes a recorded step); False, having written
-        nothing, otherwise."""
+        """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
+        ``step()`` redoes a recorded one (``_replay_run``), if nothing it relied on changed;
+        False, having written nothing, otherwise."""
         opt = self.optimizer
+        if getattr(opt, "_fused_broken", False):  # (compilation failed: eager from now on)
+            self._entries.clear()
         e = self._entries.get(id(p))
         if e is None or e.fused is None or not e.current(opt.state):
             return False
-        step = int(e.count.item()) + 1
-        try:
-            opt._run_fused(e.fused, p.grad, *opt._step_coefficients(e.group, step, memo),
-                           *opt._keys(e.group, e.storage, step, e.index), {})
-        except _COMPILE_ERRORS as err:  # compilation failed before anything was written
-            _disable_fused(opt, err)
-            self._entries.clear()
-            return False
-        e.count.fill_(step)
+        e.step = int(e.count.item())
+        fused: list[_Entry] = []
+        opt._replay_run(e, memo, None, fused)  # (a kernel that fails to compile: _step_param)
+        if fused:
+            e.count.fill_(e.step + 1)
         return True
 
     def _step(self, it: _Item, memo: dict[Any, Any]) -> None:
