@@ -9,12 +9,15 @@ parameters. The sharded runs are in 2 and 3 gloo processes (fixture ``sharded``)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
 
 from tests import _dist_workers as workers
 from tests import _shard_workers as shard
+from tests._fallback import fallbacks_are_errors
 
 # (fused: the unsharded reference runs here, and a compiled step of it that falls back to
 # eager fails the test; the sharded runs' fused steps raise in the workers likewise)
@@ -128,7 +131,20 @@ def reference(cfg):
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
+def references():
+    """Every configuration's unsharded run, made once and before any rank starts: the ranks then
+    find the kernels they compile in Inductor's on-disk cache, where 2 to 4 processes used to
+    compile each at once. A fused run here may not fall back to eager (the tests' ``fused``
+    mark does not reach a module's fixture)."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        with fallbacks_are_errors() if cfg["kw"].get("fused") else contextlib.nullcontext():
+            out[name] = reference(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, references):
     runs = {**CONFIGS, **{k: v[0] for k, v in REFUSED.items()}}
     out = {}
     for world in (2, 3):
@@ -144,27 +160,27 @@ HSDP = ("adamw-stochastic-fused-scaled-inf", "sgd-split-scaler-inf", "lamb-kahan
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory):
+def hsdp(tmp_path_factory, references):
     where = tmp_path_factory.mktemp("hsdp")
     workers.launch(shard.worker_sharded, 4, where, {k: CONFIGS[k] for k in HSDP}, (2, 2))
     return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
 @pytest.mark.parametrize("name", HSDP)
-def test_hsdp_steps_equal_unsharded(hsdp, name):
+def test_hsdp_steps_equal_unsharded(hsdp, references, name):
     """On a 2-D mesh the inf/NaN finding, LAMB's sums and the seed check span the sharded
     dimension, and the replicas stay equal."""
-    check_sharded(CONFIGS[name], hsdp, name)
+    check_sharded(CONFIGS[name], hsdp, name, references[name])
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_sharded_steps_equal_unsharded(sharded, world, name):
-    check_sharded(CONFIGS[name], sharded[world], name)
+def test_sharded_steps_equal_unsharded(sharded, references, world, name):
+    check_sharded(CONFIGS[name], sharded[world], name, references[name])
 
 
-def check_sharded(cfg, ranks, name):
-    params, opt, found = reference(cfg)
+def check_sharded(cfg, ranks, name, unsharded):
+    params, opt, found = unsharded
     for rank, results in enumerate(ranks):
         got = results[name]
         assert "error" not in got, got.get("error")

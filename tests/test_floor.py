@@ -123,4 +123,5 @@ def sharded(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", SHARDED)
 def test_sharded_steps_equal_unsharded(sharded, name):
-    test_dtensor.check_sharded(test_dtensor.CONFIGS[name], sharded, name)
+    cfg = test_dtensor.CONFIGS[name]
+    test_dtensor.check_sharded(cfg, sharded, name, test_dtensor.reference(cfg))
