@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, update
+from tests._cases import pairwise
 from tests._same import assert_same, bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.fused]
@@ -186,12 +187,13 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels(device):
     assert graphs() - start <= 2, graphs() - start
 
 
+# Every optimizer with every master; the state and gradient dtypes packed into the words turn
+# round, so that each meets every optimizer and every master (tests/_cases.py: pairwise).
 PAIR_CASES = [
     (cls, kw, master, state_dtype, grad_dtype)
-    for (cls, kw) in OPTIMIZERS
-    for master in ("none", "kahan", "split", "stochastic", "fp32")
-    for state_dtype, grad_dtype in (
-        (None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)
+    for (cls, kw), master, (state_dtype, grad_dtype) in pairwise(
+        OPTIMIZERS, ("none", "kahan", "split", "stochastic", "fp32"),
+        ((None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)),
     )
 ]
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, loss_scale
+from tests._cases import axes
 from tests._host import no_host_reads
 
 # A compiled step that falls back to eager fails these tests (tests/_fallback.py).
@@ -140,13 +141,15 @@ def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, 
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
 
 
-@pytest.mark.parametrize("master", MASTERS)
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(("name", "master"),
+                         axes(sorted(OPTIMIZERS), MASTERS, at=("adamw", "stochastic")))
 def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch):
     # (CPU only: batches of small parameters are the CPU fused step's.)
     # On CPU, small parameters share a compiled call under a loss scaler too (parameters of even
     # length, so that stochastic rounding batches as well; LAMB's take their own calls); with
-    # batching off, each takes its own. Skipped steps included, the bits agree.
+    # batching off, each takes its own. Skipped steps included, the bits agree. Every optimizer
+    # with stochastic rounding (each parameter's own random bits inside the shared call) and
+    # AdamW with every master (tests/_cases.py: axes).
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(32, 18), (6,), (4, 4), (0,), (1,)])
     params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5))
     assert bool(opt._step_plan.batches) == (name != "lamb")
@@ -330,12 +333,13 @@ FAMILY = {  # the optimizers beside the four above, under the loss-scaler contra
 }
 
 
-@pytest.mark.parametrize("master", ["kahan", "stochastic"])
-@pytest.mark.parametrize("name", sorted(FAMILY))
+@pytest.mark.parametrize(("name", "master"), [
+    (name, ("kahan", "stochastic")[i % 2]) for i, name in enumerate(sorted(FAMILY))])
 def test_family_scaled_step_with_counts_on_the_device_equals_unscaled(name, master, monkeypatch,
                                                                       device):
     # The GPU's way for the six: each group's numbers made at once from its parameters' counts
-    # on the device (driver._scaled_numbers_many), on the default (compiled) path.
+    # on the device (driver._scaled_numbers_many), on the default (compiled) path. The numbers
+    # are the rule's, whatever the master: each optimizer takes one of the two, in turn.
     import lowprec.optim as lo
 
     monkeypatch.setitem(OPTIMIZERS, name, (getattr(lo, FAMILY[name][0]), FAMILY[name][1]))
