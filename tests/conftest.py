@@ -1,5 +1,13 @@
 import os
 
+# Under pytest-xdist (the README's test command: ``-n auto``) each worker takes its share of the
+# cores for torch's intra-op threads, set before torch starts its thread pools; subprocesses (the
+# CLI, distributed ranks) inherit it. Otherwise every worker would run as many OpenMP threads as
+# there are cores, and idle ones spinning beside the other workers slow everything down.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(
+        1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 import pytest
 import torch
 
@@ -15,6 +23,16 @@ os.environ.setdefault("LOWPREC_FUSED", "0")
 # The suite compiles hundreds of kernel variants in one process, far past the compile budget
 # that bounds a training process's (tests/test_fused_default.py tests the budget itself).
 os.environ.setdefault("LOWPREC_COMPILE_BUDGET", "inf")
+
+
+#: The most pytest-xdist workers ``-n auto`` starts: each holds torch, Inductor and its compiled
+#: kernels (1-1.5 GB), and compiles its own; past a few, workers mostly compile the same kernels.
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most ``MAX_WORKERS``."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
 def pytest_configure(config):

@@ -32,3 +32,14 @@ def test_setup_commands_match_the_project():
     for extra in extras:
         assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
     assert ".venv/bin/lowprec compare" in README and ".venv/bin/python -m pytest" in README
+
+
+def test_ci_runs_the_readmes_test_command():
+    # (both pytest runs: the single-process tests under pytest-xdist, the multi-process alone)
+    line = next(ln for ln in README.splitlines() if ln.startswith("python3 -m venv")
+                and "[dev,integrations]" in ln)
+    runs = [r.strip() for r in line.split("&&") if "-m pytest" in r]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert len(runs) == 2
+    for run in runs:
+        assert run.replace(".venv/bin/python", '"$venv/bin/python"') in ci.splitlines(), run
