@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 import torch
 
 from lowprec import compare as compare_mod
-from lowprec.config import CompareConfig
+from lowprec.config import CompareConfig, ModelConfig
 from lowprec.optim import qstate
 
 
@@ -175,10 +176,7 @@ def run4(spec: str, args: argparse.Namespace) -> tuple[list[dict], float]:
     qstate.encode, qstate.decode = root_codec(signed_map, unsigned_map, bf16)
     qstate.BLOCK = block
     try:
-        cfg = CompareConfig(recipes=("bf16-kahan-8bit",), optimizer=args.optimizer,
-                            steps=args.steps, fused=False, monitor_every=0, threads=args.threads,
-                            seed=args.seed)
-        return compare_mod.compare(cfg), 2 * (0.5 + (2 if bf16 else 4) / block)
+        return _compare(("bf16-kahan-8bit",), args), 2 * (0.5 + (2 if bf16 else 4) / block)
     finally:
         qstate.encode, qstate.decode, qstate.BLOCK = saved
 
@@ -188,11 +186,20 @@ def run(fmt: str, recipes: tuple[str, ...], args: argparse.Namespace) -> list[di
     if fmt != "power":  # (the library's own format needs no replacement)
         qstate.encode, qstate.decode = table_codec(FORMATS[fmt])
     try:
-        cfg = CompareConfig(recipes=recipes, optimizer=args.optimizer, steps=args.steps,
-                            fused=False, monitor_every=0, threads=args.threads, seed=args.seed)
-        return compare_mod.compare(cfg)
+        return _compare(recipes, args)
     finally:
         qstate.encode, qstate.decode = saved
+
+
+def _compare(recipes: tuple[str, ...], args: argparse.Namespace) -> list[dict]:
+    """``lowprec.compare`` of ``recipes`` with the eager step, on the built-in model or the
+    width and depth given."""
+    model = replace(ModelConfig(), **{k: v for k, v in (("d_model", args.d_model),
+                                                        ("n_layer", args.n_layer)) if v})
+    cfg = CompareConfig(recipes=recipes, optimizer=args.optimizer, steps=args.steps,
+                        fused=False, monitor_every=0, threads=args.threads, seed=args.seed,
+                        model=model)
+    return compare_mod.compare(cfg)
 
 
 #: The 4-bit candidates measured by default (``--bits 4``): lowprec's power-law codes with
@@ -211,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="the task's seed (weights, batches)")
+    p.add_argument("--d-model", type=int, default=None,
+                   help="the model's width (default: the built-in model's, 256)")
+    p.add_argument("--n-layer", type=int, default=None,
+                   help="the model's blocks (default: the built-in model's, 2)")
     p.add_argument("--bits", type=int, default=8, choices=(8, 4))
     p.add_argument("--formats", default=None,
                    help="8-bit: power,float8,dynamic,linear; 4-bit: candidates as "
