@@ -19,6 +19,7 @@ import torch
 
 from lowprec import memory
 from lowprec.optim import SGD, Adagrad, Adam, AdamW, Lamb, Lion, Muon, RAdam, StableAdamW, qstate
+from tests._cases import axes
 from tests.test_optim import feed, grad_sequence, make_params, run
 
 # A compiled step that falls back to eager fails these tests (tests/_fallback.py).
@@ -205,34 +206,37 @@ def _build(cls, kw, params, **options):
     # Muon's matrices (its momentum in 4 bits) and an AdamW group for the rest (its moments too)
     groups = [{"params": [p for p in params if p.dim() == 2]},
               {"params": [p for p in params if p.dim() != 2], "use_muon": False, "lr": 3e-3}]
-    return cls([g for g in groups if g["params"]], **kw, **options)
+    return cls(groups, **kw, **options)
+
+
+FUSED_CASES = axes(_every_optimizer(), ["kahan", "split", "stochastic", "none", "fp32"],
+                   at=(_every_optimizer()[0], "kahan"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("cls", "kw"), _every_optimizer(),
-                         ids=[c[0].__name__ for c in _every_optimizer()])
-@pytest.mark.parametrize("master", ["kahan", "split", "stochastic", "none", "fp32"])
-def test_fused_step_equals_eager_bit_for_bit(cls, kw, master, device):
-    # BIG's first parameter is two eager chunks (the second's codes start at byte 2**15) and
-    # compiled as pieces of rows: every optimizer's rule with every master, each one compiled
-    # kernel. The small parameters' batched calls (4-bit codes, and FP32 state below
-    # qstate.MIN_NUMEL) and a last step under a loss scaler are 4 more kernels a case, the same
-    # wrappers around the rule and the master: every optimizer takes them with Kahan and AdamW
-    # with every master. Muon's matrices step eagerly in both (a whole-tensor rule with codes),
-    # its AdamW group compiled.
-    whole = master == "kahan" or cls is AdamW
-    shapes = (BIG if cls is not Muon else [(260, 256), (300,), (4096,)]) if whole else BIG[:1]
+@pytest.mark.parametrize(("optimizer", "master"), FUSED_CASES,
+                         ids=[f"{o[0].__name__}-{m}" for o, m in FUSED_CASES])
+def test_fused_step_equals_eager_bit_for_bit(optimizer, master, device):
+    # Every optimizer's rule with Kahan and AdamW's with every master (tests/_cases.py: axes;
+    # the codes are the moments', which no master touches, and each rule with each master is
+    # crossed on unquantized state in tests/test_fused.py, test_torch_contracts.py and
+    # test_whole_tensor_optimizers.py). BIG's first parameter is two eager chunks (the second's
+    # codes start at byte 2**15) and compiled as pieces of rows; the small ones step in batched
+    # calls (4-bit codes, and FP32 state below qstate.MIN_NUMEL); the last step is under a loss
+    # scaler. Muon's matrices step eagerly in both (a whole-tensor rule with codes), its AdamW
+    # group compiled.
+    cls, kw = optimizer
+    shapes = BIG if cls is not Muon else [(260, 256), (300,), (4096,)]
     seq = grad_sequence(shapes, 4, seed=1)
     start = make_params(torch.bfloat16, shapes, device=device)
     out = []
     for fused in (False, True):
         params = [p.detach().clone().requires_grad_() for p in start]
         opt = _build(cls, kw, params, master=master, state_dtype="4bit", fused=fused, seed=3)
-        run(opt, params, seq[:3] if whole else seq)
-        if whole:
-            feed(params, [g * 4 for g in seq[3]])
-            opt.step(grad_scale=torch.tensor(4.0, device=device),
-                     found_inf=torch.zeros((), device=device))
+        run(opt, params, seq[:3])
+        feed(params, [g * 4 for g in seq[3]])
+        opt.step(grad_scale=torch.tensor(4.0, device=device),
+                 found_inf=torch.zeros((), device=device))
         out.append((params, opt))
     (pe, oe), (pf, of) = out
     for p, q in zip(pe, pf, strict=True):

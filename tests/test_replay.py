@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, loss_scale, plan, update
+from tests._cases import axes
 from tests._same import assert_same, bits
 
 # (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
@@ -448,10 +449,17 @@ def many_shapes(monkeypatch):
     monkeypatch.setattr(plan, "_MANY_SEEN", {})  # (a budget of its own for this test)
 
 
-@pytest.mark.parametrize("name", ["nothing", "step_count_written", "a_grad_missing",
-                                  "param_data_replaced", "grads_in_fp32",
-                                  "step_counts_written_through_data"])
-@pytest.mark.parametrize("make", list(MANY_MAKERS))
+# Every change with AdamW + Kahan's shared call, every kind of shared call with nothing changed
+# (tests/_cases.py: axes), and LAMB's (each parameter's sums, then its update) with a gradient
+# missing: a change that makes a new pattern of sizes, whose call compiles anew.
+MANY_CASES = [*axes(list(MANY_MAKERS), ["nothing", "step_count_written", "a_grad_missing",
+                                        "param_data_replaced", "grads_in_fp32",
+                                        "step_counts_written_through_data"],
+                    at=("adamw-kahan", "nothing")),
+              ("lamb-stochastic", "a_grad_missing")]
+
+
+@pytest.mark.parametrize(("make", "name"), MANY_CASES)
 def test_one_call_for_several_parameters_equals_the_full_step(make, name, many_shapes):
     _, opt = _same_with_and_without_replay(
         MANY_MAKERS[make], CHANGES[name], replays=STEPS - 1 if name in KEPT else 3

@@ -37,6 +37,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from lowprec.optim import SGD, Adagrad, Adam, AdamW, Lamb, Lion, RAdam, StableAdamW, compiled
+from tests._cases import pairwise
 from tests._same import assert_same, bits
 
 # A fused step that falls back to eager (its compilation failed) fails the test instead of warning.
@@ -785,14 +786,17 @@ MATRIX_STATE_DTYPES = [None, torch.float32, torch.bfloat16]
 MATRIX_SHAPES = [(33,), (8, 6)]
 # AdamW's every dtype x state dtype under master="none" (9 variants of one optimizer and strategy:
 # past Dynamo's recompile limit of 8, were they one compiled function, the failure this guards
-# against; the key is the same for every optimizer), and every optimizer x strategy x dtype with
-# its default state dtype (each variant costs seconds of compilation with a cold cache).
+# against; the key is the same for every optimizer), and every optimizer x strategy with its
+# default state dtype, the dtypes in turn so that each optimizer and each strategy meets every
+# dtype (tests/_cases.py: pairwise; each variant costs seconds of compilation with a cold cache,
+# and tests/test_fused.py crosses the four with every strategy on BF16 besides).
 MATRIX = [
-    (cls, kw, master, dtype, state_dtype)
-    for cls, kw in MATRIX_OPTIMIZERS
-    for master in MATRIX_MASTERS
-    for dtype in MATRIX_DTYPES
-    for state_dtype in (MATRIX_STATE_DTYPES if master == "none" and cls is AdamW else [None])
+    (AdamW, dict(MATRIX_OPTIMIZERS)[AdamW], "none", dtype, state_dtype)
+    for dtype in MATRIX_DTYPES for state_dtype in MATRIX_STATE_DTYPES
+] + [
+    (cls, kw, master, dtype, None)
+    for (cls, kw), master, dtype in pairwise(MATRIX_OPTIMIZERS, MATRIX_MASTERS, MATRIX_DTYPES)
+    if not (cls is AdamW and master == "none")
 ] + [
     # The elementwise optimizers beside the first four (Muon and Adafactor step whole tensors
     # eagerly: tests/test_whole_tensor_optimizers.py), every strategy on BF16, FP32, and Kahan

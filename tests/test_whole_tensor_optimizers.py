@@ -18,6 +18,7 @@ from torch import nn
 
 import lowprec
 from lowprec.optim import Adafactor, Muon, compiled, muon_param_groups
+from tests._cases import pairwise
 from tests._same import assert_same, bits
 from tests.test_optim import assert_rel_close, feed, grad_sequence
 from tests.test_torch_contracts import (
@@ -111,9 +112,13 @@ def test_split_equals_fp32_bit_for_bit(cls):
         assert torch.equal(b.master_weight(q), p.detach())
 
 
-@pytest.mark.parametrize("cls", [Adafactor, Muon])
-@pytest.mark.parametrize("master", STRATEGIES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# Each optimizer with every strategy, BF16 and FP16 in turn: every pair of optimizer, strategy
+# and dtype in some case (tests/_cases.py: pairwise).
+STRATEGY_CASES = pairwise([Adafactor, Muon], STRATEGIES, [torch.bfloat16, torch.float16])
+
+
+@pytest.mark.parametrize(("cls", "master", "dtype"), STRATEGY_CASES,
+                         ids=[f"{c.__name__}-{m}-{str(d)[6:]}" for c, m, d in STRATEGY_CASES])
 def test_every_strategy_follows_fp32_and_fused_is_the_eager_step(cls, master, dtype, monkeypatch):
     if master == "split" and dtype == torch.float16:
         with pytest.raises(ValueError, match="bfloat16"):
