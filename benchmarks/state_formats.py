@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
