@@ -2,10 +2,10 @@
 
 Each combination of optimizer, master, dtype and state format compiles a kernel of its own, 5 to
 30 seconds on a 2-core CPU, so a full product is kept only where every case can fail in its own
-way: the per-tensor step's fused-equals-eager matrices (tests/test_fused.py, test_qstate4.py)
-cross every optimizer with every master. Around that kernel sit wrappers shared by every rule
-and master (pairs of elements, batches of small parameters, the loss-scaled load and skip): their
-tests take
+way: the per-tensor step's fused-equals-eager matrix (tests/test_fused.py, across a checkpoint)
+crosses every optimizer with every master and dtype. Around that kernel sit wrappers shared by
+every rule and master (pairs of elements, batches of small parameters, the loss-scaled load and
+skip, 4-bit codes, whose moments no master touches): their tests take
 
 - ``axes``: every value of each factor once, the others at a reference value (one factor's
   code never sees the other's: the update rule never sees how the master is stored);
