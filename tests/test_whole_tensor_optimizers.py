@@ -117,6 +117,7 @@ def test_split_equals_fp32_bit_for_bit(cls):
 STRATEGY_CASES = pairwise([Adafactor, Muon], STRATEGIES, [torch.bfloat16, torch.float16])
 
 
+@pytest.mark.slow  # (a compiled whole-tensor step per case)
 @pytest.mark.parametrize(("cls", "master", "dtype"), STRATEGY_CASES,
                          ids=[f"{c.__name__}-{m}-{str(d)[6:]}" for c, m, d in STRATEGY_CASES])
 def test_every_strategy_follows_fp32_and_fused_is_the_eager_step(cls, master, dtype, monkeypatch):
