@@ -5,7 +5,7 @@ side (docs/architecture.md, "Device choices"). The CPU ones were measured on CPU
 were reasoned, not yet measured, and this script measures them (``benchmarks/gpu_check.sh`` runs
 it on a GPU):
 
-* ``chunks``: the eager step's piece size (``driver._EAGER_CHUNKS``: 2**16 elements on the CPU,
+* ``chunks``: the eager step's piece size (``update._EAGER_CHUNKS``: 2**16 elements on the CPU,
   2**22 on CUDA) against 2**16, 2**22 and whole tensors: time and the step's peak of temporaries;
 * ``rows``: rows of 256 per compiled call of a parameter with 8-bit state (``compiled._QROWS``:
   2048 on the CPU, 32768 on CUDA) against 2048, 32768 and the whole tensor;
@@ -37,7 +37,7 @@ import torch
 
 import lowprec
 from lowprec.numerics import COMPILED_AS_EAGER, sqrt_rn
-from lowprec.optim import compiled, driver
+from lowprec.optim import compiled, update
 
 
 @contextlib.contextmanager
@@ -83,10 +83,10 @@ def _adamw(numel: int, device: torch.device, **kw: Any) -> Callable[[], Any]:
 def chunks(numel: int, device: torch.device, steps: int) -> list[dict[str, Any]]:
     rows = []
     for chunk in (1 << 16, 1 << 22, numel):
-        with _setting(driver, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk}):
+        with _setting(update, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk}):
             r = _timed(_adamw(numel, device, fused=False), device, steps)
         rows.append({"chunk": chunk, **r,
-                     "chosen": chunk == driver._eager_chunk(device)})
+                     "chosen": chunk == update._eager_chunk(device)})
     return rows
 
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{numel / 2**20:g}M elements, {args.steps} timed steps per row")
     results: dict[str, Any] = {"device": where, "torch": torch.__version__, "numel": numel}
     results["chunks"] = chunks(numel, device, args.steps)
-    print("eager step, elements per piece (driver._EAGER_CHUNKS):")
+    print("eager step, elements per piece (update._EAGER_CHUNKS):")
     for r in results["chunks"]:
         peak = "" if r["peak_mib"] is None else f", temporaries {r['peak_mib']:.0f} MiB"
         print(f"  {r['chunk']:>10}: {r['ms']:8.2f} ms{peak}{'  <- chosen' if r['chosen'] else ''}")

@@ -99,3 +99,14 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(compiled._Kernel, "__call__", spy)
     return calls
+
+
+@pytest.fixture
+def no_buckets(monkeypatch):
+    """Steps that never go through buckets (``lowprec.optim.buckets``): for the tests of what a
+    step does where buckets do not apply (the recorded step, batches of small parameters, shared
+    calls), on layouts that buckets would take."""
+    from lowprec.optim import buckets
+
+    monkeypatch.setattr(buckets, "step_buckets", lambda opt: False)
+    monkeypatch.setattr(buckets, "flatten", lambda opt: None)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.optim import batches, compiled, driver
+from lowprec.optim import batches, compiled, update
 from lowprec.optim.storage import STORAGES
 
 
 @pytest.mark.parametrize("device, chunk", [("cpu", 1 << 16), ("cuda", 1 << 22), ("xpu", 1 << 22)])
 def test_eager_pieces_are_small_on_the_cpu_and_large_elsewhere(device, chunk):
-    assert driver._eager_chunk(torch.device(device)) == chunk
+    assert update._eager_chunk(torch.device(device)) == chunk
 
 
 def test_eight_bit_rows_per_call():

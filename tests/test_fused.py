@@ -486,7 +486,7 @@ def _steps(params, opt, steps, device):
         opt.step()
 
 
-def test_a_fused_step_runs_compiled_kernels(kernel_calls, device):
+def test_a_fused_step_runs_compiled_kernels(kernel_calls, device, no_buckets):
     """``fused=True`` compiles and runs compiled code, which the bits alone cannot show (a step
     that fell back to eager gives the same): every ``compiled._Kernel`` the steps made was called
     and finished its first call (``warm``: compiled without error), among them the shared call of
@@ -513,7 +513,7 @@ def test_a_fused_step_runs_compiled_kernels(kernel_calls, device):
     assert metrics.generated_kernel_count - generated >= len(kernels)
 
 
-def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device):
+def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device, no_buckets):
     """What the ``fused`` mark does (this module has it): a kernel that fails to compile, whose
     step would fall back to eager with the same bits, makes the step raise its warning (having
     written nothing); so does ``fused=None`` finding no compiler, even where the once-per-process

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lowprec.numerics import join
-from lowprec.optim import driver
+from lowprec.optim import update
 from lowprec.optim.lion import Lion
 from lowprec.optim.stable_adamw import StableAdamW, stable_adamw_update
 from tests._same import assert_same
@@ -195,7 +195,7 @@ def test_stable_adamw_none_on_fp32_matches_the_reference(kw, fused, device):
 def test_stable_adamw_chunked_equals_one_pass(monkeypatch):
     """The eager step sums the RMS over chunks (here 4096 elements): bit for bit the functional
     form, which takes the whole tensor in one pass."""
-    monkeypatch.setitem(driver._EAGER_CHUNKS, "cpu", 4096)
+    monkeypatch.setitem(update._EAGER_CHUNKS, "cpu", 4096)
     w = torch.randn(100, 123, requires_grad=True)
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     master = w.detach().clone()

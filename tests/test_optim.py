@@ -880,14 +880,14 @@ def test_lr_as_tensor_and_ints_are_accepted(device):
 @pytest.mark.parametrize("master", STRATEGIES)
 def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master, device):
     """Large tensors go through the eager step in chunks; the result must not change."""
-    from lowprec.optim import driver
+    from lowprec.optim import update
 
     shapes = [(37, 29), (1000,), (3,)]
     init = make_params(torch.bfloat16, shapes, device=device)
     seq = grad_sequence(shapes, 5, seed=4, dtype=torch.bfloat16)
     results = []
     for chunk in (1 << 40, 64):  # one pass, then chunks of 64 (with a ragged last chunk)
-        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
+        monkeypatch.setattr(update, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = cls(params, master=master, seed=9)
         run(opt, params, seq)
@@ -904,7 +904,7 @@ def test_chunked_eager_step_equals_one_pass(monkeypatch, cls, master, device):
 def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master, device):
     """LAMB's chunked eager step (sums first, then the update) under grad_scale/found_inf:
     identical to one pass, and a skipped step (inf gradient) changes nothing."""
-    from lowprec.optim import driver
+    from lowprec.optim import update
 
     shapes = [(37, 29), (300,)]
     init = make_params(torch.bfloat16, shapes, device=device)
@@ -913,7 +913,7 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master, device
     results = []
     calls = []
     for chunk in (1 << 40, 64):
-        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
+        monkeypatch.setattr(update, "_EAGER_CHUNKS", {"cpu": chunk, "cuda": chunk})
         params = [p.detach().clone().requires_grad_() for p in init]
         opt = Lamb(params, lr=1e-2, weight_decay=0.1, master=master, seed=3)
         opt._norm_terms = lambda *a, chunk=chunk, spy=opt._norm_terms, **k: (
@@ -937,7 +937,7 @@ def test_chunked_lamb_two_passes_under_a_loss_scaler(monkeypatch, master, device
 def test_stochastic_int64_indices_give_the_same_stream(monkeypatch, device):
     """The random bits use int32 element indices where they fit and int64 ones past 2**31 - 1;
     both give the same stream (forced here with a tiny int32 limit)."""
-    from lowprec.optim import driver, update
+    from lowprec.optim import update
 
     shapes = [(37, 29), (1000,)]
     init = make_params(torch.bfloat16, shapes, scale=1e-2, device=device)
@@ -945,7 +945,7 @@ def test_stochastic_int64_indices_give_the_same_stream(monkeypatch, device):
     results = []
     for limit in (update._INT32_MAX, 100):
         monkeypatch.setattr(update, "_INT32_MAX", limit)
-        monkeypatch.setattr(driver, "_EAGER_CHUNKS", {"cpu": 256, "cuda": 256})  # (offsets past it)
+        monkeypatch.setattr(update, "_EAGER_CHUNKS", {"cpu": 256, "cuda": 256})  # (offsets past it)
         params = [p.detach().clone().requires_grad_() for p in init]
         run(AdamW(params, lr=1e-3, master="stochastic", seed=11), params, seq)
         results.append(params)

@@ -21,8 +21,9 @@ from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, loss_sca
 from tests._cases import axes
 from tests._same import assert_same, bits
 
-# (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
-pytestmark = [pytest.mark.slow, pytest.mark.fused]
+# (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py;
+# no_buckets: the recorded step is what a step without buckets redoes, tests/test_buckets.py)
+pytestmark = [pytest.mark.slow, pytest.mark.fused, pytest.mark.usefixtures("no_buckets")]
 
 # One parameter above batches._SMALL (stepped alone), small ones batched, an odd-length one (its
 # last element takes the eager step) and a one-element one (eager).

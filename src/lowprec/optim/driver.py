@@ -23,7 +23,7 @@ import torch
 from lowprec.numerics import stream_key, stream_key_halves
 
 # (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
-from lowprec.optim import compiled, loss_scale, qstate, update
+from lowprec.optim import buckets, compiled, loss_scale, qstate, update
 from lowprec.optim.batches import _by_size
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
@@ -31,26 +31,6 @@ from lowprec.optim.plan import _Entry, _Plan
 from lowprec.optim.shards import all_reduce_sums, reduce_groups
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
-
-# Elements per piece of the eager step on large tensors, per device type (the choices side by
-# side; a device not named takes CUDA's).
-# CPU: big enough to amortise Python overhead, small enough that the temporaries (40-60 bytes
-# per element at their peak, 3-4 MB here) stay in cache and keep a step's peak memory within 5%
-# of the resident params, grads and state of a 25M-parameter BF16 model. Measured with
-# benchmarks/optimizer_step.py (peak/res of the BF16 eager rows, 25M parameters): 2**17 gives
-# 1.03-1.09 (the allocator's fragmentation roughly doubles the live temporaries), 2**16
-# 1.01-1.05 row by row (up to 1.08 after earlier rows have fragmented the heap), at 5-25% more
-# time per eager step than 2**17.
-# CUDA: no cache to stay in, and each piece costs its ~20 kernel launches, so 2**16 would be
-# ~8000 launches per 25M parameters; 2**22 is ~120, with at most ~250 MB of temporaries per
-# piece (a whole 1B-element embedding at once would need 60 GB). Not yet measured on a GPU:
-# benchmarks/device_choices.py times 2**16, 2**22 and whole tensors (run by gpu_check.sh).
-_EAGER_CHUNKS = {"cpu": 1 << 16, "cuda": 1 << 22}
-
-
-def _eager_chunk(device: torch.device) -> int:
-    """Elements per piece of the eager step on ``device`` (``_EAGER_CHUNKS``)."""
-    return _EAGER_CHUNKS.get(device.type, _EAGER_CHUNKS["cuda"])
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
@@ -85,6 +65,8 @@ class _FullStep:
         """``step()`` after the closure: redo the recorded step, or take a full one."""
         # (how the kernels take the scaler's inputs: _Scaling.mode)
         scaled = "unscale" if grad_scale is not None else "skip" if found_inf is not None else False
+        if not scaled and buckets.step_buckets(self):
+            return
         plan = self.__dict__.get("_step_plan")
         if plan is not None and plan.scaled == scaled and self._replay(plan, grad_scale, found_inf):
             return
@@ -117,6 +99,8 @@ class _FullStep:
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         self._step_plan = plan
+        if not scaled:
+            buckets.flatten(self)
 
     def _step_late(self, late: list, scaling: _Scaling | None) -> None:
         """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
@@ -317,7 +301,7 @@ class _FullStep:
                     plan.add(_Entry(group, p, index, storage, state, fused))
                 return
         chunkable = self._elementwise or self._norm_terms is not None
-        chunk = _eager_chunk(p.device)
+        chunk = update._eager_chunk(p.device)
         if chunkable and contiguous and p.numel() > chunk:
             # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
             # temporaries are fresh allocations that page-fault on every step) and the step's

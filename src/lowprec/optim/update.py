@@ -30,6 +30,28 @@ from lowprec.numerics import (
 from lowprec.optim import qstate as qstate_mod
 from lowprec.optim.storage import MasterStorage
 
+# Elements per piece of the eager step on large tensors (a parameter's, or a bucket's:
+# ``buckets``), per device type (the choices side by
+# side; a device not named takes CUDA's).
+# CPU: big enough to amortise Python overhead, small enough that the temporaries (40-60 bytes
+# per element at their peak, 3-4 MB here) stay in cache and keep a step's peak memory within 5%
+# of the resident params, grads and state of a 25M-parameter BF16 model. Measured with
+# benchmarks/optimizer_step.py (peak/res of the BF16 eager rows, 25M parameters): 2**17 gives
+# 1.03-1.09 (the allocator's fragmentation roughly doubles the live temporaries), 2**16
+# 1.01-1.05 row by row (up to 1.08 after earlier rows have fragmented the heap), at 5-25% more
+# time per eager step than 2**17.
+# CUDA: no cache to stay in, and each piece costs its ~20 kernel launches, so 2**16 would be
+# ~8000 launches per 25M parameters; 2**22 is ~120, with at most ~250 MB of temporaries per
+# piece (a whole 1B-element embedding at once would need 60 GB). Not yet measured on a GPU:
+# benchmarks/device_choices.py times 2**16, 2**22 and whole tensors (run by gpu_check.sh).
+_EAGER_CHUNKS = {"cpu": 1 << 16, "cuda": 1 << 22}
+
+
+def _eager_chunk(device: torch.device) -> int:
+    """Elements per piece of the eager step on ``device`` (``_EAGER_CHUNKS``)."""
+    return _EAGER_CHUNKS.get(device.type, _EAGER_CHUNKS["cuda"])
+
+
 # Indices up to here are int32 (the random bits' hash is cheaper so), past it int64; read here
 # and by the driver's check of a shard's first index (tests lower it).
 _INT32_MAX = 2**31 - 1

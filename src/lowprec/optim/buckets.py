@@ -1,0 +1,379 @@
+"""Buckets: a group's optimizer state as views of flat buffers, stepped a few calls at a time.
+
+A step that makes a compiled call per tensor pays that call's host work (Dynamo's guards and
+wrappers, ~30-70 us) per tensor, and a GPU waits for it. Here, after a full step has created the
+state, the parameters of a group that share device, dtype, master strategy and state dtypes form
+a bucket: each of their state buffers is laid out in one flat buffer (``state[p][name]`` a view
+of the bucket's buffer of that name), and their step counts in one count tensor
+(``state[p]["step"]`` its 0-d views). A step then takes, per piece of a bucket (``_pieces``), one
+gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
+step's kernel on the flat buffers (``compiled._run_fused``: the kernel a single tensor's step
+runs; the update is elementwise, so the bits are the same), one copy of the new values back into
+the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
+number of tensors (``step_buckets``). The parameters keep their own storage: made views of one
+buffer (as apex's, DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in
+Accelerate's checkpoints, which drop tensors that share a storage.
+
+Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
+of consecutive parameters that have one and share a step count. What buckets do not take steps
+as before (``driver``): rules that need a tensor whole (norms, matrices), stochastic rounding
+(its random bits are keyed per parameter), 8-bit and 4-bit state, odd-sized or non-contiguous
+parameters, state in shared memory, DTensor shards, the update inside backward, and steps under
+a loss scaler.
+
+The bucket checks, each step, that what it relies on holds: the parameters are the tensors it
+was made for (``model.to(...)`` or ``p.data = ...`` rebinds them), the state entries are still
+its views (``load_state_dict`` replaces them), the gradients are present in the right shapes
+and of one dtype. Where anything differs ``step_buckets`` returns False having written nothing,
+the full step runs, and ``flatten`` lays the buckets out again after it.
+
+``flatten`` and ``step_buckets`` take the optimizer; they call its stages (``_step_param``,
+``_prepare_fused``, ``_run_fused``, ``_step_coefficients``) and its subclass interface.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+import torch
+
+from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
+from lowprec.optim.update import _eager_chunk, _param_update
+
+__all__ = ["flatten", "step_buckets"]
+
+# Elements per compiled call of a bucket's small parameters, whose gradients are gathered into
+# one buffer for it; a parameter this large or larger takes a call of its own, its gradient used
+# where it is. CPU: the gathered gradients (2 MB in BF16) stay in cache and in the allocator's
+# reuse; gathered whole, a 25M-parameter bucket's 50 MB buffer was a fresh allocation that
+# page-faulted on every step (27 ms of a 83 ms step). CUDA: the caching allocator reuses it,
+# and each call costs a launch and ~30-70 us of host work: 64M elements (128 MB in BF16).
+_GATHERED = {"cpu": 1 << 20, "cuda": 1 << 26}
+
+
+def _gathered(device: torch.device) -> int:
+    return _GATHERED.get(device.type, _GATHERED["cuda"])
+
+
+def _bucketable_rule(opt, group: dict[str, Any]) -> bool:
+    """Whether ``group``'s rule steps elementwise, one tensor at a time in any layout."""
+    return opt._elementwise and opt._norm_terms is None and not opt._whole(group)
+
+
+def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
+    """The bucket key of ``p`` (device, dtype, strategy, its state's names and dtypes), or None
+    where ``p`` is stepped on its own."""
+    state = opt.state.get(p)
+    if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
+        return None  # (odd sizes would put the next tensor's words off their pair boundary)
+    if storage.needs_random_bits or opt._qstate(group, state, p):
+        return None
+    step = state.get("step")
+    if not isinstance(step, torch.Tensor) or step.dim() != 0 or step.device.type != "cpu":
+        return None
+    names = (*storage.buffers(p), *opt._math_buffers(group, p))
+    dtypes = []
+    for name in names:
+        t = state.get(name)
+        if (not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_contiguous()
+                or t.device != p.device or opt._buffer_shape(name, p) is not None
+                or t.is_shared()):  # (another process reads it: never moved)
+            return None
+        dtypes.append((name, t.dtype))
+    return (p.device, p.dtype, storage.name, step.dtype, tuple(dtypes))
+
+
+_GRAD, _SHAPE, _DTYPE, _DEVICE, _LAYOUT = map(
+    operator.attrgetter, ("grad", "shape", "dtype", "device", "layout"))
+
+
+class _Bucket:
+    """One group's parameters of one kind (``_kind``), their state and step counts laid out in
+    flat buffers, the parameters and state entries views of them."""
+
+    __slots__ = ("counts", "flat_params", "flats", "group", "indices", "kind", "names", "offsets",
+                 "params", "prepared", "ptrs", "sbufs", "scratch", "shapes", "sizes",
+                 "split_views", "states", "steps", "storage", "views")
+
+    def __init__(self, opt, group, kind, members: list[tuple[torch.Tensor, int]],
+                 storage) -> None:
+        self.group, self.kind, self.storage = group, kind, storage
+        self.params = [p for p, _ in members]
+        self.indices = [i for _, i in members]
+        p0 = self.params[0]
+        self.sbufs = tuple(storage.buffers(p0))
+        self.names = (*self.sbufs, *opt._math_buffers(group, p0))
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.states = [opt.state[p] for p in self.params]
+        # Each buffer copied into its flat one, then the state entries rebound to views of it, a
+        # buffer at a time (the old tensors are freed as it goes).
+        self.flats: dict[str, torch.Tensor] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}
+        for name in self.names:
+            src = [st[name] for st in self.states]
+            flat = torch.empty(self.offsets[-1], dtype=src[0].dtype, device=p0.device)
+            views = [flat[a:b].view(t.shape)
+                     for t, a, b in zip(src, self.offsets, self.offsets[1:], strict=False)]
+            torch._foreach_copy_(views, src)
+            for st, view in zip(self.states, views, strict=True):
+                st[name] = view
+            self.flats[name], self.views[name] = flat, views
+        # (flat views of the parameters, which the step's new values are copied into)
+        self.flat_params = [p.view(-1) for p in self.params]
+        self.counts = torch.stack([st["step"] for st in self.states])
+        self.steps = list(self.counts.unbind())
+        for st, view in zip(self.states, self.steps, strict=True):
+            st["step"] = view
+        self.ptrs = [p.data_ptr() for p in self.params]
+        self.shapes = [p.shape for p in self.params]
+        self.prepared: dict[Any, Any] = {}
+        self.scratch: dict[Any, torch.Tensor] = {}
+        self.split_views: dict[Any, list[torch.Tensor]] = {}
+
+    def current(self, opt) -> bool:
+        """Whether the parameters and state entries are still this bucket's views (checked a
+        list at a time: this is per-tensor host work of every step)."""
+        if list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
+            return False
+        states = list(map(opt.state.get, self.params))
+        if not all(map(operator.is_, states, self.states)):
+            return False
+        for name, views in (("step", self.steps), *((k, self.views[k]) for k in self.names)):
+            if not all(map(operator.is_, map(operator.methodcaller("get", name), states), views)):
+                return False
+        return True
+
+    def gradients(self) -> list[torch.Tensor | None] | None:
+        """The parameters' gradients, or None where one does not fit the bucket's step (the full
+        step then checks it, and raises where it must): strided, shaped as their parameters, on
+        their device, of one dtype."""
+        grads = list(map(_GRAD, self.params))
+        present, shapes = grads, self.shapes
+        if any(map(operator.is_, grads, itertools.repeat(None))):  # (`None in` compares tensors)
+            present = [g for g in grads if g is not None]
+            shapes = [s for g, s in zip(grads, shapes, strict=True) if g is not None]
+        if not present:  # (a frozen bucket: nothing to step)
+            return grads
+        if (list(map(_SHAPE, present)) != shapes
+                or len(set(map(_DTYPE, present))) != 1
+                or set(map(_DEVICE, present)) != {self.params[0].device}
+                or set(map(_LAYOUT, present)) != {torch.strided}):
+            return None
+        return grads
+
+    def step(self, opt, grads: list, memo: dict) -> None:
+        """Step the parameters that have a gradient: per run of consecutive ones that share a step
+        count (all of them, in a plain loop), a compiled call per piece (``_pieces``)."""
+        counts = self.counts.tolist()
+        i, n = 0, len(grads)
+        while i < n:
+            if grads[i] is None:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and grads[j] is not None and counts[j] == counts[i]:
+                j += 1
+            step = int(counts[i]) + 1
+            for a, b in self._pieces(i, j):
+                self._run(opt, a, b, grads, step, memo)
+            self.counts[i:j].fill_(step)
+            i = j
+
+    def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
+        """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
+        ``_gathered(device)`` elements or more alone (its gradient used where it is), the others
+        in runs of up to that many elements (their gradients gathered into one buffer, which on
+        the CPU stays in cache)."""
+        limit = _gathered(self.params[0].device)
+        offsets = self.offsets
+        pieces, a = [], i
+        for k in range(i, j):
+            if offsets[k + 1] - offsets[k] >= limit:
+                if a < k:
+                    pieces.append((a, k))
+                pieces.append((k, k + 1))
+                a = k + 1
+            elif offsets[k + 1] - offsets[a] > limit:
+                pieces.append((a, k))
+                a = k
+        if a < j:
+            pieces.append((a, j))
+        return pieces
+
+    def _run(self, opt, a: int, b: int, grads: list, step: int, memo: dict) -> None:
+        """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
+        parameters and gradients gathered into one each (a single parameter's own, where it
+        lies in place); one compiled call where the step is fused, else eagerly in chunks
+        (``update._eager_chunk``), as one large tensor's eager step goes."""
+        group, storage = self.group, self.storage
+        lo, hi = self.offsets[a], self.offsets[b]
+        one = b - a == 1
+        p, g = self.flat_params[a], grads[a]
+        if not one:
+            p = self._gather(self.params[a:b], hi - lo, "param")
+        if not one or not g.is_contiguous() or g.storage_offset() % 2:
+            g = self._gather(grads[a:b], hi - lo, "grad")
+        g = g.view(-1)
+        flags = opt._group_flags(group, memo)
+        names = (self.sbufs, self.names[len(self.sbufs):])
+        done = False
+        if _fused_enabled(opt, group, self.params[0]):
+            coeffs, c32 = opt._step_coefficients(group, step, memo)
+            try:
+                key = (a, b, g.dtype)
+                fused = self.prepared.get(key)
+                if fused is None:
+                    fused = self.prepared[key] = opt._prepare_fused(
+                        storage, flags, p, g,
+                        *({k: self.flats[k][lo:hi] for k in ks} for ks in names),
+                    )
+                fused.p = p  # (this step's gathered parameters: a new buffer each step)
+                opt._run_fused(fused, g, coeffs, c32, 0, 0, {})
+                done = True
+            except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
+                _disable_fused(opt, e)
+        if not done:
+            coeffs, _ = opt._step_coefficients(group, step, memo, tensors=False)
+            chunk = _eager_chunk(g.device)
+            for i in range(0, hi - lo, chunk):
+                sl, at = slice(i, min(i + chunk, hi - lo)), slice(lo + i, min(lo + i + chunk, hi))
+                _param_update(p[sl], g[sl], *({k: self.flats[k][at] for k in ks} for ks in names),
+                              coeffs, 0, 0, storage=storage, math=opt._math, flags=flags)
+        if not one:
+            torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
+
+    def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
+        """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
+        (``scratch``, reused by every step: a fresh one of megabytes page-faults on every step,
+        most of a small tensors' step), elsewhere a new one (CUDA's caching allocator reuses)."""
+        t0 = tensors[0]
+        if t0.device.type == "cpu":
+            key = (role, t0.dtype)
+            buf = self.scratch.get(key)
+            if buf is None:
+                buf = self.scratch[key] = torch.empty(_gathered(t0.device), dtype=t0.dtype)
+            out = buf[:n]
+        else:
+            out = torch.empty(n, dtype=t0.dtype, device=t0.device)
+        torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+        return out
+
+    def _split(self, flat: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
+        """``flat`` (parameters ``a`` to ``b`` gathered) as one view per parameter, kept where
+        ``flat`` is the bucket's scratch (a split of hundreds of views costs ~0.4 ms)."""
+        key = (a, b, flat.data_ptr())
+        views = self.split_views.get(key)
+        if views is None:
+            views = list(flat.split(self.sizes[a:b]))
+            if flat.device.type == "cpu":
+                self.split_views[key] = views
+        return views
+
+
+class _Layout:
+    """An optimizer's buckets, and what they were made for: its groups, their parameters, options
+    and flags, and the parameters stepped on their own (``rest``: group, position, index)."""
+
+    __slots__ = ("buckets", "groups", "rest")
+
+    def __init__(self, opt) -> None:
+        self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
+                       for g in opt.param_groups]
+        self.buckets: list[_Bucket] = []
+        self.rest: list[tuple[int, int, int]] = []
+
+    def same_groups(self, opt) -> bool:
+        groups = opt.param_groups
+        return len(groups) == len(self.groups) and all(
+            group is ref and len(group["params"]) == len(params)
+            and all(map(operator.is_, group["params"], params))
+            for group, (ref, params, _, _) in zip(groups, self.groups, strict=True)
+        )
+
+
+def flatten(opt) -> None:
+    """After a full step (not under a loss scaler): lay the buckets out again where anything they
+    were made for changed (or the first time, once the state exists)."""
+    if (opt.__dict__.get("_has_dtensors") or opt.__dict__.get("_in_backward") is not None
+            or getattr(opt, "_fused_broken", False)):
+        opt._buckets = None
+        return
+    old = opt.__dict__.get("_buckets")
+    kept = {}
+    if old is not None and old.same_groups(opt):
+        kept = {(b.kind, *map(id, b.params)): b for b in old.buckets if b.current(opt)}
+    layout = _Layout(opt)
+    index = -1
+    changed = old is None
+    for gi, group in enumerate(opt.param_groups):
+        storages = opt._validate_group(group, gi)
+        kinds: dict[Any, list] = {}
+        for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
+            index += 1
+            kind = _kind(opt, group, p, storage) if _bucketable_rule(opt, group) else None
+            if kind is None:
+                layout.rest.append((gi, pi, index))
+            else:
+                kinds.setdefault(kind, []).append((p, index, pi, storage))
+        for kind, members in kinds.items():
+            if len(members) < 2:
+                layout.rest.extend((gi, pi, index) for _, index, pi, _ in members)
+                continue
+            # (the large parameters first, each a piece of its own; the small ones after them,
+            # together, so that their pieces gather many: _pieces)
+            limit = _gathered(members[0][0].device)
+            members.sort(key=lambda m: m[0].numel() < limit)
+            bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
+            if bucket is None:
+                changed = True
+                bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
+                                 members[0][3])
+            layout.buckets.append(bucket)
+    layout.rest.sort()
+    if changed or kept:
+        opt._step_plan = None  # (its state tensors were replaced by the buckets' views)
+    opt._buckets = layout if layout.buckets else None
+
+
+def step_buckets(opt) -> bool:
+    """A plain step (no loss scaler) through the buckets ``flatten`` laid out: validate as the
+    full step does (raising its errors), step each bucket and the parameters stepped on their
+    own; False, having written nothing, where anything the buckets rely on changed."""
+    layout = opt.__dict__.get("_buckets")
+    if (layout is None or opt.__dict__.get("_in_backward") is not None
+            or not layout.same_groups(opt)):
+        return False
+    storages = []
+    for gi, (group, (_, _, options, flags)) in enumerate(
+        zip(opt.param_groups, layout.groups, strict=True)
+    ):
+        storages.append(opt._validate_group(group, gi))  # (raises as the full step would)
+        if opt._plan_options(group) != options or opt._flags(group) != flags:
+            return False
+    grads = []
+    for bucket in layout.buckets:
+        g = bucket.gradients() if bucket.current(opt) else None
+        if g is None:
+            return False
+        grads.append(g)
+    rest, expected = [], {}
+    for gi, pi, index in layout.rest:
+        group = opt.param_groups[gi]
+        p = group["params"][pi]
+        if p.grad is None:
+            continue
+        storage = storages[gi][pi]
+        if opt._check_param(group, p, storage, (gi, pi), expected):
+            return False  # (buffers to create: the full step's _step_late)
+        rest.append((group, p, index, storage))
+    memo: dict[Any, Any] = {}
+    for bucket, g in zip(layout.buckets, grads, strict=True):
+        bucket.step(opt, g, memo)
+    for group, p, index, storage in rest:
+        opt._step_param(group, p, index, storage, None, memo)
+    return True

@@ -1,0 +1,213 @@
+"""Buckets (``lowprec.optim.buckets``): after the first step, a group's parameters and state are
+views of flat buffers and a step takes a few compiled calls per bucket, whatever the number of
+tensors.
+
+The reference is the step without buckets (``no_buckets``: the full step, compiled per tensor),
+itself checked against eager and torch.optim elsewhere; every comparison is bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lowprec.optim import SGD, AdamW, Lion, buckets
+from tests._same import assert_same
+from tests.test_replay import CHANGE_AT, CHANGES, STEPS
+
+# (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
+pytestmark = pytest.mark.fused
+
+# Two buckets' worth of even-sized tensors, an odd-sized and a one-element one (stepped alone).
+SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,), (16, 6)]
+
+
+def _adamw_kahan(params):
+    return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3)
+
+
+def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS):
+    """Steps with fresh random gradients (the same for both runs), ``change(params, opt, saved)``
+    before step CHANGE_AT (``saved``: a state_dict after the first step). Returns the parameters,
+    the optimizer and how many steps went through the buckets."""
+    gen = torch.Generator().manual_seed(0)
+    params = [(torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
+              for s in SHAPES]
+    opt = make(params)
+    taken = 0
+    with monkeypatch.context() as m:
+        real = buckets.step_buckets
+
+        def spy(o):
+            nonlocal taken
+            done = real(o)
+            taken += done
+            return done
+
+        if use_buckets:
+            m.setattr(buckets, "step_buckets", spy)
+        else:
+            m.setattr(buckets, "step_buckets", lambda o: False)
+            m.setattr(buckets, "flatten", lambda o: None)
+        saved = None
+        for step in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            if step == CHANGE_AT:
+                change(params, opt, saved)
+            opt.step()
+            if step == 0:
+                saved = copy.deepcopy(opt.state_dict())
+    return params, opt, taken
+
+
+# Changes after which the next step still goes through the buckets (the others take a full
+# step, which lays the buckets out again).
+KEPT = ("nothing", "momentum_in_place", "lr_and_betas", "step_count_written",
+        "step_counts_past_2_24", "step_counts_written_through_data", "a_grad_missing",
+        "grads_in_fp32", "grad_non_contiguous")
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_buckets_equal_the_step_without_them_across_a_change(name, monkeypatch):
+    """Each change the recorded step must notice (tests/test_replay.py): a step through the
+    buckets gives the bits of the full step, before and after it; the buckets are used from the
+    second step on, and again after a change that forced a full step."""
+    pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch)
+    pb, ob, taken = _run(_adamw_kahan, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch)
+    assert_same(pa, oa, pb, ob)
+    # Step 0 creates the state; a change that forces a full step costs one step.
+    assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
+    lambda ps: AdamW(ps, lr=1e-2, master="fp32", state_dtype=torch.float32, fused=True),
+    lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1, master="kahan", fused=True),
+], ids=["sgd-split", "adamw-fp32", "lion-kahan"])
+def test_buckets_equal_the_step_without_them_for_other_rules(make, monkeypatch):
+    pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch)
+    pb, ob, taken = _run(make, CHANGES["a_grad_missing"], use_buckets=True,
+                         monkeypatch=monkeypatch)
+    assert_same(pa, oa, pb, ob)
+    assert taken == STEPS - 1
+
+
+def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put():
+    params = [torch.zeros(s, dtype=torch.bfloat16, requires_grad=True) for s in SHAPES]
+    ptrs = [p.data_ptr() for p in params]
+    opt = _adamw_kahan(params)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    (bucket,) = opt._buckets.buckets
+    inside = [p for p in params if p.numel() % 2 == 0 and p.numel() > 1]
+    assert bucket.params == inside
+    for name in ("exp_avg", "exp_avg_sq", "compensation"):
+        storages = {opt.state[p][name].untyped_storage().data_ptr() for p in inside}
+        assert storages == {bucket.flats[name].untyped_storage().data_ptr()}, name
+    assert {opt.state[p]["step"].untyped_storage().data_ptr() for p in inside} == {
+        bucket.counts.untyped_storage().data_ptr()}
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
+    # (the parameters keep their own storage: Accelerate's checkpoints drop shared ones)
+    assert [p.data_ptr() for p in params] == ptrs
+
+
+def _host_calls(step) -> int:
+    """Operator calls and compiled-region calls one ``step()`` makes from Python: profiler
+    events that are not inside another operator or compiled region."""
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def counted(e):
+        return e.name.startswith("aten::") or "Compiled" in e.name
+
+    def nested(e):
+        q = e.cpu_parent
+        while q is not None:
+            if counted(q):
+                return True
+            q = q.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if counted(e) and not nested(e))
+
+
+@pytest.mark.parametrize("make", [
+    _adamw_kahan,
+    lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
+], ids=["adamw-kahan", "sgd-split"])
+def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make):
+    """Issue 39's target: a step's operator and compiled calls at 512 tensors at most twice those
+    at 16 (the step without buckets made ~9 per tensor)."""
+    calls = {}
+    for n in (16, 512):
+        params = [torch.randn(1024).to(torch.bfloat16).requires_grad_() for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make(params)
+        opt.step()  # (creates the state and lays the buckets out)
+        calls[n] = _host_calls(opt.step)
+        assert opt._buckets is not None
+    assert calls[512] <= 2 * calls[16], calls
+
+
+def test_a_model_moved_after_buckets_is_laid_out_again():
+    """``model.to(...)`` (here: to the same device, a new copy of each parameter) rebinds the
+    parameters: the next step notices, takes a full step and lays the buckets out again,
+    with the bits of a run that never had buckets."""
+    params = [torch.randn(s).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+    opt = _adamw_kahan(params)
+    for step in range(4):
+        for p in params:
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        if step == 2:
+            for p in params:
+                p.data = p.data.clone()
+            assert not opt._buckets.buckets[0].current(opt)
+        opt.step()
+    assert opt._buckets.buckets[0].current(opt)
+    assert all(opt.state[p]["step"].item() == 4 for p in params)
+
+
+def test_a_hogwild_model_in_shared_memory_is_stepped_in_place():
+    """Parameters in shared memory (``share_memory_()``: other processes read and step them)
+    are stepped where they are, and equal a run without buckets."""
+    runs = []
+    for use in (False, True):
+        params = [torch.ones(s).to(torch.bfloat16).share_memory_().requires_grad_()
+                  for s in SHAPES]
+        ptrs = [p.data_ptr() for p in params]
+        opt = _adamw_kahan(params)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 0.01 * (step + 1))
+            if not use:
+                opt._buckets = None
+            opt.step()
+        assert [p.data_ptr() for p in params] == ptrs and all(p.is_shared() for p in params)
+        if use:
+            assert opt._buckets is not None
+        runs.append((params, opt))
+    assert_same(*runs[0], *runs[1])
+
+
+def test_an_option_that_adds_a_buffer_lays_the_buckets_out_again(monkeypatch):
+    """SGD's momentum turned on after the first steps: its buffer is created by the full step
+    (as torch.optim creates it), and the buckets are laid out again with it."""
+    def momentum_on(params, opt, saved):
+        opt.param_groups[0]["momentum"] = 0.9
+
+    def make(ps):
+        return SGD(ps, lr=1e-2, momentum=0.0, master="kahan", fused=True)
+
+    pa, oa, _ = _run(make, momentum_on, use_buckets=False, monkeypatch=monkeypatch)
+    pb, ob, taken = _run(make, momentum_on, use_buckets=True, monkeypatch=monkeypatch)
+    assert_same(pa, oa, pb, ob)
+    assert taken == STEPS - 2
+    assert "momentum_buffer" in ob._buckets.buckets[0].names
