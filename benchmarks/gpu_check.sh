@@ -13,7 +13,8 @@
 #   3 pytest       python -m pytest -m gpu -v over tests/ (pytest-xdist workers where it is
 #                  installed): each test's outcome, also of a run its time limit cut short
 #   4 bench        benchmarks/step_profile.py (host launch time against device time, kernels
-#                  per step), then benchmarks/optimizer_step.py on CUDA: the default step's BF16
+#                  per step), benchmarks/step_calls.py (host calls per step against the number
+#                  of tensors), then benchmarks/optimizer_step.py on CUDA: the default step's BF16
 #                  rows against torch's fused FP32 and BF16 AdamW (same-run ratios, %axpy)
 #   5 choices      benchmarks/device_choices.py and benchmarks/fast_path.py on CUDA
 #   6 train        lowprec compare and lowprec memory on CUDA; the FSDP2 and DDP 1-bit
@@ -277,6 +278,16 @@ sec_bench() {
     rc=$?
     ((rc == 0)) || key "step_profile.py: exit $rc after at most $t s (4-profile.log)"
     sed -n '/^config /,/^$/p' "$plog" | grep -v '^$' | sed 's/^/profile: /' >>"$KEY"
+    if ((GPU)); then
+        # Host calls per step and time against the number of tensors (buckets, the step
+        # without them, torch's fused FP32 AdamW; issue 39's targets): 16 and 512 small tensors,
+        # and 100M parameters in 128 tensors.
+        t=$(min 40 $(($1 / 4)))
+        run "$t" "$OUT/4-calls.log" "$PY" benchmarks/step_calls.py --device cuda --rounds 10 \
+            --layouts 16x4096,512x4096,128x781250 \
+            --rows torch-adamw-fp32,adamw-kahan,adamw-kahan-per-tensor
+        grep -E '^(adamw|torch|[0-9]+x)' "$OUT/4-calls.log" | sed 's/^/calls: /' >>"$KEY"
+    fi
     t=$(($1 - ($(now) - SECTION_START)))
     if ((t < 20)); then
         STATUS=fail; REASON="no time left for optimizer_step.py after the profile"; return

@@ -1,0 +1,173 @@
+"""A step's host calls and time against the number of tensors: lowprec's buckets, the step without
+them, and torch's fused FP32 optimizers, measured in the same run.
+
+Per layout and row it prints
+
+* ``calls``: the operator calls and compiled-region calls one ``step()`` makes from Python
+  (torch.profiler events not inside another operator or compiled region; on a GPU each is at
+  least a launch or a host round trip);
+* ``events``: every profiler event of the step, nested ones too (torch's CPU fused AdamW loops
+  over its tensors inside one operator: one call, seven events per tensor);
+* ``ms``: the median wall time of a step, and ``x torch``: the median of the per-round ratios to
+  torch's fused FP32 optimizer of the same family, timed in the same round (rows interleaved,
+  one step each per round: these machines are shared, and their speed drifts within seconds).
+
+Layouts: ``N x E`` is N tensors of E elements; ``25M`` is ``optimizer_step.py``'s transformer
+layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``), ``per-tensor``
+the same optimizer with buckets turned off (a compiled call per tensor, the recorded step and
+batches of small tensors: the step before buckets), ``eager`` the default step without
+``torch.compile``.
+
+    python benchmarks/step_calls.py                       # 16 x 4096, 512 x 4096, 25M
+    python benchmarks/step_calls.py --layouts 512x4096 --rounds 40
+    python benchmarks/step_calls.py --device cuda --layouts 128x781250   # issue 39's GPU row
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
+import lowprec
+from lowprec.optim import buckets
+from optimizer_step import layout
+
+# name -> (family, parameter dtype, factory, buckets on)
+ROWS = {
+    "torch-adamw-fp32": ("adamw", torch.float32,
+                         lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), True),
+    "adamw-kahan": ("adamw", torch.bfloat16,
+                    lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=True), True),
+    "adamw-kahan-per-tensor": ("adamw", torch.bfloat16,
+                               lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=True),
+                               False),
+    "adamw-kahan-eager": ("adamw", torch.bfloat16,
+                          lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=False),
+                          True),
+    "torch-sgd-fp32": ("sgd", torch.float32,
+                       lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), True),
+    "sgd-split": ("sgd", torch.bfloat16,
+                  lambda ps: lowprec.SGD(ps, lr=1e-3, momentum=0.9, master="split", fused=True),
+                  True),
+    "sgd-split-per-tensor": ("sgd", torch.bfloat16,
+                             lambda ps: lowprec.SGD(ps, lr=1e-3, momentum=0.9, master="split",
+                                                    fused=True), False),
+}
+REFERENCE = {"adamw": "torch-adamw-fp32", "sgd": "torch-sgd-fp32"}
+
+
+def shapes_of(name: str) -> list[tuple[int, ...]]:
+    if name.upper().endswith("M"):
+        return [s for _, s in layout(float(name[:-1]))[2]]
+    n, e = name.lower().split("x")
+    return [(int(e),)] * int(n)
+
+
+@contextlib.contextmanager
+def buckets_off(off: bool):
+    """The step without buckets (``buckets.step_buckets`` declining, ``flatten`` a no-op)."""
+    if not off:
+        yield
+        return
+    real = buckets.step_buckets, buckets.flatten
+    buckets.step_buckets, buckets.flatten = (lambda opt: False), (lambda opt: None)
+    try:
+        yield
+    finally:
+        buckets.step_buckets, buckets.flatten = real
+
+
+def host_calls(step) -> tuple[int, int]:
+    """(calls, events) of one ``step()``: see the module docstring."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+
+    def counted(e):
+        return e.name.startswith("aten::") or "Compiled" in e.name
+
+    def nested(e):
+        q = e.cpu_parent
+        while q is not None:
+            if counted(q):
+                return True
+            q = q.cpu_parent
+        return False
+
+    return sum(1 for e in events if counted(e) and not nested(e)), len(events)
+
+
+def run_layout(name: str, rows: list[str], rounds: int, warmup: int, device: str) -> None:
+    shapes = shapes_of(name)
+    gen = torch.Generator().manual_seed(0)
+    values = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    made = {}
+    for row in rows:
+        _, dtype, factory, on = ROWS[row]
+        params = [v.to(dtype, copy=True).requires_grad_() for v in values]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.to(dtype)
+        opt = factory(params)
+        with buckets_off(not on):
+            for _ in range(warmup):  # (state, compiled kernels, buckets laid out)
+                opt.step()
+            calls = host_calls(opt.step)
+        made[row] = (opt, on, calls)
+    times: dict[str, list[float]] = {row: [] for row in rows}
+    for _ in range(rounds):  # (interleaved: a step of every row per round)
+        for row in rows:
+            opt, on, _ = made[row]
+            with buckets_off(not on):
+                sync()
+                start = time.perf_counter()
+                opt.step()
+                sync()
+                times[row].append(time.perf_counter() - start)
+    n = sum(v.numel() for v in values)
+    print(f"\n{name}: {len(shapes)} tensors, {n / 1e6:.2f}M parameters")
+    print(f"{'row':24s} {'calls':>6s} {'events':>7s} {'ms':>8s} {'x torch':>8s}")
+    for row in rows:
+        ref = REFERENCE[ROWS[row][0]]
+        ratio = (statistics.median(a / b for a, b in zip(times[row], times[ref], strict=True))
+                 if ref in times else float("nan"))
+        calls, events = made[row][2]
+        print(f"{row:24s} {calls:6d} {events:7d} {statistics.median(times[row]) * 1e3:8.2f} "
+              f"{ratio:8.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="16x4096,512x4096,25M")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    # (the CPU's model, family and vector ISA: CI's own line)
+    cpu = pathlib.Path(__file__).resolve().parents[1] / ".ci" / "cpu.sh"
+    print(subprocess.run(["bash", str(cpu), sys.executable], capture_output=True,
+                         text=True).stdout.strip(), f"; torch {torch.__version__}")
+    for name in args.layouts.split(","):
+        run_layout(name, rows, args.rounds, args.warmup, args.device)
+
+
+if __name__ == "__main__":
+    main()
