@@ -8,20 +8,21 @@ itself checked against eager and torch.optim elsewhere; every comparison is bit 
 
 from __future__ import annotations
 
-import copy
+import importlib.util
+import pathlib
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from lowprec.optim import SGD, AdamW, Lion, buckets
 from tests._same import assert_same
-from tests.test_replay import CHANGE_AT, CHANGES, STEPS
+from tests.test_replay import CHANGES, STEPS
+from tests.test_replay import _run as replay_run
 
 # (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
 pytestmark = pytest.mark.fused
 
-# Two buckets' worth of even-sized tensors, an odd-sized and a one-element one (stepped alone).
+# Even-sized tensors (one bucket), an odd-sized and a one-element one (stepped alone).
 SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,), (16, 6)]
 
 
@@ -30,13 +31,9 @@ def _adamw_kahan(params):
 
 
 def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS):
-    """Steps with fresh random gradients (the same for both runs), ``change(params, opt, saved)``
-    before step CHANGE_AT (``saved``: a state_dict after the first step). Returns the parameters,
-    the optimizer and how many steps went through the buckets."""
-    gen = torch.Generator().manual_seed(0)
-    params = [(torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
-              for s in SHAPES]
-    opt = make(params)
+    """``test_replay._run``'s steps (fresh random gradients, ``change`` before step CHANGE_AT),
+    with buckets or without them. Returns the parameters, the optimizer and how many steps went
+    through the buckets."""
     taken = 0
     with monkeypatch.context() as m:
         real = buckets.step_buckets
@@ -52,15 +49,7 @@ def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS):
         else:
             m.setattr(buckets, "step_buckets", lambda o: False)
             m.setattr(buckets, "flatten", lambda o: None)
-        saved = None
-        for step in range(steps):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
-            if step == CHANGE_AT:
-                change(params, opt, saved)
-            opt.step()
-            if step == 0:
-                saved = copy.deepcopy(opt.state_dict())
+        params, opt, _ = replay_run(make, change, replay=True, steps=steps)
     return params, opt, taken
 
 
@@ -117,25 +106,11 @@ def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put():
     assert [p.data_ptr() for p in params] == ptrs
 
 
-def _host_calls(step) -> int:
-    """Operator calls and compiled-region calls one ``step()`` makes from Python: profiler
-    events that are not inside another operator or compiled region."""
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-
-    def counted(e):
-        return e.name.startswith("aten::") or "Compiled" in e.name
-
-    def nested(e):
-        q = e.cpu_parent
-        while q is not None:
-            if counted(q):
-                return True
-            q = q.cpu_parent
-        return False
-
-    return sum(1 for e in prof.events() if counted(e) and not nested(e))
+# (the benchmark's count of a step's host calls: benchmarks/step_calls.py)
+_spec = importlib.util.spec_from_file_location(
+    "step_calls", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_calls.py")
+step_calls = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_calls)
 
 
 @pytest.mark.parametrize("make", [
@@ -152,7 +127,8 @@ def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make):
             p.grad = torch.randn_like(p)
         opt = make(params)
         opt.step()  # (creates the state and lays the buckets out)
-        calls[n] = _host_calls(opt.step)
+        opt.step()
+        calls[n] = step_calls.host_calls(opt.step)[0]
         assert opt._buckets is not None
     assert calls[512] <= 2 * calls[16], calls
 
