@@ -21,8 +21,8 @@ from lowprec.optim.options import _as_float
 class _Scaling:
     """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag.
 
-    The inf/NaN check is a read-only pass over the gradients (a min and a max per tensor, which
-    propagate inf and NaN) done before the first write, since a skipped step must leave every
+    The inf/NaN check is a read-only pass over the gradients (their largest magnitudes, one
+    multi-tensor call per device, which propagates inf and NaN) done before the first write, since a skipped step must leave every
     parameter unchanged, including those updated before the bad gradient would be met. The
     unscaling happens inside the update itself; ``p.grad`` is never rewritten.
     """
@@ -71,9 +71,10 @@ class _Scaling:
             grads = [p.grad for _, p, _, _ in work if p.device == device and p.grad.numel()]
             if not grads:
                 continue
-            # min + max of every gradient, summed in FP64 (no overflow from finite values): the
-            # total is finite exactly when every gradient is.
-            ends = torch.stack([e for g in grads for e in torch.aminmax(g)]).double()
+            # The largest magnitude of every gradient (one multi-tensor call: inf and NaN
+            # propagate), summed in FP64 (no overflow from finite values): the total is finite
+            # exactly when every gradient is.
+            ends = torch.stack(torch._foreach_norm(grads, float("inf"))).double()
             bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
         if found_inf is None:
             found = bad
