@@ -16,7 +16,8 @@ Layouts: ``N x E`` is N tensors of E elements; ``25M`` is ``optimizer_step.py``'
 layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``), ``per-tensor``
 the same optimizer with buckets turned off (a compiled call per tensor, the recorded step and
 batches of small tensors: the step before buckets), ``eager`` the default step without
-``torch.compile``.
+``torch.compile``, ``scaled`` the default step under the loss-scaler contract (``grad_scale`` and
+``found_inf`` set as GradScaler sets them; no buckets yet: the full step, recorded and redone).
 
     python benchmarks/step_calls.py                       # 16 x 4096, 512 x 4096, 25M
     python benchmarks/step_calls.py --layouts 512x4096 --rounds 40
@@ -54,6 +55,7 @@ ROWS = {
     "adamw-kahan-eager": ("adamw", torch.bfloat16,
                           lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=False),
                           True),
+    "adamw-kahan-scaled": ("adamw", torch.bfloat16, "scaled", True),
     "torch-sgd-fp32": ("sgd", torch.float32,
                        lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), True),
     "sgd-split": ("sgd", torch.bfloat16,
@@ -119,7 +121,12 @@ def run_layout(name: str, rows: list[str], rounds: int, warmup: int, device: str
         params = [v.to(dtype, copy=True).requires_grad_() for v in values]
         for p, g in zip(params, grads, strict=True):
             p.grad = g.to(dtype)
-        opt = factory(params)
+        if factory == "scaled":  # (the loss-scaler contract's inputs, as GradScaler sets them)
+            opt = lowprec.AdamW(params, lr=1e-3, master="kahan", fused=True)
+            opt.grad_scale = torch.ones((), device=device)
+            opt.found_inf = torch.zeros((), device=device)
+        else:
+            opt = factory(params)
         with buckets_off(not on):
             for _ in range(warmup):  # (state, compiled kernels, buckets laid out)
                 opt.step()
