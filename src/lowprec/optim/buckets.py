@@ -44,12 +44,13 @@ from lowprec.optim.update import _eager_chunk, _param_update
 
 __all__ = ["flatten", "step_buckets"]
 
-# Elements per compiled call of a bucket's small parameters, whose gradients are gathered into
-# one buffer for it; a parameter this large or larger takes a call of its own, its gradient used
-# where it is. CPU: the gathered gradients (2 MB in BF16) stay in cache and in the allocator's
-# reuse; gathered whole, a 25M-parameter bucket's 50 MB buffer was a fresh allocation that
-# page-faulted on every step (27 ms of a 83 ms step). CUDA: the caching allocator reuses it,
-# and each call costs a launch and ~30-70 us of host work: 64M elements (128 MB in BF16).
+# Elements per compiled call of a bucket's small parameters, whose values and gradients are
+# gathered into one buffer each for it; a parameter this large or larger takes a call of its
+# own, in place. CPU: the bucket's scratch buffers (2 MB each in BF16) are reused by every step
+# and stay in cache; gathered whole into fresh buffers, a 25M-parameter bucket's gradients (50
+# MB) page-faulted on every step (27 ms of an 83 ms step). CUDA: the caching allocator reuses
+# fresh buffers, and each call costs a launch and ~30-70 us of host work: 64M elements (128 MB
+# in BF16).
 _GATHERED = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
@@ -90,8 +91,8 @@ _GRAD, _SHAPE, _DTYPE, _DEVICE, _LAYOUT = map(
 
 
 class _Bucket:
-    """One group's parameters of one kind (``_kind``), their state and step counts laid out in
-    flat buffers, the parameters and state entries views of them."""
+    """One group's parameters of one kind (``_kind``): their state and step counts laid out in
+    flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = ("counts", "flat_params", "flats", "group", "indices", "kind", "names", "offsets",
                  "params", "prepared", "ptrs", "sbufs", "scratch", "shapes", "sizes",
