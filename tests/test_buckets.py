@@ -187,3 +187,24 @@ def test_an_option_that_adds_a_buffer_lays_the_buckets_out_again(monkeypatch):
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 2
     assert "momentum_buffer" in ob._buckets.buckets[0].names
+
+
+def test_a_large_non_contiguous_gradient_is_gathered_on_its_own(monkeypatch):
+    """A parameter too large to share a gathered piece (``buckets._GATHERED``, lowered here)
+    with a non-contiguous gradient: gathered into a buffer of its own size, with the bits of
+    the step without buckets."""
+    monkeypatch.setitem(buckets._GATHERED, "cpu", 1024)
+    runs = []
+    for use in (False, True):
+        params = [torch.ones(s).to(torch.bfloat16).requires_grad_() for s in [(64, 32), (40,)]]
+        opt = _adamw_kahan(params)
+        for step in range(3):
+            for p in params:
+                g = torch.full(p.shape[::-1], 0.01 * (step + 1), dtype=torch.bfloat16)
+                p.grad = g.t() if p.dim() == 2 else g
+            if not use:
+                opt._buckets = None
+            opt.step()
+        runs.append((params, opt))
+    assert runs[1][1]._buckets is not None
+    assert_same(*runs[0], *runs[1])

@@ -253,7 +253,7 @@ class _Bucket:
         (``scratch``, reused by every step: a fresh one of megabytes page-faults on every step,
         most of a small tensors' step), elsewhere a new one (CUDA's caching allocator reuses)."""
         t0 = tensors[0]
-        if t0.device.type == "cpu":
+        if t0.device.type == "cpu" and n <= _gathered(t0.device):  # (else: one large gradient)
             key = (role, t0.dtype)
             buf = self.scratch.get(key)
             if buf is None:
