@@ -21,7 +21,8 @@ interface, parameter groups and their validation, lazy state, ``step()``, ``mast
 ``master_state_dict`` beside it. The rest of a step comes from mixins, one module per stage, in
 the order a step meets them:
 
-* ``driver`` (``_FullStep``): ``step()`` after the closure; redo the recorded step or take a full
+* ``driver`` (``_FullStep``): ``step()`` after the closure; step through the buckets
+  (``buckets``, plain functions taking the optimizer), redo the recorded step or take a full
   one: validate, check the gradients under a loss scaler, step the large parameters one by one
   (eager, in chunks, or compiled), then the small ones in batches, and record the step;
 * ``replay`` (``_Replay``): redo a recorded step (``plan``: ``_Plan``, ``_Entry``, ``_Batch``,

@@ -1,10 +1,12 @@
 """The step driver (``_FullStep``, a mixin of ``LowPrecisionOptimizer``): ``step()`` after its closure.
 
-``_step_all`` redoes the recorded step (``replay``) where nothing it relied on changed. Otherwise
-it validates everything (``_collect``), checks the gradients under a loss scaler
-(``loss_scale._Scaling``), creates the buffers an option turned on (``_step_late``), steps the
-large parameters one by one and the small ones in batches (``batches``), and records what it did
-(``plan._Plan``) for the next step to redo. ``_step_param`` is one parameter's step: compiled
+``_step_all`` first steps through the buckets (``buckets.step_buckets``: a plain step, a few
+calls per group of tensors) where they hold, then redoes the recorded step (``replay``) where
+nothing it relied on changed. Otherwise it validates everything (``_collect``), checks the
+gradients under a loss scaler (``loss_scale._Scaling``), creates the buffers an option turned on
+(``_step_late``), steps the large parameters one by one and the small ones in batches
+(``batches``), records what it did (``plan._Plan``) for the next step to redo, and after a plain
+step lays the buckets out (``buckets.flatten``). ``_step_param`` is one parameter's step: compiled
 (``compiled``: ``_prepare_fused``, ``_run_fused``) where enabled and possible, else eager, in
 chunks on a large tensor; both run ``update._param_update``. The step's numbers (flags,
 coefficients and their 0-d tensors, random keys; on the device, under a loss scaler off the CPU)
