@@ -233,7 +233,7 @@ class _Bucket:
                         storage, flags, p, g,
                         *({k: self.flats[k][lo:hi] for k in ks} for ks in names),
                     )
-                fused.p = p  # (this step's gathered parameters: a new buffer each step)
+                fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
                 opt._run_fused(fused, g, coeffs, c32, 0, 0, {})
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
