@@ -101,20 +101,26 @@ def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int], new: 
     shared memory), only recognised when already laid out so (e.g. by an earlier step)."""
     ts = [st[name] for st in states]
     base = ts[0]._base
-    if base is not None and base.dim() == 1 and base.numel() == sum(sizes):
+    total = sum(sizes)
+    # (an odd total is padded by an element: Inductor's functionalization views a kernel's
+    # input's whole storage as the kernel's words of pairs, and fails to compile on a storage
+    # that is not a whole number of them)
+    padded = total + total % 2
+    if base is not None and base.dim() == 1 and base.numel() == padded:
         ptr, width, at = base.data_ptr(), base.element_size(), 0
         for t, n in zip(ts, sizes, strict=True):
             if t._base is not base or t.data_ptr() != ptr + at * width or t.dtype != base.dtype:
                 break
             at += n
         else:
-            return base
+            return base[:total]
     if not new:
         return None
-    buf = torch.cat([t.reshape(-1) for t in ts])
-    for st, t, view in zip(states, ts, buf.split(sizes), strict=True):
+    buf = torch.empty(padded, dtype=ts[0].dtype, device=ts[0].device)
+    torch.cat([t.reshape(-1) for t in ts], out=buf[:total])
+    for st, t, view in zip(states, ts, buf[:total].split(sizes), strict=True):
         st[name] = view.view(t.shape)
-    return buf
+    return buf[:total]
 
 
 # Recorded parameters of one kernel variant are redone by shared compiled calls (``_Many``). Dynamo
