@@ -21,10 +21,10 @@ from lowprec.optim.options import _as_float
 class _Scaling:
     """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag.
 
-    The inf/NaN check is a read-only pass over the gradients (their largest magnitudes, one
-    multi-tensor call per device, which propagates inf and NaN) done before the first write, since a skipped step must leave every
-    parameter unchanged, including those updated before the bad gradient would be met. The
-    unscaling happens inside the update itself; ``p.grad`` is never rewritten.
+    The inf/NaN check is a pass over the gradients (``_non_finite``, a call or two per device)
+    done before the first write, since a skipped step must leave every parameter unchanged,
+    including those updated before the bad gradient would be met. The unscaling happens inside
+    the update itself, which writes the gradients back unscaled.
     """
 
     def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
@@ -69,13 +69,8 @@ class _Scaling:
         bad = torch.zeros((), dtype=torch.float32, device=home)
         for device in devices:
             grads = [p.grad for _, p, _, _ in work if p.device == device and p.grad.numel()]
-            if not grads:
-                continue
-            # The largest magnitude of every gradient (one multi-tensor call: inf and NaN
-            # propagate), summed in FP64 (no overflow from finite values): the total is finite
-            # exactly when every gradient is.
-            ends = torch.stack(torch._foreach_norm(grads, float("inf"))).double()
-            bad += (~torch.isfinite(ends.sum())).to(device=home, dtype=torch.float32)
+            if grads:
+                bad += _non_finite(grads, device).to(home)
         if found_inf is None:
             found = bad
         else:
@@ -106,6 +101,41 @@ class _Scaling:
         if device not in self._taken:
             self._taken[device] = (~self.skip_on(device)).float()
         return self._taken[device]
+
+
+def _non_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (0-d FP32, on ``device``) where any of ``grads`` (on ``device``) holds inf or NaN, else
+    0.0, read-only for the values.
+
+    On the CPU, torch's loss-scaler check (``_amp_foreach_non_finite_check_and_unscale_``, with
+    a scale of 1: each contiguous gradient is read and written back times 1.0, the same bits) is
+    one vectorized pass per gradient; ``torch._foreach_norm`` loops over its tensors one operator
+    at a time there: 6.5 against 45 ms for 25M BF16 gradients in 32 tensors, 1.5 against 9.6 ms
+    for 512 of 4,096 elements (2 threads, an AVX2-only AMD EPYC). Elsewhere, and for gradients
+    that are not contiguous (an expanded one cannot be written), the largest magnitude of every
+    gradient (one multi-tensor call: inf and NaN propagate; torch's CUDA check has no BF16
+    kernel, pytorch#127176), summed in FP64 (no overflow from finite values): the total is
+    finite exactly when every gradient is."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    dense = [g for g in grads if g.is_contiguous()] if device.type == "cpu" else []
+    if dense:
+        torch._amp_foreach_non_finite_check_and_unscale_(dense, found, _one(device))
+    if len(dense) < len(grads):
+        rest = [g for g in grads if device.type != "cpu" or not g.is_contiguous()]
+        ends = torch.stack(torch._foreach_norm(rest, float("inf"))).double()
+        found += (~torch.isfinite(ends.sum())).float()
+    return found.clamp_(max=1.0)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A 0-d FP32 1.0 on ``device``, kept (made once)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def _mode(scaling: _Scaling | None) -> str | bool:
