@@ -17,7 +17,7 @@ layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``),
 the same optimizer with buckets turned off (a compiled call per tensor, the recorded step and
 batches of small tensors: the step before buckets), ``eager`` the default step without
 ``torch.compile``, ``scaled`` the default step under the loss-scaler contract (``grad_scale`` and
-``found_inf`` set as GradScaler sets them; no buckets yet: the full step, recorded and redone).
+``found_inf`` set as GradScaler sets them), ``8bit`` with 8-bit moments.
 
     python benchmarks/step_calls.py                       # 16 x 4096, 512 x 4096, 25M
     python benchmarks/step_calls.py --layouts 512x4096 --rounds 40
@@ -43,27 +43,34 @@ import lowprec
 from lowprec.optim import buckets
 from optimizer_step import layout
 
-# name -> (family, parameter dtype, factory, buckets on)
+
+def _adamw_kahan(**kw):
+    return lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", **kw)
+
+
+# name -> (family, parameter dtype, factory, buckets on, under a loss scaler)
 ROWS = {
     "torch-adamw-fp32": ("adamw", torch.float32,
-                         lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), True),
-    "adamw-kahan": ("adamw", torch.bfloat16,
-                    lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=True), True),
-    "adamw-kahan-per-tensor": ("adamw", torch.bfloat16,
-                               lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=True),
-                               False),
-    "adamw-kahan-eager": ("adamw", torch.bfloat16,
-                          lambda ps: lowprec.AdamW(ps, lr=1e-3, master="kahan", fused=False),
-                          True),
-    "adamw-kahan-scaled": ("adamw", torch.bfloat16, "scaled", True),
+                         lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), True, False),
+    "adamw-kahan": ("adamw", torch.bfloat16, _adamw_kahan(fused=True), True, False),
+    "adamw-kahan-per-tensor": ("adamw", torch.bfloat16, _adamw_kahan(fused=True), False, False),
+    "adamw-kahan-eager": ("adamw", torch.bfloat16, _adamw_kahan(fused=False), True, False),
+    "adamw-kahan-scaled": ("adamw", torch.bfloat16, _adamw_kahan(fused=True), True, True),
+    "adamw-kahan-scaled-per-tensor": ("adamw", torch.bfloat16, _adamw_kahan(fused=True), False,
+                                      True),
+    "adamw-kahan-8bit": ("adamw", torch.bfloat16, _adamw_kahan(fused=True, state_dtype="8bit"),
+                         True, False),
+    "adamw-kahan-8bit-per-tensor": ("adamw", torch.bfloat16,
+                                    _adamw_kahan(fused=True, state_dtype="8bit"), False, False),
     "torch-sgd-fp32": ("sgd", torch.float32,
-                       lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), True),
+                       lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), True,
+                       False),
     "sgd-split": ("sgd", torch.bfloat16,
                   lambda ps: lowprec.SGD(ps, lr=1e-3, momentum=0.9, master="split", fused=True),
-                  True),
+                  True, False),
     "sgd-split-per-tensor": ("sgd", torch.bfloat16,
                              lambda ps: lowprec.SGD(ps, lr=1e-3, momentum=0.9, master="split",
-                                                    fused=True), False),
+                                                    fused=True), False, False),
 }
 REFERENCE = {"adamw": "torch-adamw-fp32", "sgd": "torch-sgd-fp32"}
 
@@ -82,7 +89,7 @@ def buckets_off(off: bool):
         yield
         return
     real = buckets.step_buckets, buckets.flatten
-    buckets.step_buckets, buckets.flatten = (lambda opt: False), (lambda opt: None)
+    buckets.step_buckets, buckets.flatten = (lambda opt, *scaler: False), (lambda opt: None)
     try:
         yield
     finally:
@@ -117,16 +124,14 @@ def run_layout(name: str, rows: list[str], rounds: int, warmup: int, device: str
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     made = {}
     for row in rows:
-        _, dtype, factory, on = ROWS[row]
+        _, dtype, factory, on, scaled = ROWS[row]
         params = [v.to(dtype, copy=True).requires_grad_() for v in values]
         for p, g in zip(params, grads, strict=True):
             p.grad = g.to(dtype)
-        if factory == "scaled":  # (the loss-scaler contract's inputs, as GradScaler sets them)
-            opt = lowprec.AdamW(params, lr=1e-3, master="kahan", fused=True)
+        opt = factory(params)
+        if scaled:  # (the loss-scaler contract's inputs, as GradScaler sets them)
             opt.grad_scale = torch.ones((), device=device)
             opt.found_inf = torch.zeros((), device=device)
-        else:
-            opt = factory(params)
         with buckets_off(not on):
             for _ in range(warmup):  # (state, compiled kernels, buckets laid out)
                 opt.step()

@@ -108,5 +108,5 @@ def no_buckets(monkeypatch):
     calls), on layouts that buckets would take."""
     from lowprec.optim import buckets
 
-    monkeypatch.setattr(buckets, "step_buckets", lambda opt: False)
+    monkeypatch.setattr(buckets, "step_buckets", lambda opt, *scaler: False)
     monkeypatch.setattr(buckets, "flatten", lambda opt: None)

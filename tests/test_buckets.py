@@ -30,7 +30,7 @@ def _adamw_kahan(params):
     return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3)
 
 
-def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS):
+def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None):
     """``test_replay._run``'s steps (fresh random gradients, ``change`` before step CHANGE_AT),
     with buckets or without them. Returns the parameters, the optimizer and how many steps went
     through the buckets."""
@@ -38,18 +38,18 @@ def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS):
     with monkeypatch.context() as m:
         real = buckets.step_buckets
 
-        def spy(o):
+        def spy(o, *scaler):
             nonlocal taken
-            done = real(o)
+            done = real(o, *scaler)
             taken += done
             return done
 
         if use_buckets:
             m.setattr(buckets, "step_buckets", spy)
         else:
-            m.setattr(buckets, "step_buckets", lambda o: False)
+            m.setattr(buckets, "step_buckets", lambda o, *scaler: False)
             m.setattr(buckets, "flatten", lambda o: None)
-        params, opt, _ = replay_run(make, change, replay=True, steps=steps)
+        params, opt, _ = replay_run(make, change, replay=True, steps=steps, scaled=scaled)
     return params, opt, taken
 
 
@@ -85,6 +85,97 @@ def test_buckets_equal_the_step_without_them_for_other_rules(make, monkeypatch):
     assert taken == STEPS - 1
 
 
+@pytest.mark.parametrize("name", ["nothing", "a_grad_missing", "grads_in_fp32",
+                                  "grad_non_contiguous", "state_loaded"])
+@pytest.mark.parametrize("scaled", [lambda step: True, lambda step: step % 2 == 0],
+                         ids=["every-step", "even-steps"])
+def test_buckets_under_a_loss_scaler_equal_the_step_without_them(name, scaled, monkeypatch):
+    """Steps under the loss-scaler contract (``grad_scale`` and ``found_inf``; one step sees an
+    inf and is skipped), alone or between plain steps: the buckets' bits are the full step's,
+    their unscaled gradients and the scaler's ``found_inf`` included, and the buckets take the
+    scaled steps too."""
+    found = []
+
+    def make(ps):
+        opt = _adamw_kahan(ps)
+        real = opt.step
+
+        def step(*args, found_inf=None, **kw):
+            out = real(*args, found_inf=found_inf, **kw)
+            if found_inf is not None:
+                found.append(found_inf.item())
+            return out
+        opt.step = step
+        return opt
+
+    pa, oa, _ = _run(make, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
+                     scaled=scaled)
+    grads_a, found_a = [p.grad for p in pa], found[:]
+    found.clear()
+    pb, ob, taken = _run(make, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch,
+                         scaled=scaled)
+    assert_same(pa, oa, pb, ob)
+    assert found == found_a and 1.0 in found
+    for ga, gb in zip(grads_a, [p.grad for p in pb], strict=True):
+        assert (ga is None) == (gb is None)
+        if ga is not None:
+            torch.testing.assert_close(gb, ga, rtol=0, atol=0)
+    assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
+
+
+# Parameters of whole blocks (8-bit or 4-bit state, in one bucket) and smaller ones (FP32 state:
+# a bucket of their own, or stepped alone).
+QUANTIZED_SHAPES = [(64, 256), (300,), (32, 128), (4096,), (7,), (16, 6)]
+
+
+@pytest.mark.parametrize("name", ["nothing", "a_grad_missing", "state_loaded"])
+@pytest.mark.parametrize("scaled", [None, lambda step: True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("state_dtype", ["8bit", "4bit"])
+def test_buckets_with_quantized_state_equal_the_step_without_them(state_dtype, scaled, name,
+                                                                   monkeypatch):
+    """8-bit and 4-bit state: codes and their scales (one per block) are laid out in flat
+    buffers as the other state is, with the bits of the full step, under a loss scaler too."""
+    import tests.test_replay as test_replay
+
+    monkeypatch.setattr(test_replay, "SHAPES", QUANTIZED_SHAPES)
+
+    def make(ps):
+        return AdamW(ps, lr=1e-2, weight_decay=0.1, master="kahan", state_dtype=state_dtype,
+                     fused=True)
+
+    pa, oa, _ = _run(make, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
+                     scaled=scaled)
+    pb, ob, taken = _run(make, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch,
+                         scaled=scaled)
+    assert_same(pa, oa, pb, ob)
+    assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
+    coded = [b for b in ob._buckets.buckets if b.qstate]
+    assert len(coded) == 1 and len(coded[0].params) == 3, ob._buckets.buckets
+    scale = coded[0].flats["exp_avg_scale"]
+    assert scale.numel() == sum(p.numel() for p in coded[0].params) // 256
+
+
+def test_buckets_skip_on_a_found_inf_alone():
+    """``found_inf`` without ``grad_scale`` (the gradients unscaled already, as after
+    GradScaler's ``unscale_``): a step the flag marks is skipped through the buckets, bit for
+    bit, and the counts stay."""
+    runs = []
+    for use in (False, True):
+        params = [torch.ones(s).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+        opt = _adamw_kahan(params)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.full_like(p, 0.01 * (step + 1))
+            if not use:
+                opt._buckets = None
+            opt.step(found_inf=torch.full((), float(step == 2)))
+        if use:
+            assert opt._buckets is not None
+        assert all(opt.state[p]["step"].item() == 3 for p in params)
+        runs.append((params, opt))
+    assert_same(*runs[0], *runs[1])
+
+
 def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put():
     params = [torch.zeros(s, dtype=torch.bfloat16, requires_grad=True) for s in SHAPES]
     ptrs = [p.data_ptr() for p in params]
@@ -113,16 +204,26 @@ step_calls = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(step_calls)
 
 
+def _scaled(opt):
+    """``opt`` stepped under the loss-scaler contract, as GradScaler sets it up."""
+    opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())
+    return opt
+
+
 @pytest.mark.parametrize("make", [
     _adamw_kahan,
+    lambda ps: _scaled(_adamw_kahan(ps)),
+    lambda ps: AdamW(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
-], ids=["adamw-kahan", "sgd-split"])
+], ids=["adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "sgd-split"])
 def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make):
     """Issue 39's target: a step's operator and compiled calls at 512 tensors at most twice those
-    at 16 (the step without buckets made ~9 per tensor)."""
+    at 16 (the step without buckets made ~9 per tensor, ~18 under a loss scaler, ~30 with 8-bit
+    state)."""
     calls = {}
     for n in (16, 512):
-        params = [torch.randn(1024).to(torch.bfloat16).requires_grad_() for _ in range(n)]
+        # (4096 elements: the smallest parameter that gets 8-bit state)
+        params = [torch.randn(4096).to(torch.bfloat16).requires_grad_() for _ in range(n)]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = make(params)

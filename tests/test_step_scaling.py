@@ -143,8 +143,10 @@ def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, 
 
 @pytest.mark.parametrize(("name", "master"),
                          axes(sorted(OPTIMIZERS), MASTERS, at=("adamw", "stochastic")))
-def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch):
-    # (CPU only: batches of small parameters are the CPU fused step's.)
+def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch,
+                                                              no_buckets):
+    # (CPU only: batches of small parameters are the CPU fused step's; where buckets do not
+    # take them: tests/test_buckets.py checks buckets under a loss scaler.)
     # On CPU, small parameters share a compiled call under a loss scaler too (parameters of even
     # length, so that stochastic rounding batches as well; LAMB's take their own calls); with
     # batching off, each takes its own. Skipped steps included, the bits agree. Every optimizer

@@ -14,12 +14,22 @@ number of tensors (``step_buckets``). The parameters keep their own storage: mad
 buffer (as apex's, DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in
 Accelerate's checkpoints, which drop tensors that share a storage.
 
+8-bit and 4-bit state (``qstate``) is laid out the same way: the codes in one flat buffer, their
+scales (one per block of ``qstate.BLOCK`` elements) in another; a parameter with codes is whole
+blocks, so its scales' share starts where its elements' would.
+
+Under a loss scaler the gradients are checked for inf/NaN first, as the full step checks them
+(``loss_scale._Scaling``), the kernels take the scaler's inputs, the unscaled gradients are
+copied back where they were gathered, and the counts advance by ``1 - skip``. That is where the
+counts are read on the host (``loss_scale._host_counts``: the CPU); on a GPU the full step
+computes every parameter's numbers on the device.
+
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
 of consecutive parameters that have one and share a step count. What buckets do not take steps
 as before (``driver``): rules that need a tensor whole (norms, matrices), stochastic rounding
-(its random bits are keyed per parameter), 8-bit and 4-bit state, odd-sized or non-contiguous
-parameters, state in shared memory, DTensor shards, the update inside backward, and steps under
-a loss scaler.
+(its random bits are keyed per parameter), odd-sized or non-contiguous parameters, state in
+shared memory, DTensor shards, the update inside backward, and steps under a loss scaler whose
+counts live on a GPU.
 
 The bucket checks, each step, that what it relies on holds: the parameters are the tensors it
 was made for (``model.to(...)`` or ``p.data = ...`` rebinds them), the state entries are still
@@ -39,7 +49,9 @@ from typing import Any
 
 import torch
 
+from lowprec.optim import loss_scale, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
+from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_update
 
 __all__ = ["flatten", "step_buckets"]
@@ -64,26 +76,34 @@ def _bucketable_rule(opt, group: dict[str, Any]) -> bool:
 
 
 def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
-    """The bucket key of ``p`` (device, dtype, strategy, its state's names and dtypes), or None
-    where ``p`` is stepped on its own."""
+    """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
+    of ``p`` per element), or None where ``p`` is stepped on its own."""
     state = opt.state.get(p)
     if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
-    if storage.needs_random_bits or opt._qstate(group, state, p):
+    if storage.needs_random_bits:
         return None
     step = state.get("step")
     if not isinstance(step, torch.Tensor) or step.dim() != 0 or step.device.type != "cpu":
         return None
-    names = (*storage.buffers(p), *opt._math_buffers(group, p))
-    dtypes = []
+    # 8-bit and 4-bit codes (one byte per element, or per two) and their scales (one per block):
+    # every parameter that has them is whole blocks, so its scales' share of a flat buffer
+    # starts where its elements' would.
+    per = {}
+    for name, f in opt._qstate(group, state, p):
+        per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
+    maths = opt._math_buffers(group, p)
+    names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
+    layout = []
     for name in names:
-        t = state.get(name)
-        if (not isinstance(t, torch.Tensor) or t.shape != p.shape or not t.is_contiguous()
-                or t.device != p.device or opt._buffer_shape(name, p) is not None
+        t, n = state.get(name), per.get(name, 1)
+        if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
+                or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
+                or opt._buffer_shape(name, p) is not None
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
-        dtypes.append((name, t.dtype))
-    return (p.device, p.dtype, storage.name, step.dtype, tuple(dtypes))
+        layout.append((name, t.dtype, n))
+    return (p.device, p.dtype, storage.name, step.dtype, tuple(layout))
 
 
 _GRAD, _SHAPE, _DTYPE, _DEVICE, _LAYOUT = map(
@@ -95,8 +115,8 @@ class _Bucket:
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = ("counts", "flat_params", "flats", "group", "indices", "kind", "names", "offsets",
-                 "params", "prepared", "ptrs", "sbufs", "scratch", "shapes", "sizes",
-                 "split_views", "states", "steps", "storage", "views")
+                 "params", "per", "prepared", "ptrs", "qstate", "sbufs", "scratch", "shapes",
+                 "sizes", "split_views", "states", "steps", "storage", "views")
 
     def __init__(self, opt, group, kind, members: list[tuple[torch.Tensor, int]],
                  storage) -> None:
@@ -105,20 +125,24 @@ class _Bucket:
         self.indices = [i for _, i in members]
         p0 = self.params[0]
         self.sbufs = tuple(storage.buffers(p0))
-        self.names = (*self.sbufs, *opt._math_buffers(group, p0))
+        self.names = tuple(name for name, _, _ in kind[-1])
+        # (elements of a parameter per element of each buffer: 1, or the codes' and scales')
+        self.per = {name: n for name, _, n in kind[-1]}
+        self.states = [opt.state[p] for p in self.params]
+        self.qstate = opt._qstate(group, self.states[0], p0)
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0]
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
-        self.states = [opt.state[p] for p in self.params]
         # Each buffer copied into its flat one, then the state entries rebound to views of it, a
         # buffer at a time (the old tensors are freed as it goes).
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
         for name in self.names:
             src = [st[name] for st in self.states]
-            flat = torch.empty(self.offsets[-1], dtype=src[0].dtype, device=p0.device)
-            views = [flat[a:b].view(t.shape)
+            n = self.per[name]
+            flat = torch.empty(self.offsets[-1] // n, dtype=src[0].dtype, device=p0.device)
+            views = [flat[a // n:b // n].view(t.shape)
                      for t, a, b in zip(src, self.offsets, self.offsets[1:], strict=False)]
             torch._foreach_copy_(views, src)
             for st, view in zip(self.states, views, strict=True):
@@ -167,9 +191,10 @@ class _Bucket:
             return None
         return grads
 
-    def step(self, opt, grads: list, memo: dict) -> None:
+    def step(self, opt, grads: list, memo: dict, scaling: _Scaling | None) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones that share a step
-        count (all of them, in a plain loop), a compiled call per piece (``_pieces``)."""
+        count (all of them, in a plain loop), a compiled call per piece (``_pieces``). Under a
+        loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device."""
         counts = self.counts.tolist()
         i, n = 0, len(grads)
         while i < n:
@@ -181,8 +206,11 @@ class _Bucket:
                 j += 1
             step = int(counts[i]) + 1
             for a, b in self._pieces(i, j):
-                self._run(opt, a, b, grads, step, memo)
-            self.counts[i:j].fill_(step)
+                self._run(opt, a, b, grads, step, memo, scaling)
+            if scaling is None:
+                self.counts[i:j].fill_(step)
+            else:
+                self.counts[i:j].add_(scaling.taken_on(self.counts.device))
             i = j
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
@@ -206,7 +234,8 @@ class _Bucket:
             pieces.append((a, j))
         return pieces
 
-    def _run(self, opt, a: int, b: int, grads: list, step: int, memo: dict) -> None:
+    def _run(self, opt, a: int, b: int, grads: list, step: int, memo: dict,
+             scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
         parameters and gradients gathered into one each (a single parameter's own, where it
         lies in place); one compiled call where the step is fused, else eagerly in chunks
@@ -217,36 +246,49 @@ class _Bucket:
         p, g = self.flat_params[a], grads[a]
         if not one:
             p = self._gather(self.params[a:b], hi - lo, "param")
-        if not one or not g.is_contiguous() or g.storage_offset() % 2:
+        gathered = not one or not g.is_contiguous() or g.storage_offset() % 2
+        if gathered:
             g = self._gather(grads[a:b], hi - lo, "grad")
         g = g.view(-1)
         flags = opt._group_flags(group, memo)
         names = (self.sbufs, self.names[len(self.sbufs):])
+        per = self.per
+        mode = _mode(scaling)
+        extra = {} if scaling is None else scaling.kernel_args(p.device)
         done = False
         if _fused_enabled(opt, group, self.params[0]):
             coeffs, c32 = opt._step_coefficients(group, step, memo)
             try:
-                key = (a, b, g.dtype)
+                key = (a, b, g.dtype, mode)
                 fused = self.prepared.get(key)
                 if fused is None:
                     fused = self.prepared[key] = opt._prepare_fused(
                         storage, flags, p, g,
-                        *({k: self.flats[k][lo:hi] for k in ks} for ks in names),
+                        *({k: self.flats[k][lo // per[k]:hi // per[k]] for k in ks}
+                          for ks in names),
+                        scaled=mode, qstate=self.qstate,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
-                opt._run_fused(fused, g, coeffs, c32, 0, 0, {})
+                opt._run_fused(fused, g, coeffs, c32, 0, 0, extra)
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
         if not done:
             coeffs, _ = opt._step_coefficients(group, step, memo, tensors=False)
             chunk = _eager_chunk(g.device)
-            for i in range(0, hi - lo, chunk):
-                sl, at = slice(i, min(i + chunk, hi - lo)), slice(lo + i, min(lo + i + chunk, hi))
-                _param_update(p[sl], g[sl], *({k: self.flats[k][at] for k in ks} for ks in names),
-                              coeffs, 0, 0, storage=storage, math=opt._math, flags=flags)
+            qkw = {"qstate": self.qstate} if self.qstate else {}
+            for i in range(0, hi - lo, chunk):  # (whole blocks: a chunk is a multiple of one)
+                sl = slice(i, min(i + chunk, hi - lo))
+                _param_update(p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
+                                                              (lo + sl.stop) // per[k]]
+                                               for k in ks} for ks in names),
+                              coeffs, 0, 0, storage=storage, math=opt._math, flags=flags,
+                              **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
+        if gathered and mode == "unscale":  # (the kernel wrote the gradients back unscaled)
+            views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
+            torch._foreach_copy_(grads[a:b], views)
 
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
         """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
@@ -264,13 +306,17 @@ class _Bucket:
         torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
         return out
 
-    def _split(self, flat: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
-        """``flat`` (parameters ``a`` to ``b`` gathered) as one view per parameter, kept where
-        ``flat`` is the bucket's scratch (a split of hundreds of views costs ~0.4 ms)."""
-        key = (a, b, flat.data_ptr())
+    def _split(self, flat: torch.Tensor, a: int, b: int, shaped: bool = False
+               ) -> list[torch.Tensor]:
+        """``flat`` (parameters ``a`` to ``b`` gathered) as one view per parameter (flat, or
+        ``shaped`` as the parameter), kept where ``flat`` is the bucket's scratch (a split of
+        hundreds of views costs ~0.4 ms)."""
+        key = (a, b, flat.data_ptr(), shaped)
         views = self.split_views.get(key)
         if views is None:
             views = list(flat.split(self.sizes[a:b]))
+            if shaped:
+                views = [v.view(s) for v, s in zip(views, self.shapes[a:b], strict=True)]
             if flat.device.type == "cpu":
                 self.split_views[key] = views
         return views
@@ -298,8 +344,8 @@ class _Layout:
 
 
 def flatten(opt) -> None:
-    """After a full step (not under a loss scaler): lay the buckets out again where anything they
-    were made for changed (or the first time, once the state exists)."""
+    """After a full step: lay the buckets out again where anything they were made for changed (or
+    the first time, once the state exists)."""
     if (opt.__dict__.get("_has_dtensors") or opt.__dict__.get("_in_backward") is not None
             or getattr(opt, "_fused_broken", False)):
         opt._buckets = None
@@ -341,10 +387,13 @@ def flatten(opt) -> None:
     opt._buckets = layout if layout.buckets else None
 
 
-def step_buckets(opt) -> bool:
-    """A plain step (no loss scaler) through the buckets ``flatten`` laid out: validate as the
-    full step does (raising its errors), step each bucket and the parameters stepped on their
-    own; False, having written nothing, where anything the buckets rely on changed."""
+def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
+    """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
+    its errors), step each bucket and the parameters stepped on their own; False, having written
+    nothing, where anything the buckets rely on changed. Under a loss scaler (``grad_scale``,
+    ``found_inf``: ``step()``'s) the gradients are checked first, as the full step checks them
+    (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
+    the full step computes each parameter's numbers on its device."""
     layout = opt.__dict__.get("_buckets")
     if (layout is None or opt.__dict__.get("_in_backward") is not None
             or not layout.same_groups(opt)):
@@ -372,9 +421,17 @@ def step_buckets(opt) -> bool:
         if opt._check_param(group, p, storage, (gi, pi), expected):
             return False  # (buffers to create: the full step's _step_late)
         rest.append((group, p, index, storage))
+    scaling = None
+    if grad_scale is not None or found_inf is not None:
+        work = [(b.group, p, i, b.storage) for b, gs in zip(layout.buckets, grads, strict=True)
+                for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
+        work += rest
+        if not all(loss_scale._host_counts(p.device) for _, p, _, _ in work):
+            return False
+        scaling = _Scaling.prepare(work, grad_scale, found_inf, opt.__dict__.get("_shard_reduce"))
     memo: dict[Any, Any] = {}
     for bucket, g in zip(layout.buckets, grads, strict=True):
-        bucket.step(opt, g, memo)
+        bucket.step(opt, g, memo, scaling)
     for group, p, index, storage in rest:
-        opt._step_param(group, p, index, storage, None, memo)
+        opt._step_param(group, p, index, storage, scaling, memo)
     return True

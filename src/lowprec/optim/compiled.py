@@ -421,6 +421,7 @@ class _Fused:
         "p",
         "pairs",
         "qkw",
+        "row_cuts",
         "sbufs",
         "shards",
         "signature",
@@ -455,7 +456,7 @@ class _CompiledStep:
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
         f.qkw = {"qstate": qstate} if qstate else {}
-        f.bases = None
+        f.bases = f.row_cuts = None
         f.pairs = pairs = None if qstate else self._pairs_plan(storage, p, grad, sbufs, mbufs)
         if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
             raise RoundTripsDropped(
@@ -565,23 +566,27 @@ class _CompiledStep:
         over 256K (2.8x faster in all). Each piece's random bits are keyed by its elements' indices in the whole
         parameter (``base``)."""
         pv, gv = _step_view(f, f.p), _step_view(f, grad)
-        sv, mv = f.views
-        rows = pv.shape[0]
-        step = _QROWS.get(pv.device.type, _QROWS["cuda"])
-        pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
-        cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
+        if f.row_cuts is None:  # (the pieces' views of the state, made once: f's tensors stay)
+            sv, mv = f.views
+            rows = pv.shape[0]
+            step = _QROWS.get(pv.device.type, _QROWS["cuda"])
+            pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+            cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
+            f.row_cuts = [(sl, cut(sv, sl), cut(mv, sl)) for sl in pieces]
+        cuts = f.row_cuts
         kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
         if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
             sums = None
-            for sl in pieces:
-                part = f.sums_kernel(pv[sl], gv[sl], cut(sv, sl), cut(mv, sl), c32,
+            for sl, s_sl, m_sl in cuts:
+                part = f.sums_kernel(pv[sl], gv[sl], s_sl, m_sl, c32,
                                      norm_terms=self._norm_terms,
                                      inv_scale=extra.get("inv_scale"), **kw)
                 sums = part if sums is None else sums + part
             c32 = {**c32, "sums": all_reduce_sums(sums, f.shards)}
         keys = _key_tensors(lo, hi)
-        for sl, base in zip(pieces, _row_bases(f, pieces), strict=True):
-            f.kernel(pv[sl], gv[sl], cut(sv, sl), cut(mv, sl), c32, *keys, math=self._math,
+        bases = _row_bases(f, [sl for sl, _, _ in cuts])
+        for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
+            f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=self._math,
                      **kw, **extra, **({} if base is None else {"base": base}))
 
     def _pairs_plan(

@@ -1,12 +1,12 @@
 """The step driver (``_FullStep``, a mixin of ``LowPrecisionOptimizer``): ``step()`` after its closure.
 
-``_step_all`` first steps through the buckets (``buckets.step_buckets``: a plain step, a few
-calls per group of tensors) where they hold, then redoes the recorded step (``replay``) where
+``_step_all`` first steps through the buckets (``buckets.step_buckets``: a few calls per group
+of tensors) where they hold, then redoes the recorded step (``replay``) where
 nothing it relied on changed. Otherwise it validates everything (``_collect``), checks the
 gradients under a loss scaler (``loss_scale._Scaling``), creates the buffers an option turned on
 (``_step_late``), steps the large parameters one by one and the small ones in batches
-(``batches``), records what it did (``plan._Plan``) for the next step to redo, and after a plain
-step lays the buckets out (``buckets.flatten``). ``_step_param`` is one parameter's step: compiled
+(``batches``), records what it did (``plan._Plan``) for the next step to redo, and lays the
+buckets out (``buckets.flatten``). ``_step_param`` is one parameter's step: compiled
 (``compiled``: ``_prepare_fused``, ``_run_fused``) where enabled and possible, else eager, in
 chunks on a large tensor; both run ``update._param_update``. The step's numbers (flags,
 coefficients and their 0-d tensors, random keys; on the device, under a loss scaler off the CPU)
@@ -67,7 +67,7 @@ class _FullStep:
         """``step()`` after the closure: redo the recorded step, or take a full one."""
         # (how the kernels take the scaler's inputs: _Scaling.mode)
         scaled = "unscale" if grad_scale is not None else "skip" if found_inf is not None else False
-        if not scaled and buckets.step_buckets(self):
+        if buckets.step_buckets(self, grad_scale, found_inf):
             return
         plan = self.__dict__.get("_step_plan")
         if plan is not None and plan.scaled == scaled and self._replay(plan, grad_scale, found_inf):
@@ -101,8 +101,7 @@ class _FullStep:
         for group, p, index, storage in small:
             self._step_param(group, p, index, storage, scaling, memo)
         self._step_plan = plan
-        if not scaled:
-            buckets.flatten(self)
+        buckets.flatten(self)
 
     def _step_late(self, late: list, scaling: _Scaling | None) -> None:
         """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
