@@ -63,13 +63,15 @@ refused under 4-bit state (``check_group``). The packed codes of a parameter are
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.options import _QUANTIZED_STATE
 
-__all__ = ["BITS", "BLOCK", "EIGHT_BIT", "FOUR_BIT", "HALF", "MIN_NUMEL", "check_group",
+__all__ = ["BITS", "BLOCK", "EIGHT_BIT", "FOUR_BIT", "HALF", "MIN_NUMEL", "block_rows",
+           "block_sharded", "check_group",
            "codes_shape", "decode", "decode4", "encode", "encode4", "from_codes", "qualifies",
            "scale_key", "scale_shape", "to_codes"]
 
@@ -90,7 +92,7 @@ _SIGNED_STEPS, _UNSIGNED_STEPS = 127.0, 255.0
 _SIGNED4, _UNSIGNED4 = 7.0, 16.0
 #: The attribute in which ``lowprec.optim.shards`` notes, on a DTensor parameter and on its local
 #: tensor, whether the parameter gets 8-bit state: decided from the whole parameter, so that
-#: every rank keeps its shard's state alike (``shards.mark_blocks``).
+#: every rank keeps its shard's state alike (``block_rows``, ``shards.mark_blocks``).
 SHARDED = "_lowprec_8bit"
 
 
@@ -102,17 +104,34 @@ def scale_key(name: str) -> str:
 def qualifies(p: torch.Tensor) -> bool:
     """Whether parameter ``p`` gets codes under ``state_dtype="8bit"`` or ``"4bit"`` (a contiguous one:
     its blocks are runs of its flat view; for a DTensor parameter and its shard, what
-    ``shards.mark_blocks`` decided for the whole parameter)."""
+    ``block_rows`` decided for the whole parameter)."""
     decided = getattr(p, SHARDED, None)
     if decided is None and hasattr(p, "device_mesh"):  # a DTensor the optimizer has not noted
-        from lowprec.optim.shards import mark_blocks
-
-        mark_blocks(p)
-        decided = getattr(p, SHARDED)
+        decided = block_rows(p)
+        setattr(p, SHARDED, decided)
     if decided is not None:
         return decided
     n = p.numel()
     return n >= MIN_NUMEL and n % BLOCK == 0 and p.is_contiguous()
+
+
+def block_rows(p: Any) -> bool:
+    """Whether DTensor ``p`` gets 8-bit state: every rank's shard is whole rows of ``p``
+    (``block_sharded``), its rows are whole blocks, and ``p`` is as large as ``MIN_NUMEL``.
+    Decided from the parameter's shape and placements alone, so every rank decides alike (an
+    empty shard too); ``shards.mark_blocks`` notes it on the parameter and its local tensor."""
+    return (block_sharded(p) and p.dim() >= 1 and p.numel() >= MIN_NUMEL
+            and math.prod(p.shape[1:]) % BLOCK == 0)
+
+
+def block_sharded(p: Any) -> bool:
+    """Whether every rank's shard of DTensor ``p`` is one block of consecutive elements of ``p``
+    flattened: each placement replicates or shards the first dimension (decided from the
+    placements alone, so every rank decides alike)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0)
+               for pl in p.placements)
 
 
 def scale_shape(p: torch.Tensor) -> tuple[int, ...]:

@@ -98,27 +98,16 @@ def wrap_state(name: str, value: Any, lp: torch.Tensor, p: Any) -> Any:
 
 def mark_blocks(p: Any) -> None:
     """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
-    (``qstate.qualifies`` reads it): when every shard is whole rows of ``p`` (``_block_sharded``),
-    its rows are whole blocks, and ``p`` is as large as ``qstate.MIN_NUMEL``. Decided from the
-    parameter's shape and placements alone, so every rank decides alike (an empty shard too; a
-    step refuses a shard that is not contiguous: ``_refusal``)."""
-    lp = local(p)
-    ok = (_block_sharded(p) and p.dim() >= 1 and p.numel() >= qstate.MIN_NUMEL
-          and math.prod(p.shape[1:]) % qstate.BLOCK == 0)
+    (``qstate.block_rows``, which ``qstate.qualifies`` reads back; a step refuses a shard that
+    is not contiguous: ``_refusal``)."""
+    ok = qstate.block_rows(p)
     setattr(p, qstate.SHARDED, ok)
-    setattr(lp, qstate.SHARDED, ok)
-
-
-def _block_sharded(p: Any) -> bool:
-    """Whether every rank's shard of ``p`` is one block of consecutive elements of ``p``
-    flattened: each placement replicates or shards the first dimension (decided from the
-    placements alone, so every rank decides alike)."""
-    return all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0)
-               for pl in p.placements)
+    setattr(local(p), qstate.SHARDED, ok)
 
 
 def flat_offset(p: Any) -> int:
-    """Index, in ``p`` flattened, of the first element of this rank's shard (``_block_sharded``)."""
+    """Index, in ``p`` flattened, of the first element of this rank's shard (its shards are
+    blocks: ``qstate.block_sharded``)."""
     if all(isinstance(pl, Replicate) for pl in p.placements) or p.dim() == 0:
         return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -139,7 +128,7 @@ class _Shard:
         self.p, self.local, self.lstate = p, lp, {}
         mark_blocks(p)
         self.placements = tuple(p.placements)
-        self.offset = flat_offset(p) if _block_sharded(p) else None
+        self.offset = flat_offset(p) if qstate.block_sharded(p) else None
         mesh = p.device_mesh
         self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
                        if not isinstance(pl, Replicate)]
