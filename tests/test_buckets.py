@@ -14,7 +14,7 @@ import pathlib
 import pytest
 import torch
 
-from lowprec.optim import SGD, AdamW, Lion, buckets
+from lowprec.optim import SGD, AdamW, Lion, buckets, loss_scale
 from tests._same import assert_same
 from tests.test_replay import CHANGES, STEPS
 from tests.test_replay import _run as replay_run
@@ -121,6 +121,27 @@ def test_buckets_under_a_loss_scaler_equal_the_step_without_them(name, scaled, m
         if ga is not None:
             torch.testing.assert_close(gb, ga, rtol=0, atol=0)
     assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
+
+
+@pytest.mark.parametrize("name", ["nothing", "a_grad_missing", "grads_in_fp32",
+                                  "step_count_written", "state_loaded", "lr_and_betas"])
+@pytest.mark.parametrize("scaled", [lambda step: True, lambda step: step % 2 == 0],
+                         ids=["every-step", "even-steps"])
+def test_buckets_with_counts_on_the_device_equal_the_step_without_them(name, scaled,
+                                                                        monkeypatch):
+    """A GPU's way under a loss scaler, run on the CPU (``loss_scale._host_counts`` patched off):
+    the counts stay on the device and the step's numbers are made there from the bucket's one
+    count. Bit for bit the full step's (which makes them per parameter), across the changes a
+    step must notice; a count written in place is seen through the counts' version counter. A
+    bucket with a parameter missing its gradient, or counts that differ, takes the full step."""
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
+                     scaled=scaled)
+    pb, ob, taken = _run(_adamw_kahan, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch,
+                         scaled=scaled)
+    assert_same(pa, oa, pb, ob)
+    if name in ("nothing", "grads_in_fp32", "lr_and_betas"):
+        assert taken == STEPS - 1, taken
 
 
 # Parameters of whole blocks (8-bit or 4-bit state, in one bucket) and smaller ones (FP32 state:

@@ -7,6 +7,7 @@ comparison is between two runs on the same device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -465,21 +466,29 @@ def test_skipped_iteration_is_invisible(cls, master, dtype, device):
 
 
 
-def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(monkeypatch, device):
+@pytest.mark.parametrize("use_buckets", [False, True], ids=["full-step", "buckets"])
+def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(use_buckets, monkeypatch,
+                                                                         device, request):
     # As on a GPU: the optimizer's step counts are read on the device (on the CPU they are read
-    # on the host, which is no synchronisation there).
+    # on the host, which is no synchronisation there). Through buckets, the first step of a new
+    # layout reads its counts once (whether they are all the same: buckets.same_counts); every
+    # later step reads nothing.
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    if not use_buckets:
+        request.getfixturevalue("no_buckets")
     model = _model(torch.bfloat16, device=device)
     opt = AdamW(model.parameters(), lr=1e-2, master="kahan")
     scaler = LossScaler(init_scale=2.0**8)
-    for i in range(3):
+    for i in range(4):
         opt.zero_grad()
         loss = scaler.scale(_loss(model, i, torch.bfloat16, poison="inf" if i == 2 else None))
         loss.backward()
-        with no_host_reads():
+        reads = contextlib.nullcontext() if use_buckets and i == 1 else no_host_reads()
+        with reads:
             stepped = scaler.step(opt)  # unscale, inf/NaN check and skip all on the device
         assert bool(stepped) == (i != 2)
         scaler.update()
+    assert (opt.__dict__.get("_buckets") is not None) == use_buckets
 
 
 @pytest.mark.parametrize(

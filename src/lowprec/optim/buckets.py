@@ -20,16 +20,19 @@ blocks, so its scales' share starts where its elements' would.
 
 Under a loss scaler the gradients are checked for inf/NaN first, as the full step checks them
 (``loss_scale._Scaling``), the kernels take the scaler's inputs, the unscaled gradients are
-copied back where they were gathered, and the counts advance by ``1 - skip``. That is where the
-counts are read on the host (``loss_scale._host_counts``: the CPU); on a GPU the full step
-computes every parameter's numbers on the device.
+copied back where they were gathered, and the counts advance by ``1 - skip``, decided on the
+device. On the CPU the counts are read on the host as in a plain step
+(``loss_scale._host_counts``); on a GPU they stay on the device, and a bucket whose parameters
+all have a gradient and share one count (``same_counts``: read on the host only after the counts
+were written, which their version counter shows) makes the step's numbers there from that count
+once (``_device_numbers``), where the full step makes them per parameter. A count written
+through ``.data`` between such steps bypasses the version counter and is not seen.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
 of consecutive parameters that have one and share a step count. What buckets do not take steps
 as before (``driver``): rules that need a tensor whole (norms, matrices), stochastic rounding
 (its random bits are keyed per parameter), odd-sized or non-contiguous parameters, state in
-shared memory, DTensor shards, the update inside backward, and steps under a loss scaler whose
-counts live on a GPU.
+shared memory, DTensor shards and the update inside backward.
 
 The bucket checks, each step, that what it relies on holds: the parameters are the tensors it
 was made for (``model.to(...)`` or ``p.data = ...`` rebinds them), the state entries are still
@@ -83,8 +86,9 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
     if storage.needs_random_bits:
         return None
-    step = state.get("step")
-    if not isinstance(step, torch.Tensor) or step.dim() != 0 or step.device.type != "cpu":
+    step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
+    if (not isinstance(step, torch.Tensor) or step.dim() != 0
+            or (step.device.type != "cpu" and step.device != p.device)):
         return None
     # 8-bit and 4-bit codes (one byte per element, or per two) and their scales (one per block):
     # every parameter that has them is whole blocks, so its scales' share of a flat buffer
@@ -103,7 +107,7 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
         layout.append((name, t.dtype, n))
-    return (p.device, p.dtype, storage.name, step.dtype, tuple(layout))
+    return (p.device, p.dtype, storage.name, step.dtype, step.device, tuple(layout))
 
 
 _GRAD, _SHAPE, _DTYPE, _DEVICE, _LAYOUT = map(
@@ -115,8 +119,9 @@ class _Bucket:
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = ("counts", "flat_params", "flats", "group", "indices", "kind", "names", "offsets",
-                 "params", "per", "prepared", "ptrs", "qstate", "sbufs", "scratch", "shapes",
-                 "sizes", "split_views", "states", "steps", "storage", "views")
+                 "params", "per", "prepared", "ptrs", "qstate", "same", "sbufs", "scratch",
+                 "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
+                 "views")
 
     def __init__(self, opt, group, kind, members: list[tuple[torch.Tensor, int]],
                  storage) -> None:
@@ -155,6 +160,7 @@ class _Bucket:
         for st, view in zip(self.states, self.steps, strict=True):
             st["step"] = view
         self.ptrs = [p.data_ptr() for p in self.params]
+        self.same, self.version = False, None  # (same_counts: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, Any] = {}
         self.scratch: dict[Any, torch.Tensor] = {}
@@ -194,7 +200,16 @@ class _Bucket:
     def step(self, opt, grads: list, memo: dict, scaling: _Scaling | None) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones that share a step
         count (all of them, in a plain loop), a compiled call per piece (``_pieces``). Under a
-        loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device."""
+        loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device;
+        where they are kept there (``on_device``), every parameter has a gradient and one count
+        (``same_counts``), and the step's numbers are made there from it."""
+        if self.on_device(scaling):
+            numbers = self._device_numbers(opt, memo)
+            for a, b in self._pieces(0, len(grads)):
+                self._run(opt, a, b, grads, numbers, memo, scaling)
+            self.counts.add_(scaling.taken_on(self.counts.device))
+            self.version = self.counts._version  # (their values moved alike)
+            return
         counts = self.counts.tolist()
         i, n = 0, len(grads)
         while i < n:
@@ -212,6 +227,38 @@ class _Bucket:
             else:
                 self.counts[i:j].add_(scaling.taken_on(self.counts.device))
             i = j
+
+    def on_device(self, scaling: _Scaling | None) -> bool:
+        """Whether a step under ``scaling`` takes its numbers on the device: the parameters'
+        device keeps a scaled step's counts (``loss_scale._host_counts``)."""
+        return scaling is not None and not loss_scale._host_counts(self.params[0].device)
+
+    def same_counts(self) -> bool:
+        """Whether every count of the bucket is the same, read on the host only where they were
+        written since this bucket's last step under a loss scaler on the device (the counts'
+        version counter: ``opt.state[p]["step"].fill_(...)`` and the bucket's own plain steps
+        move it; a write through ``.data`` bypasses it and is not seen)."""
+        if self.version != self.counts._version:
+            self.same = bool((self.counts == self.counts[0]).all())
+            self.version = self.counts._version
+        return self.same
+
+    def _device_numbers(self, opt, memo: dict) -> dict[str, torch.Tensor]:
+        """The step's coefficients as 0-d FP32 tensors on the counts' device, from the bucket's
+        one count (``same_counts``) as the full step makes them (``_scaled_numbers_many``): the
+        numbers that depend on the count computed there, the others the group's constants."""
+        device = self.counts.device
+        step = self.counts[0].double() + 1
+        shared = memo.setdefault(("constants", id(self.group), device), {})
+        out = {}
+        for k, v in opt._coefficients(self.group, step).items():
+            if isinstance(v, torch.Tensor):
+                out[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
+            else:
+                if k not in shared:
+                    shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
+                out[k] = shared[k]
+        return out
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
         """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
@@ -234,7 +281,7 @@ class _Bucket:
             pieces.append((a, j))
         return pieces
 
-    def _run(self, opt, a: int, b: int, grads: list, step: int, memo: dict,
+    def _run(self, opt, a: int, b: int, grads: list, step: int | dict, memo: dict,
              scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
         parameters and gradients gathered into one each (a single parameter's own, where it
@@ -245,7 +292,7 @@ class _Bucket:
         one = b - a == 1
         p, g = self.flat_params[a], grads[a]
         if not one:
-            p = self._gather(self.params[a:b], hi - lo, "param")
+            p = self._gather(self.flat_params[a:b], hi - lo, "param")
         gathered = not one or not g.is_contiguous() or g.storage_offset() % 2
         if gathered:
             g = self._gather(grads[a:b], hi - lo, "grad")
@@ -257,7 +304,9 @@ class _Bucket:
         extra = {} if scaling is None else scaling.kernel_args(p.device)
         done = False
         if _fused_enabled(opt, group, self.params[0]):
-            coeffs, c32 = opt._step_coefficients(group, step, memo)
+            # (``step``: the count on the host, or the numbers made on the device from it)
+            coeffs, c32 = (opt._step_coefficients(group, step, memo) if isinstance(step, int)
+                           else (step, step))
             try:
                 key = (a, b, g.dtype, mode)
                 fused = self.prepared.get(key)
@@ -274,7 +323,8 @@ class _Bucket:
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
         if not done:
-            coeffs, _ = opt._step_coefficients(group, step, memo, tensors=False)
+            coeffs = (opt._step_coefficients(group, step, memo, tensors=False)[0]
+                      if isinstance(step, int) else step)
             chunk = _eager_chunk(g.device)
             qkw = {"qstate": self.qstate} if self.qstate else {}
             for i in range(0, hi - lo, chunk):  # (whole blocks: a chunk is a multiple of one)
@@ -303,7 +353,10 @@ class _Bucket:
             out = buf[:n]
         else:
             out = torch.empty(n, dtype=t0.dtype, device=t0.device)
-        torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
+        if role == "param":  # (the parameters' flat views, kept: torch.cat takes 1-d tensors
+            torch.cat(tensors, out=out)  # and on the CPU is 2x faster than _chunk_cat here)
+        else:  # (gradients are new tensors of any shape every step: _chunk_cat flattens them)
+            torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
         return out
 
     def _split(self, flat: torch.Tensor, a: int, b: int, shaped: bool = False
@@ -422,14 +475,24 @@ def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
             return False  # (buffers to create: the full step's _step_late)
         rest.append((group, p, index, storage))
     scaling = None
-    if grad_scale is not None or found_inf is not None:
-        work = [(b.group, p, i, b.storage) for b, gs in zip(layout.buckets, grads, strict=True)
-                for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
-        work += rest
-        if not all(loss_scale._host_counts(p.device) for _, p, _, _ in work):
-            return False
-        scaling = _Scaling.prepare(work, grad_scale, found_inf, opt.__dict__.get("_shard_reduce"))
     memo: dict[Any, Any] = {}
+    if grad_scale is not None or found_inf is not None:
+        work = []
+        for bucket, gs in zip(layout.buckets, grads, strict=True):
+            if not loss_scale._host_counts(bucket.params[0].device) and (
+                bucket.counts.device != bucket.params[0].device or any(g is None for g in gs)
+                or not bucket.same_counts()
+            ):  # (the full step moves the counts there, or steps the parameters one by one)
+                return False
+            work += [(bucket.group, p, i, bucket.storage)
+                     for p, i, g in zip(bucket.params, bucket.indices, gs, strict=True)
+                     if g is not None]
+        work += rest
+        scaling = _Scaling.prepare(work, grad_scale, found_inf, opt.__dict__.get("_shard_reduce"))
+        counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
+                   if "step" in opt.state[p] and not loss_scale._host_counts(p.device)]
+        if counted:  # (their numbers on the device, all at once: as the full step makes them)
+            opt._scaled_numbers_many(counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         bucket.step(opt, g, memo, scaling)
     for group, p, index, storage in rest:
