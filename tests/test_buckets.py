@@ -176,25 +176,36 @@ def test_buckets_with_quantized_state_equal_the_step_without_them(state_dtype, s
     assert scale.numel() == sum(p.numel() for p in coded[0].params) // 256
 
 
-def test_buckets_skip_on_a_found_inf_alone():
-    """``found_inf`` without ``grad_scale`` (the gradients unscaled already, as after
-    GradScaler's ``unscale_``): a step the flag marks is skipped through the buckets, bit for
-    bit, and the counts stay."""
+@pytest.mark.parametrize("mode", ["skip", "unscale"])
+def test_buckets_under_a_loss_scaler_on_the_device(mode, device):
+    """A scaler's inputs on the parameters' device (on a GPU: the counts stay there and the
+    buckets make the step's numbers there, ``_device_numbers``): ``found_inf`` alone (the
+    gradients unscaled already, as after GradScaler's ``unscale_``) or with ``grad_scale``. A
+    step the flag marks is skipped through the buckets, bit for bit with the full step, and the
+    counts stay."""
     runs = []
     for use in (False, True):
-        params = [torch.ones(s).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+        params = [torch.ones(s, device=device).to(torch.bfloat16).requires_grad_()
+                  for s in SHAPES]
         opt = _adamw_kahan(params)
-        for step in range(4):
+        for step in range(5):
+            scale = 256.0 if mode == "unscale" else 1.0
             for p in params:
-                p.grad = torch.full_like(p, 0.01 * (step + 1))
+                p.grad = torch.full_like(p, 0.01 * (step + 1) * scale)
             if not use:
                 opt._buckets = None
-            opt.step(found_inf=torch.full((), float(step == 2)))
+            found = torch.full((), float(step == 2), device=device)
+            if mode == "unscale":
+                opt.step(grad_scale=torch.full((), scale, device=device), found_inf=found)
+            else:
+                opt.step(found_inf=found)
         if use:
             assert opt._buckets is not None
-        assert all(opt.state[p]["step"].item() == 3 for p in params)
+        assert all(opt.state[p]["step"].item() == 4 for p in params)
         runs.append((params, opt))
     assert_same(*runs[0], *runs[1])
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):  # (the unscaled gradients too)
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put():
