@@ -208,8 +208,9 @@ def test_buckets_under_a_loss_scaler_on_the_device(mode, device):
         assert torch.equal(a.grad, b.grad)
 
 
-def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put():
-    params = [torch.zeros(s, dtype=torch.bfloat16, requires_grad=True) for s in SHAPES]
+def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put(device):
+    params = [torch.zeros(s, device=device, dtype=torch.bfloat16, requires_grad=True)
+              for s in SHAPES]
     ptrs = [p.data_ptr() for p in params]
     opt = _adamw_kahan(params)
     for _ in range(3):
@@ -238,7 +239,9 @@ _spec.loader.exec_module(step_calls)
 
 def _scaled(opt):
     """``opt`` stepped under the loss-scaler contract, as GradScaler sets it up."""
-    opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())
+    device = opt.param_groups[0]["params"][0].device
+    opt.grad_scale = torch.ones((), device=device)
+    opt.found_inf = torch.zeros((), device=device)
     return opt
 
 
@@ -248,14 +251,15 @@ def _scaled(opt):
     lambda ps: AdamW(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
 ], ids=["adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "sgd-split"])
-def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make):
+def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make, device):
     """Issue 39's target: a step's operator and compiled calls at 512 tensors at most twice those
     at 16 (the step without buckets made ~9 per tensor, ~18 under a loss scaler, ~30 with 8-bit
     state)."""
     calls = {}
     for n in (16, 512):
         # (4096 elements: the smallest parameter that gets 8-bit state)
-        params = [torch.randn(4096).to(torch.bfloat16).requires_grad_() for _ in range(n)]
+        params = [torch.randn(4096, device=device).to(torch.bfloat16).requires_grad_()
+                  for _ in range(n)]
         for p in params:
             p.grad = torch.randn_like(p)
         opt = make(params)
