@@ -72,6 +72,18 @@ def test_buckets_equal_the_step_without_them_across_a_change(name, monkeypatch):
     assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
 
 
+def test_a_deleted_state_entry_takes_the_full_step(monkeypatch):
+    """A state entry deleted between steps (the full step creates it again, as a new buffer's
+    first use): the buckets notice, and the bits are the step's without them."""
+    def delete(params, opt, saved):
+        del opt.state[params[2]]["exp_avg"]
+
+    pa, oa, _ = _run(_adamw_kahan, delete, use_buckets=False, monkeypatch=monkeypatch)
+    pb, ob, taken = _run(_adamw_kahan, delete, use_buckets=True, monkeypatch=monkeypatch)
+    assert_same(pa, oa, pb, ob)
+    assert taken == STEPS - 2, taken
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
     lambda ps: AdamW(ps, lr=1e-2, master="fp32", state_dtype=torch.float32, fused=True),
