@@ -413,3 +413,18 @@ dist.destroy_process_group()
     refused = [ln for ln in lines if ln.startswith("refused:")]
     assert len(refused) == 1 and "is not contiguous" in refused[0], (proc.stdout, proc.stderr)
     assert refused[0].endswith("True True"), refused  # (the parameter and state unchanged)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("value", "signed"), [(0.0, True), (0.0, False), (-1.5, True),
+                                                (2.5, False)])
+def test_new_state_equals_encoding_the_whole_filled_buffer(value, signed, bits):
+    """``new_state`` encodes one block and repeats it (every block of a filled buffer is the
+    same): the codes and scales of encoding the whole buffer, in their shapes."""
+    for shape in [(4096,), (16, 512), (3, 1024)]:
+        p = torch.empty(shape)
+        codes, scale = qstate.new_state(value, p, signed, bits)
+        ref_codes, ref_scale = qstate.to_codes(torch.full(shape, value), signed, bits)
+        assert codes.shape == ref_codes.shape and torch.equal(codes, ref_codes)
+        assert torch.equal(scale, ref_scale.view(qstate.scale_shape(p)))
+        assert codes.is_contiguous() and scale.is_contiguous()
