@@ -88,13 +88,37 @@ def test_a_deleted_state_entry_takes_the_full_step(monkeypatch):
     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
     lambda ps: AdamW(ps, lr=1e-2, master="fp32", state_dtype=torch.float32, fused=True),
     lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1, master="kahan", fused=True),
-], ids=["sgd-split", "adamw-fp32", "lion-kahan"])
+    lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, master="stochastic", fused=True, seed=5),
+    lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, master="stochastic", fused=False, seed=5),
+    lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="stochastic", fused=True, seed=5),
+], ids=["sgd-split", "adamw-fp32", "lion-kahan", "adamw-stochastic", "adamw-stochastic-eager",
+        "sgd-stochastic"])
 def test_buckets_equal_the_step_without_them_for_other_rules(make, monkeypatch):
     pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch)
     pb, ob, taken = _run(make, CHANGES["a_grad_missing"], use_buckets=True,
                          monkeypatch=monkeypatch)
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 1024], ids=["gathered", "large-alone"])
+@pytest.mark.parametrize("change", ["grads_in_fp32", "grad_non_contiguous", "state_loaded"])
+def test_stochastic_rounding_in_buckets_equals_the_step_without_them(change, limit,
+                                                                      monkeypatch):
+    """Stochastic rounding's random bits are keyed per parameter and element: a gathered piece
+    takes one key per parameter and each word's parameter and index (as a batch of small
+    parameters does), a parameter alone its own key; either way every element gets the bits
+    of the step without buckets."""
+    monkeypatch.setitem(buckets._GATHERED, "cpu", limit)
+
+    def make(ps):
+        return AdamW(ps, lr=1e-2, weight_decay=0.1, master="stochastic", fused=True, seed=7)
+
+    pa, oa, _ = _run(make, CHANGES[change], use_buckets=False, monkeypatch=monkeypatch)
+    pb, ob, taken = _run(make, CHANGES[change], use_buckets=True, monkeypatch=monkeypatch)
+    assert_same(pa, oa, pb, ob)
+    assert taken >= (STEPS - 1 if change != "state_loaded" else STEPS - 2), taken
+    assert ob._buckets.buckets[0].keyed
 
 
 @pytest.mark.parametrize("name", ["nothing", "a_grad_missing", "grads_in_fp32",

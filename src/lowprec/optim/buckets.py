@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 
+from lowprec.numerics import stream_key_halves
 from lowprec.optim import loss_scale, qstate
-from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
+from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_update
 
@@ -84,8 +85,9 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
     state = opt.state.get(p)
     if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
-    if storage.needs_random_bits:
-        return None
+    keyed = storage.needs_random_bits
+    if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)):
+        return None  # (random bits keyed per word of a piece of many parameters: on pairs)
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):
@@ -96,6 +98,8 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
     per = {}
     for name, f in opt._qstate(group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
+    if keyed and per:
+        return None  # (codes are never stepped on pairs)
     maths = opt._math_buffers(group, p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
     layout = []
@@ -103,6 +107,7 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
         t, n = state.get(name), per.get(name, 1)
         if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
                 or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
+                or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled._pairs_plan)
                 or opt._buffer_shape(name, p) is not None
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
@@ -117,7 +122,8 @@ class _Bucket:
     """One group's parameters of one kind (``_kind``): their state and step counts laid out in
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
-    __slots__ = ("counts", "entries", "flat_params", "flats", "group", "indices", "kind", "made",
+    __slots__ = ("counts", "entries", "flat_params", "flats", "group", "index_tensors", "indices", "keyed", "kind",
+                 "made",
                  "names", "offsets", "params", "per", "prepared", "ptrs", "ptrs_device", "qstate", "same",
                  "sbufs", "scratch", "shapes", "sizes", "split_views", "states", "steps",
                  "storage", "version", "views")
@@ -160,6 +166,7 @@ class _Bucket:
             st["step"] = view
         self.ptrs = [p.data_ptr() for p in self.params]
         self.ptrs_device = p0.get_device()  # (-1 on the CPU)
+        self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries = (operator.itemgetter("step", *self.names) if self.names
                         else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
@@ -168,6 +175,7 @@ class _Bucket:
         self.same, self.version = False, None  # (same_counts: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, Any] = {}
+        self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
@@ -310,6 +318,10 @@ class _Bucket:
         per = self.per
         mode = _mode(scaling)
         extra = {} if scaling is None else scaling.kernel_args(p.device)
+        keys: tuple[Any, Any] = (0, 0)
+        if self.keyed:  # (``step`` is the host's count: buckets with keys have it there)
+            keys, owner = self._keys(opt, a, b, step)
+            extra.update(owner)
         done = False
         if _fused_enabled(opt, group, self.params[0]):
             # (``step``: the count on the host, or the numbers made on the device from it)
@@ -323,10 +335,10 @@ class _Bucket:
                         storage, flags, p, g,
                         *({k: self.flats[k][lo // per[k]:hi // per[k]] for k in ks}
                           for ks in names),
-                        scaled=mode, qstate=self.qstate,
+                        scaled=mode, qstate=self.qstate, keyed=self.keyed and not one,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
-                opt._run_fused(fused, g, coeffs, c32, 0, 0, extra)
+                opt._run_fused(fused, g, coeffs, c32, *keys, extra)
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
@@ -335,18 +347,40 @@ class _Bucket:
                       if isinstance(step, int) else step)
             chunk = _eager_chunk(g.device)
             qkw = {"qstate": self.qstate} if self.qstate else {}
-            for i in range(0, hi - lo, chunk):  # (whole blocks: a chunk is a multiple of one)
-                sl = slice(i, min(i + chunk, hi - lo))
-                _param_update(p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
-                                                              (lo + sl.stop) // per[k]]
-                                               for k in ks} for ks in names),
-                              coeffs, 0, 0, storage=storage, math=opt._math, flags=flags,
-                              **extra, **qkw)
+            extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
+            # (with random bits: each parameter's elements with its own key, indexed from its
+            # first element)
+            spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
+                       opt._keys(group, storage, step, self.indices[k])) for k in range(a, b)]
+                     if self.keyed else [(0, hi - lo, (0, 0))])
+            for first, last, (key_lo, key_hi) in spans:
+                for i in range(first, last, chunk):  # (whole blocks: a chunk is a multiple)
+                    sl = slice(i, min(i + chunk, last))
+                    _param_update(p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
+                                                                  (lo + sl.stop) // per[k]]
+                                                   for k in ks} for ks in names),
+                                  coeffs, key_lo, key_hi, storage=storage, math=opt._math,
+                                  flags=flags, offset=i - first, **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
         if gathered and mode == "unscale":  # (the kernel wrote the gradients back unscaled)
             views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
             torch._foreach_copy_(grads[a:b], views)
+
+    def _keys(self, opt, a: int, b: int, step: int) -> tuple[tuple[Any, Any], dict]:
+        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
+        alone, its key's halves (``_keys``); a gathered piece, one key half per parameter
+        (int64, made for all of them at once: ``numerics.stream_key_halves``) with each word's
+        parameter and index within it (``owner``, ``idx``: ``_batch_layout``), so that every
+        element gets the bits it gets in a step of its own."""
+        if b - a == 1:
+            return opt._keys(self.group, self.storage, step, self.indices[a]), {}
+        index = self.index_tensors.get((a, b))
+        if index is None:
+            index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64)
+        keys = stream_key_halves(self.group["seed"], step, index)
+        owner, idx = opt._batch_layout(tuple(n // 2 for n in self.sizes[a:b]))
+        return keys, {"owner": owner, "idx": idx}
 
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
         """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
@@ -471,6 +505,9 @@ def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
         g = bucket.gradients() if bucket.current(opt) else None
         if g is None:
             return False
+        first = next((x for x in g if x is not None), None)  # (all of one dtype: gradients)
+        if bucket.keyed and first is not None and first.dtype not in _PAIR_DTYPES:
+            return False  # (random bits keyed per word need pairs: BF16 or FP32 gradients)
         grads.append(g)
     rest, expected = [], {}
     for gi, pi, index in layout.rest:
@@ -488,7 +525,8 @@ def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
         work = []
         for bucket, gs in zip(layout.buckets, grads, strict=True):
             if not loss_scale._host_counts(bucket.params[0].device) and (
-                bucket.counts.device != bucket.params[0].device or any(g is None for g in gs)
+                bucket.keyed  # (its keys would be made on the device: the full step's way)
+                or bucket.counts.device != bucket.params[0].device or any(g is None for g in gs)
                 or not bucket.same_counts()
             ):  # (the full step moves the counts there, or steps the parameters one by one)
                 return False
