@@ -31,8 +31,10 @@ through ``.data`` between such steps bypasses the version counter and is not see
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
 of consecutive parameters that have one and share a step count. What buckets do not take steps
 as before (``driver``): rules that need a tensor whole (norms, matrices), stochastic rounding
-(its random bits are keyed per parameter), odd-sized or non-contiguous parameters, state in
-shared memory, DTensor shards and the update inside backward.
+off the CPU's BF16 pairs (its random bits are keyed per parameter and element: a gathered piece
+takes a key per parameter and each word's parameter and index, ``_keys``, which only the pairs
+kernel reads), odd-sized or non-contiguous parameters, state in shared memory, DTensor shards
+and the update inside backward.
 
 The bucket checks, each step, that what it relies on holds: the parameters are the tensors it
 was made for (``model.to(...)`` or ``p.data = ...`` rebinds them), the state entries are still
