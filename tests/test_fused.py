@@ -239,14 +239,20 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
         assert "_param_sums_pairs" in used and "_param_sums" in used, used
 
 
-def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits():
-    """(CPU only, as every test of small parameters' shared calls: only the CPU batches them.)
+@pytest.mark.parametrize("use_buckets", [False, True], ids=["batches", "buckets"])
+def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits(use_buckets,
+                                                                               request):
+    """(CPU only, as every test of small parameters' shared calls: only the CPU batches them.
+    Through buckets, from the second step on, they share a gathered call the same way:
+    ``buckets._Bucket._keys``; the call structure below is the batches'.)
 
     Small BF16 parameters under stochastic rounding are stepped in one compiled call, each
     word hashed with its own parameter's key and index: bit for bit the eager step, for a seed
     whose keys use all 64 bits. Odd lengths stay out of the batch. A parameter without a gradient
     for a step changes the batch (and then its step count differs from the others', so it is
     stepped on its own): still the eager bits."""
+    if not use_buckets:
+        request.getfixturevalue("no_buckets")
     shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     calls, params, opt = _eager_and_fused(
@@ -254,6 +260,10 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
                                     seed=2**64 - 3),
         init, steps=4, seed=3, drop=(1, 1),
     )
+    assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
+    if use_buckets:
+        assert opt._buckets.buckets[0].keyed
+        return
     batched = [words for _, key, words in calls if key and ("keys", "batched") in key]
     # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call, then without the
     # (6,) parameter, which is a step behind the others from then on.
