@@ -124,11 +124,11 @@ class _Bucket:
     """One group's parameters of one kind (``_kind``): their state and step counts laid out in
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
-    __slots__ = ("counts", "entries", "flat_params", "flats", "group", "index_tensors", "indices", "keyed", "kind",
-                 "made",
-                 "names", "offsets", "params", "per", "prepared", "ptrs", "ptrs_device", "qstate", "same",
-                 "sbufs", "scratch", "shapes", "sizes", "split_views", "states", "steps",
-                 "storage", "version", "views")
+    __slots__ = ("counts", "device_index", "entries", "flat_params", "flats", "group",
+                 "index_tensors", "indices", "keyed", "kind", "made", "names", "offsets",
+                 "params", "per", "prepared", "ptrs", "qstate", "same", "sbufs", "scratch",
+                 "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
+                 "views")
 
     def __init__(self, opt, group, kind, members: list[tuple[torch.Tensor, int]],
                  storage) -> None:
@@ -167,7 +167,7 @@ class _Bucket:
         for st, view in zip(self.states, self.steps, strict=True):
             st["step"] = view
         self.ptrs = [p.data_ptr() for p in self.params]
-        self.ptrs_device = p0.get_device()  # (-1 on the CPU)
+        self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries = (operator.itemgetter("step", *self.names) if self.names
@@ -211,7 +211,7 @@ class _Bucket:
         if (list(map(_SHAPE, present)) != shapes
                 or len(set(map(_DTYPE, present))) != 1
                 or set(map(_LAYOUT, present)) != {torch.strided}
-                or set(map(torch.Tensor.get_device, present)) != {self.ptrs_device}):
+                or set(map(torch.Tensor.get_device, present)) != {self.device_index}):
             return None
         return grads
 
