@@ -117,11 +117,13 @@ def _non_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     kernel, pytorch#127176), summed in FP64 (no overflow from finite values): the total is
     finite exactly when every gradient is."""
     found = torch.zeros((), dtype=torch.float32, device=device)
-    dense = [g for g in grads if g.is_contiguous()] if device.type == "cpu" else []
+    cpu = device.type == "cpu"
+    dense, rest = [], []
+    for g in grads:
+        (dense if cpu and g.is_contiguous() else rest).append(g)
     if dense:
         torch._amp_foreach_non_finite_check_and_unscale_(dense, found, _one(device))
-    if len(dense) < len(grads):
-        rest = [g for g in grads if device.type != "cpu" or not g.is_contiguous()]
+    if rest:
         ends = torch.stack(torch._foreach_norm(rest, float("inf"))).double()
         found += (~torch.isfinite(ends.sum())).float()
     return found.clamp_(max=1.0)
