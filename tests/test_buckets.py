@@ -14,7 +14,7 @@ import pathlib
 import pytest
 import torch
 
-from lowprec.optim import SGD, AdamW, Lion, buckets, loss_scale
+from lowprec.optim import SGD, AdamW, Lamb, Lion, StableAdamW, buckets, loss_scale
 from tests._same import assert_same
 from tests.test_replay import CHANGES, STEPS
 from tests.test_replay import _run as replay_run
@@ -30,7 +30,7 @@ def _adamw_kahan(params):
     return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3)
 
 
-def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None):
+def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None, **shapes):
     """``test_replay._run``'s steps (fresh random gradients, ``change`` before step CHANGE_AT),
     with buckets or without them. Returns the parameters, the optimizer and how many steps went
     through the buckets."""
@@ -49,7 +49,8 @@ def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None):
         else:
             m.setattr(buckets, "step_buckets", lambda o, *scaler: False)
             m.setattr(buckets, "flatten", lambda o: None)
-        params, opt, _ = replay_run(make, change, replay=True, steps=steps, scaled=scaled)
+        params, opt, _ = replay_run(make, change, replay=True, steps=steps, scaled=scaled,
+                                    **shapes)
     return params, opt, taken
 
 
@@ -99,6 +100,45 @@ def test_buckets_equal_the_step_without_them_for_other_rules(make, monkeypatch):
                          monkeypatch=monkeypatch)
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1
+
+
+# Parameters of equal sizes (64, 64; 128 three times), which a rule with whole-tensor sums steps
+# as rows, and sizes of their own.
+NORM_SHAPES = [(300, 256), (64,), (8, 8), (32, 4), (7,), (16, 8), (1,), (128,), (30,)]
+
+
+def _lamb_kahan(ps):
+    return Lamb(ps, lr=1e-2, weight_decay=0.1, master="kahan", fused=True)
+
+
+def _every_other_step(step):
+    return step % 2 == 0
+
+
+# (each compiled variant costs ~15 s of compilation with a cold cache: a few, each covering much)
+@pytest.mark.parametrize(("make", "change", "scaled"), [
+    (_lamb_kahan, "a_grad_missing", _every_other_step),
+    (lambda ps: StableAdamW(ps, lr=1e-2, weight_decay=0.1, master="kahan", fused=True),
+     "state_loaded", None),
+    (lambda ps: Lamb(ps, lr=1e-2, master="stochastic", fused=True, seed=5), "nothing", None),
+    (lambda ps: Lamb(ps, lr=1e-2, master="split", state_dtype=torch.float32, fused=False),
+     "a_grad_missing", _every_other_step),
+], ids=["lamb-kahan-scaled", "stable-adamw-kahan-loaded", "lamb-stochastic",
+        "lamb-split-eager-scaled"])
+def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, scaled,
+                                                                 monkeypatch):
+    """LAMB's trust ratio and StableAdamW's RMS need each parameter's sums: a piece of parameters
+    of one size is stepped as rows, its sums per row (FP64, so that the order of adding does not
+    show), a parameter of a size of its own alone; the bits are the step's without buckets."""
+    pa, oa, _ = _run(make, CHANGES[change], use_buckets=False, monkeypatch=monkeypatch,
+                     scaled=scaled, shapes=NORM_SHAPES)
+    pb, ob, taken = _run(make, CHANGES[change], use_buckets=True, monkeypatch=monkeypatch,
+                         scaled=scaled, shapes=NORM_SHAPES)
+    assert_same(pa, oa, pb, ob)
+    assert taken >= STEPS - 3, taken
+    (bucket,) = ob._buckets.buckets
+    pieces = bucket._pieces(0, len(bucket.params))
+    assert sorted(b - a for a, b in pieces) == [1, 1, 2, 3], pieces
 
 
 @pytest.mark.parametrize("limit", [1 << 20, 1024], ids=["gathered", "large-alone"])
@@ -286,7 +326,8 @@ def _scaled(opt):
     lambda ps: _scaled(_adamw_kahan(ps)),
     lambda ps: AdamW(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, master="split", fused=True),
-], ids=["adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "sgd-split"])
+    lambda ps: Lamb(ps, lr=1e-2, master="kahan", fused=True),
+], ids=["adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "sgd-split", "lamb-kahan"])
 def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make, device):
     """Issue 39's target: a step's operator and compiled calls at 512 tensors at most twice those
     at 16 (the step without buckets made ~9 per tensor, ~18 under a loss scaler, ~30 with 8-bit

@@ -32,16 +32,16 @@ CHANGE_AT = 3
 STEPS = 6
 
 
-def _run(make, change, *, replay, steps=STEPS, scaled=None):
+def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=SHAPES):
     """Steps with fresh random gradients (the same for both runs); ``change(params, opt, saved)`` runs
     before step CHANGE_AT, ``saved`` being a state_dict taken after the first step. ``scaled(step)``:
     whether that step goes through the loss-scaler contract (gradients scaled by 256, passed as
     grad_scale with a found_inf flag; at step CHANGE_AT + 1 one gradient holds an inf, so that
     step is skipped). Returns the parameters, the optimizer and the number of steps redone from a
-    record."""
+    record. ``shapes``: the parameters' (the first one 2-d)."""
     gen = torch.Generator().manual_seed(0)
     params = [
-        (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_() for s in SHAPES
+        (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_() for s in shapes
     ]
     opt = make(params)
     replayed = 0

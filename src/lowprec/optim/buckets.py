@@ -58,7 +58,7 @@ from lowprec.numerics import stream_key_halves
 from lowprec.optim import loss_scale, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
-from lowprec.optim.update import _eager_chunk, _param_update
+from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 __all__ = ["flatten", "step_buckets"]
 
@@ -77,8 +77,10 @@ def _gathered(device: torch.device) -> int:
 
 
 def _bucketable_rule(opt, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s rule steps elementwise, one tensor at a time in any layout."""
-    return opt._elementwise and opt._norm_terms is None and not opt._whole(group)
+    """Whether ``group``'s rule steps a tensor in any layout: elementwise, or elementwise but
+    for whole-tensor sums (``_norm_terms``: LAMB, StableAdamW), which a piece of parameters of
+    one size takes per row."""
+    return (opt._elementwise or opt._norm_terms is not None) and not opt._whole(group)
 
 
 def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
@@ -100,8 +102,8 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
     per = {}
     for name, f in opt._qstate(group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
-    if keyed and per:
-        return None  # (codes are never stepped on pairs)
+    if per and (keyed or opt._norm_terms is not None):
+        return None  # (codes are never stepped on pairs, nor their rows' sums taken per row)
     maths = opt._math_buffers(group, p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
     layout = []
@@ -125,7 +127,7 @@ class _Bucket:
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = ("counts", "device_index", "entries", "flat_params", "flats", "group",
-                 "index_tensors", "indices", "keyed", "kind", "made", "names", "offsets",
+                 "index_tensors", "indices", "keyed", "kind", "made", "names", "norms", "offsets",
                  "params", "per", "prepared", "ptrs", "qstate", "same", "sbufs", "scratch",
                  "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
                  "views")
@@ -169,6 +171,7 @@ class _Bucket:
         self.ptrs = [p.data_ptr() for p in self.params]
         self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
+        self.norms = opt._norm_terms is not None  # (whole-tensor sums: pieces of one size)
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries = (operator.itemgetter("step", *self.names) if self.names
                         else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
@@ -282,17 +285,19 @@ class _Bucket:
         """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
         ``_gathered(device)`` elements or more alone (its gradient used where it is), the others
         in runs of up to that many elements (their gradients gathered into one buffer, which on
-        the CPU stays in cache)."""
+        the CPU stays in cache). A rule with whole-tensor sums (``norms``) takes a run's
+        parameters as rows of a matrix: all of one size (``flatten`` puts equal sizes side by
+        side)."""
         limit = _gathered(self.params[0].device)
-        offsets = self.offsets
+        offsets, sizes = self.offsets, self.sizes
         pieces, a = [], i
         for k in range(i, j):
-            if offsets[k + 1] - offsets[k] >= limit:
+            if sizes[k] >= limit:
                 if a < k:
                     pieces.append((a, k))
                 pieces.append((k, k + 1))
                 a = k + 1
-            elif offsets[k + 1] - offsets[a] > limit:
+            elif offsets[k + 1] - offsets[a] > limit or (self.norms and sizes[k] != sizes[a]):
                 pieces.append((a, k))
                 a = k
         if a < j:
@@ -320,10 +325,11 @@ class _Bucket:
         per = self.per
         mode = _mode(scaling)
         extra = {} if scaling is None else scaling.kernel_args(p.device)
+        rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
         keys: tuple[Any, Any] = (0, 0)
         if self.keyed:  # (``step`` is the host's count: buckets with keys have it there)
             keys, owner = self._keys(opt, a, b, step)
-            extra.update(owner)
+            extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
         if _fused_enabled(opt, group, self.params[0]):
             # (``step``: the count on the host, or the numbers made on the device from it)
@@ -337,7 +343,7 @@ class _Bucket:
                         storage, flags, p, g,
                         *({k: self.flats[k][lo // per[k]:hi // per[k]] for k in ks}
                           for ks in names),
-                        scaled=mode, qstate=self.qstate, keyed=self.keyed and not one,
+                        scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
                 opt._run_fused(fused, g, coeffs, c32, *keys, extra)
@@ -350,19 +356,30 @@ class _Bucket:
             chunk = _eager_chunk(g.device)
             qkw = {"qstate": self.qstate} if self.qstate else {}
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
-            # (with random bits: each parameter's elements with its own key, indexed from its
-            # first element)
+
+            def at(sl: slice) -> tuple:  # (elements sl of the piece, and their state)
+                return (p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
+                                                          (lo + sl.stop) // per[k]]
+                                         for k in ks} for ks in names))
+
+            # (with random bits or whole-tensor sums: each parameter's elements on their own,
+            # with its key, indexed from its first element)
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
                        opt._keys(group, storage, step, self.indices[k])) for k in range(a, b)]
-                     if self.keyed else [(0, hi - lo, (0, 0))])
+                     if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
             for first, last, (key_lo, key_hi) in spans:
-                for i in range(first, last, chunk):  # (whole blocks: a chunk is a multiple)
-                    sl = slice(i, min(i + chunk, last))
-                    _param_update(p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
-                                                                  (lo + sl.stop) // per[k]]
-                                                   for k in ks} for ks in names),
-                                  coeffs, key_lo, key_hi, storage=storage, math=opt._math,
-                                  flags=flags, offset=i - first, **extra, **qkw)
+                # (whole blocks: a chunk is a multiple)
+                chunks = [slice(i, min(i + chunk, last)) for i in range(first, last, chunk)]
+                c = coeffs
+                if self.norms:  # (first pass: the parameter's sums, read-only)
+                    sums = sum(_param_sums(*at(sl), coeffs, storage=storage, flags=flags,
+                                           norm_terms=opt._norm_terms,
+                                           inv_scale=extra.get("inv_scale"))
+                               for sl in chunks)
+                    c = {**coeffs, "sums": sums}
+                for sl in chunks:
+                    _param_update(*at(sl), c, key_lo, key_hi, storage=storage, math=opt._math,
+                                  flags=flags, offset=sl.start - first, **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
         if gathered and mode == "unscale":  # (the kernel wrote the gradients back unscaled)
@@ -470,8 +487,11 @@ def flatten(opt) -> None:
                 continue
             # (the large parameters first, each a piece of its own; the small ones after them,
             # together, so that their pieces gather many: _pieces)
+            # A rule with whole-tensor sums steps a piece's parameters as rows: equal sizes
+            # side by side.
             limit = _gathered(members[0][0].device)
-            members.sort(key=lambda m: m[0].numel() < limit)
+            norms = opt._norm_terms is not None
+            members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
             bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
             if bucket is None:
                 changed = True

@@ -389,7 +389,8 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
     if f.qkw:  # (8-bit or 4-bit state: rows of a block; see _prepare_fused)
         return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]))
-    return t.view(-1) if f.pairs is None else _pair_words(t, f.n)
+    v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
+    return v.view(f.rows, -1) if f.rows else v  # (rows: a bucket's parameters of one size)
 
 
 def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor | None]:
@@ -422,6 +423,7 @@ class _Fused:
         "pairs",
         "qkw",
         "row_cuts",
+        "rows",
         "sbufs",
         "shards",
         "signature",
@@ -441,6 +443,7 @@ class _CompiledStep:
     def _prepare_fused(
         self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
         keyed: bool = False, start: int = 0, shards: Any = (), qstate: tuple = (),
+        rows: int = 0,
     ) -> _Fused:
         """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
         numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
@@ -451,12 +454,16 @@ class _CompiledStep:
         index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
         shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
         over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
-        the buffers kept as codes (``update._param_update``; never on pairs).
+        the buffers kept as codes (``update._param_update``; never on pairs). ``rows``: ``p`` and
+        every buffer are ``rows`` parameters of one size laid end to end (a bucket's piece,
+        ``buckets``), stepped as rows of a matrix, a rule's whole-tensor sums (``_norm_terms``)
+        made per row; 0: one parameter (or its piece).
         """
         f = _Fused()
         f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
         f.qkw = {"qstate": qstate} if qstate else {}
         f.bases = f.row_cuts = None
+        f.rows = rows
         f.pairs = pairs = None if qstate else self._pairs_plan(storage, p, grad, sbufs, mbufs)
         if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
             raise RoundTripsDropped(
@@ -487,6 +494,8 @@ class _CompiledStep:
         else:
             f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
                        {k: _pair_words(v, n) for k, v in mbufs.items()})
+        if rows:
+            f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
         # (The parameter's own view is made by each call, like the gradient's: a view kept here
         # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
         # The whole-tensor sums in a compiled pass of their own, so that the update pass
@@ -498,18 +507,18 @@ class _CompiledStep:
         f.signature = signature = _signature(p, grad, sbufs, mbufs)
         # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
         codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
+        rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
         if self._norm_terms is not None:
             f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
             f.sums_kernel = _compiled_kernel(
                 type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
-                extra_key=codes_key if pairs is None
-                else pairs,
+                extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
                 signature=signature,
             )
         f.kernel = _compiled_kernel(
             type(self), storage, flags, scaled=scaled, fn=f.update_fn,
-            extra_key=codes_key if pairs is None
-            else (*pairs, *((("keys", "batched"),) if keyed else ())),
+            extra_key=(*(codes_key if pairs is None
+                         else (*pairs, *((("keys", "batched"),) if keyed else ()))), *rows_key),
             signature=signature,
         )
         return f
@@ -528,7 +537,7 @@ class _CompiledStep:
         if f.sums_kernel is not None:
             c32 = dict(c32)  # the sums below are this parameter's own
             kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
-                      inv_scale=extra.get("inv_scale"))
+                      inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
             if pairs is None:
                 c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
             else:

@@ -103,11 +103,23 @@ def _param_sums(
     flags: dict[str, bool],
     inv_scale: torch.Tensor | None = None,
     qstate: tuple[tuple[str, str], ...] = (),
+    rows: bool = False,
 ) -> torch.Tensor:
-    """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each)."""
+    """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each).
+
+    ``rows``: every tensor is rows of one parameter each (a bucket's parameters of one size,
+    ``buckets``), and the sums are each row's, shaped (terms, rows, 1) for the update's ``math``
+    to broadcast a row's norms over its elements."""
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate), c, **flags)
+    return _stacked_sums(terms, rows)
+
+
+def _stacked_sums(terms: tuple[torch.Tensor, ...], rows: bool) -> torch.Tensor:
+    """``sum_squares`` of each of ``terms``, stacked; ``rows``: of each row (``_param_sums``)."""
+    if rows:  # (FP64 as sum_squares: each square exact, the row's order of adding unseen)
+        return torch.stack([t.double().square().sum(-1, keepdim=True) for t in terms])
     return torch.stack([sum_squares(t) for t in terms])
 
 
@@ -123,10 +135,13 @@ def _param_sums_pairs(
     flags: dict[str, bool],
     dtypes: tuple[tuple[str, torch.dtype], ...],
     inv_scale: torch.Tensor | None = None,
+    rows: bool = False,
 ) -> torch.Tensor:
     """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
     even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
+    if rows:
+        return _stacked_sums(even, True) + _stacked_sums(odd, True)
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
 
 
