@@ -32,7 +32,7 @@ CHANGE_AT = 3
 STEPS = 6
 
 
-def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=SHAPES):
+def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=None):
     """Steps with fresh random gradients (the same for both runs); ``change(params, opt, saved)`` runs
     before step CHANGE_AT, ``saved`` being a state_dict taken after the first step. ``scaled(step)``:
     whether that step goes through the loss-scaler contract (gradients scaled by 256, passed as
@@ -41,7 +41,8 @@ def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=SHAPES):
     record. ``shapes``: the parameters' (the first one 2-d)."""
     gen = torch.Generator().manual_seed(0)
     params = [
-        (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_() for s in shapes
+        (torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
+        for s in (SHAPES if shapes is None else shapes)  # (SHAPES read now: tests replace it)
     ]
     opt = make(params)
     replayed = 0
