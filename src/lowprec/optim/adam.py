@@ -125,11 +125,11 @@ class Adam(LowPrecisionOptimizer):
         state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
-        fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU), one
-            per parameter (on CPU, small parameters of a group share one call; from the second step
-            on, large ones share calls of up to 4), with the same results as the eager step
-            (default: None, meaning compiled wherever torch.compile has a compiler, C++ or Triton,
-            and eager elsewhere; see ``lowprec.optim``).
+        fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
+            with the same results as the eager step; from the second step on, a group's
+            parameters of one device, dtype and strategy take a few calls whatever their number
+            (``lowprec.optim.buckets``) (default: None, meaning compiled wherever torch.compile
+            has a compiler, C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).
         capturable: Must be False: the step decides on the host what to run, so it cannot be

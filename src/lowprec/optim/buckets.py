@@ -28,9 +28,17 @@ were written, which their version counter shows) makes the step's numbers there 
 once (``_device_numbers``), where the full step makes them per parameter. A count written
 through ``.data`` between such steps bypasses the version counter and is not seen.
 
+A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust ratio, StableAdamW's
+RMS) takes a piece's parameters as rows of a matrix, all of one size (``flatten`` puts equal
+sizes side by side, ``_pieces`` cuts where the size changes): its sums pass makes each row's
+sums (FP64, as a parameter's own: the order of adding does not show in the FP32 norm) and its
+update broadcasts them over the row (``compiled._prepare_fused``'s ``rows``). A parameter of a
+size of its own is a piece alone, in the kernels of a parameter's own step.
+
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
 of consecutive parameters that have one and share a step count. What buckets do not take steps
-as before (``driver``): rules that need a tensor whole (norms, matrices), stochastic rounding
+as before (``driver``): rules that need a tensor whole (matrices, factored moments; norms with
+8-bit or 4-bit state), stochastic rounding
 off the CPU's BF16 pairs (its random bits are keyed per parameter and element: a gathered piece
 takes a key per parameter and each word's parameter and index, ``_keys``, which only the pairs
 kernel reads), odd-sized or non-contiguous parameters, state in shared memory, DTensor shards

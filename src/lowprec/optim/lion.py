@@ -135,8 +135,10 @@ class Lion(LowPrecisionOptimizer):
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``), with the same results as the
-            eager step (default: None, meaning compiled wherever torch.compile has a compiler;
-            see ``lowprec.optim``).
+            eager step; from the second step on, a group's parameters of one device, dtype and
+            strategy take a few calls whatever their number (``lowprec.optim.buckets``)
+            (default: None, meaning compiled wherever torch.compile has a compiler; see
+            ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
         capturable: Must be False: the step decides on the host what to run (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd

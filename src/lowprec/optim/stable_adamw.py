@@ -187,9 +187,11 @@ class StableAdamW(LowPrecisionOptimizer):
         state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
             ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
-        fused: Run the step as compiled passes (``torch.compile``), two per parameter, its RMS
-            first, with the same results as the eager step (default: None, meaning compiled
-            wherever torch.compile has a compiler; see ``lowprec.optim``).
+        fused: Run the step as compiled passes (``torch.compile``), the RMS first, with the
+            same results as the eager step; from the second step on, a group's parameters of one
+            size take two calls together, as rows, each row's RMS its own
+            (``lowprec.optim.buckets``) (default: None, meaning compiled wherever torch.compile
+            has a compiler; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
         capturable: Must be False: the step decides on the host what to run (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
