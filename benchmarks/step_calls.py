@@ -17,7 +17,9 @@ layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``),
 the same optimizer with buckets turned off (a compiled call per tensor, the recorded step and
 batches of small tensors: the step before buckets), ``eager`` the default step without
 ``torch.compile``, ``scaled`` the default step under the loss-scaler contract (``grad_scale`` and
-``found_inf`` set as GradScaler sets them), ``8bit`` with 8-bit moments.
+``found_inf`` set as GradScaler sets them), ``8bit`` with 8-bit moments; ``lamb`` and
+``stable-adamw`` (rules with whole-tensor sums, in buckets as rows of equal-sized parameters)
+against torch's fused AdamW, the nearest torch has.
 
     python benchmarks/step_calls.py                       # 16 x 4096, 512 x 4096, 25M
     python benchmarks/step_calls.py --layouts 512x4096 --rounds 40
@@ -67,6 +69,9 @@ ROWS = {
                          True, False),
     "lamb-kahan": ("adamw", torch.bfloat16,
                    lambda ps: lowprec.Lamb(ps, lr=1e-3, master="kahan", fused=True), True, False),
+    "lamb-kahan-per-tensor": ("adamw", torch.bfloat16,
+                              lambda ps: lowprec.Lamb(ps, lr=1e-3, master="kahan", fused=True),
+                              False, False),
     "stable-adamw-kahan": ("adamw", torch.bfloat16,
                            lambda ps: lowprec.StableAdamW(ps, lr=1e-3, master="kahan", fused=True),
                            True, False),

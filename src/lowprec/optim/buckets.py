@@ -478,7 +478,7 @@ def flatten(opt) -> None:
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets if b.current(opt)}
     layout = _Layout(opt)
     index = -1
-    changed = old is None
+    changed = False  # (a bucket made anew: state entries rebound, the recorded step stale)
     for gi, group in enumerate(opt.param_groups):
         storages = opt._validate_group(group, gi)
         kinds: dict[Any, list] = {}
@@ -507,7 +507,7 @@ def flatten(opt) -> None:
                                  members[0][3])
             layout.buckets.append(bucket)
     layout.rest.sort()
-    if changed or kept:
+    if changed:
         opt._step_plan = None  # (its state tensors were replaced by the buckets' views)
     opt._buckets = layout if layout.buckets else None
 
