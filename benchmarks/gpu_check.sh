@@ -280,7 +280,8 @@ sec_bench() {
     sed -n '/^config /,/^$/p' "$plog" | grep -v '^$' | sed 's/^/profile: /' >>"$KEY"
     if ((GPU)); then
         # Host calls per step and time against the number of tensors (buckets, the step
-        # without them, under a loss scaler, with 8-bit moments, LAMB as rows, torch's fused FP32 AdamW;
+        # without them, under a loss scaler, with 8-bit moments, LAMB as rows, torch's fused
+        # FP32 AdamW;
         # issue 39's targets): 100M parameters in 128 tensors first (each layout prints when
         # its rows are done), then 16 and 512 small tensors.
         t=$(min 60 $(($1 / 3)))
