@@ -281,9 +281,8 @@ sec_bench() {
     if ((GPU)); then
         # Host calls per step and time against the number of tensors (buckets, the step
         # without them, under a loss scaler, with 8-bit moments, LAMB as rows, torch's fused
-        # FP32 AdamW;
-        # issue 39's targets): 100M parameters in 128 tensors first (each layout prints when
-        # its rows are done), then 16 and 512 small tensors.
+        # FP32 AdamW; issue 39's targets): 100M parameters in 128 tensors first (each layout
+        # prints when its rows are done), then 16 and 512 small tensors.
         t=$(min 60 $(($1 / 3)))
         run "$t" "$OUT/4-calls.log" "$PY" benchmarks/step_calls.py --device cuda --rounds 10 \
             --layouts 128x781250,16x4096,512x4096 \
