@@ -8,8 +8,9 @@ measurement runs in a new process (Dynamo's in-memory caches empty), the cold on
 ``TORCHINDUCTOR_CACHE_DIR``, the warm one with the folder the cold run filled. Per row it
 prints the wall time of steps 1, 2 and 3 and of a later step.
 
-    python benchmarks/compile_time.py                     # AdamW BF16 + Kahan, plain and scaled
+    python benchmarks/compile_time.py                     # every row: AdamW plain, scaled, 8-bit; LAMB
     python benchmarks/compile_time.py --rows adamw-kahan  # one row
+    python benchmarks/compile_time.py --rows lamb-kahan   # LAMB: its buckets' rows kernels
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROWS = ("adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit")
+ROWS = ("adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "lamb-kahan")
 
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
@@ -47,7 +48,8 @@ def child(row: str, steps: int) -> None:
     params = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
               for s in gpt2_small_shapes()]
     kw = {"state_dtype": "8bit"} if row.endswith("8bit") else {}
-    opt = lowprec.AdamW(params, lr=1e-4, master="kahan", **kw)
+    cls = lowprec.Lamb if row.startswith("lamb") else lowprec.AdamW
+    opt = cls(params, lr=1e-4, master="kahan", **kw)
     scaled = row.endswith("scaled")
     times = []
     for _ in range(steps):
