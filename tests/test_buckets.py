@@ -141,6 +141,36 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
     assert sorted(b - a for a, b in pieces) == [1, 1, 2, 3], pieces
 
 
+def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
+    """The rows off the CPU's BF16 pairs (FP32 parameters here; every parameter on a GPU): the
+    plain kernels on 2-d tensors, each row's sums its own, the bits of the step without
+    buckets."""
+    shapes = [(64,), (8, 8), (128,), (16, 8), (30,)]
+    gen = torch.Generator().manual_seed(0)
+    made = [[torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]]
+    made.append([p.detach().clone().requires_grad_() for p in made[0]])
+    opts = [Lamb(ps, lr=1e-2, weight_decay=0.1, master="none", fused=True) for ps in made]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        for ps, opt, use in zip(made, opts, (True, False), strict=True):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+            if use:
+                opt.step()
+            else:
+                with pytest.MonkeyPatch.context() as m:  # (the step without buckets)
+                    m.setattr(buckets, "step_buckets", lambda o, *scaler: False)
+                    m.setattr(buckets, "flatten", lambda o: None)
+                    opt.step()
+    (bucket,) = opts[0]._buckets.buckets
+    assert [b - a for a, b in bucket._pieces(0, len(bucket.params))] == [1, 2, 2]
+    assert all(f.pairs is None for f in bucket.prepared.values())
+    for a, b in zip(*made, strict=True):
+        assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opts[0].state[a][k], opts[1].state[b][k])
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: Adafactor(ps, lr=1e-2, master="kahan", fused=True),
     lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
