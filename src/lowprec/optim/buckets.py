@@ -494,9 +494,8 @@ def flatten(opt) -> None:
                 layout.rest.extend((gi, pi, index) for _, index, pi, _ in members)
                 continue
             # (the large parameters first, each a piece of its own; the small ones after them,
-            # together, so that their pieces gather many: _pieces)
-            # A rule with whole-tensor sums steps a piece's parameters as rows: equal sizes
-            # side by side.
+            # together, so that their pieces gather many: _pieces; for a rule with whole-tensor
+            # sums, which steps a piece's parameters as rows, equal sizes side by side)
             limit = _gathered(members[0][0].device)
             norms = opt._norm_terms is not None
             members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
