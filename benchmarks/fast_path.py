@@ -37,13 +37,14 @@ import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 
 import lowprec
-from lowprec.optim import batches
+from lowprec.optim import batches, buckets, compiled, replay
 from lowprec.task import CharTransformer, ModelConfig
 
 CONFIGS = {  # name -> (optimizer class, keywords)
@@ -54,35 +55,32 @@ CONFIGS = {  # name -> (optimizer class, keywords)
 }
 
 
-@contextlib.contextmanager
-def _no_small_batches() -> Iterator[None]:
-    old = batches._SMALL
-    batches._SMALL = 0
-    try:
-        yield
-    finally:
-        batches._SMALL = old
+_never = lambda *args, **kwargs: False  # noqa: E731
+
+# What switches a mechanism off, patched into its module for the switched-off optimizer's step
+# alone (the stages are functions: lowprec.optim.driver).
+SWITCHES: dict[str, list[tuple[Any, str, Any]]] = {
+    "buckets": [(buckets, "step_buckets", _never), (buckets, "flatten", lambda opt: None)],
+    "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None)],
+    "batches": [(batches, "_SMALL", 0)],
+    "replay": [(replay, "redo", _never)],
+    "shared calls": [(replay, "run_many", _never)],
+}
 
 
 def _switch_off(opt: torch.optim.Optimizer, mechanism: str) -> Callable[[], Any]:
-    """``opt``'s step with ``mechanism`` switched off (on this optimizer alone)."""
-    if mechanism == "pairs":
-        opt._pairs_plan = lambda *a, **k: None
-    elif mechanism == "replay":
-        opt._replay = lambda *a, **k: False
-    elif mechanism == "shared calls":
-        opt._run_many = lambda *a, **k: False
-    elif mechanism == "batches":
-        def step() -> Any:
-            with _no_small_batches():
-                return opt.step()
-        return step
-    else:
-        raise ValueError(f"unknown mechanism {mechanism!r}")
-    return opt.step
+    """``opt``'s step with ``mechanism`` switched off (during its steps alone)."""
+    switches = SWITCHES[mechanism]
+
+    def step() -> Any:
+        with contextlib.ExitStack() as stack:
+            for module, name, value in switches:
+                stack.enter_context(mock.patch.object(module, name, value))
+            return opt.step()
+    return step
 
 
-MECHANISMS = ("pairs", "batches", "replay", "shared calls")
+MECHANISMS = tuple(SWITCHES)
 
 
 def benchmark_shapes(params_millions: float) -> list[tuple[int, ...]]:

@@ -14,7 +14,17 @@ import pathlib
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adafactor, AdamW, Lamb, Lion, StableAdamW, buckets, loss_scale
+from lowprec.optim import (
+    SGD,
+    Adafactor,
+    AdamW,
+    Lamb,
+    Lion,
+    StableAdamW,
+    buckets,
+    loss_scale,
+    replay,
+)
 from tests._same import assert_same
 from tests.test_replay import CHANGES, STEPS
 from tests.test_replay import _run as replay_run
@@ -175,13 +185,13 @@ def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
     lambda ps: Adafactor(ps, lr=1e-2, master="kahan", fused=True),
     lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
 ], ids=["adafactor", "lamb-8bit"])
-def test_a_step_no_bucket_takes_is_recorded_and_redone(make):
+def test_a_step_no_bucket_takes_is_recorded_and_redone(make, monkeypatch):
     """Where no parameter goes into a bucket, laying the buckets out after a full step keeps that
     step's record, and the next steps redo it (laying them out dropped it after every step: each
     step was a full one: 128 x 4096, LAMB with 8-bit state 122 ms a step, redone 68)."""
     params = [torch.randn(4096, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     opt = make(params)
-    redone, real = 0, opt._replay
+    redone, real = 0, replay.redo
 
     def spy(*args):
         nonlocal redone
@@ -189,7 +199,7 @@ def test_a_step_no_bucket_takes_is_recorded_and_redone(make):
         redone += done
         return done
 
-    opt._replay = spy
+    monkeypatch.setattr(replay, "redo", spy)
     for _ in range(4):
         for p in params:
             p.grad = torch.randn_like(p)

@@ -9,7 +9,7 @@ from torch import nn
 
 import lowprec
 import lowprec.optim as lo
-from lowprec.optim import in_backward
+from lowprec.optim import in_backward, param_step
 from tests._same import assert_same
 
 OPTIMIZERS = {  # name: (class, options)
@@ -259,17 +259,17 @@ def test_update_monitor_refuses_a_step_inside_backward():
 @pytest.mark.fused
 def test_later_steps_redo_the_prepared_step_and_notice_changes(monkeypatch):
     # From the second step on, a large parameter's hook redoes its prepared compiled step
-    # (no full _step_param) unless something it relied on changed; either way the same bits.
+    # (no full param_step.step_param) unless something it relied on changed; either way the same bits.
     model = _model()
     opt = _optimizer("adamw", model, master="kahan", fused=True)
     ref_model = _model()
     ref = _optimizer("adamw", ref_model, master="kahan", fused=True)
     handle = lowprec.step_in_backward(model, opt)
     full = []
-    real = type(opt)._step_param
-    monkeypatch.setattr(type(opt), "_step_param",
-                        lambda self, *a, **k: (self is opt and full.append(a[1].shape))
-                        or real(self, *a, **k))
+    real = param_step.step_param
+    monkeypatch.setattr(param_step, "step_param",
+                        lambda o, *a, **k: (o is opt and full.append(a[1].shape))
+                        or real(o, *a, **k))
     large = model[2].weight
     for step in range(4):
         full.clear()

@@ -13,11 +13,13 @@ import gc
 import sys
 import warnings
 import weakref
+from unittest import mock
 
 import pytest
 import torch
 
 from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, loss_scale, plan, update
+from lowprec.optim import replay as replay_mod
 from tests._cases import axes
 from tests._same import assert_same, bits
 
@@ -46,15 +48,22 @@ def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=None):
     ]
     opt = make(params)
     replayed = 0
-    real = opt._replay
+    real = replay_mod.redo
 
-    def spy(*args):
+    def spy(o, ctx):  # (this optimizer's record redone, or (replay False) never)
         nonlocal replayed
-        done = real(*args)
+        if o is not opt:
+            return real(o, ctx)
+        done = replay and real(o, ctx)
         replayed += done
         return done
 
-    opt._replay = spy if replay else (lambda *args: False)
+    with mock.patch.object(replay_mod, "redo", spy):
+        _steps(params, opt, gen, change, steps, scaled)
+    return params, opt, replayed
+
+
+def _steps(params, opt, gen, change, steps, scaled):
     saved = None
     for step in range(steps):
         for p in params:
@@ -72,7 +81,7 @@ def _run(make, change, *, replay, steps=STEPS, scaled=None, shapes=None):
             opt.step()
         if step == 0:
             saved = copy.deepcopy(opt.state_dict())
-    return params, opt, replayed
+    return saved
 
 
 def _same_with_and_without_replay(make, change, replays=STEPS - 1, steps=STEPS, scaled=None):
@@ -366,7 +375,7 @@ def test_a_step_that_raises_midway_leaves_counts_matching_what_was_stepped(monke
         raise MemoryError("simulated")
 
     # Fail in the batch of small parameters, after the large one was stepped by its kernel.
-    monkeypatch.setattr(opt, "_run_batch", out_of_memory)
+    monkeypatch.setattr(batches, "run_batch", out_of_memory)
     for p in params:
         p.grad = torch.full_like(p, 0.25)
     with pytest.raises(MemoryError):

@@ -56,11 +56,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import qstate
-from lowprec.optim.batches import _SmallBatches
-from lowprec.optim.checkpoint import _Checkpoints
-from lowprec.optim.compiled import _CompiledStep, _default_mode
-from lowprec.optim.driver import _FullStep
+from lowprec.optim import checkpoint, driver, qstate
+from lowprec.optim.compiled import _default_mode
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
     _TORCH_ONLY_OPTIONS,
@@ -69,12 +66,10 @@ from lowprec.optim.options import (
     _state_dtype_value,
     _step_tensor,
 )
-from lowprec.optim.replay import _Replay
 from lowprec.optim.shards import (
     init_state_local,
     is_dtensor,
     local,
-    local_shards,
     mark_blocks,
     wrap_like,
 )
@@ -83,9 +78,7 @@ from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
 
 
-class LowPrecisionOptimizer(
-    _FullStep, _Replay, _SmallBatches, _CompiledStep, _Checkpoints, Optimizer
-):
+class LowPrecisionOptimizer(Optimizer):
     """Base class: an update rule in FP32 over a pluggable master-weight storage.
 
     Subclasses implement ``_validate_hparams``, ``_math_buffers``, ``_init_math_buffer`` and
@@ -544,16 +537,19 @@ class LowPrecisionOptimizer(
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        in_backward = self.__dict__.get("_in_backward")
-        # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
-        if in_backward is not None and not in_backward._end_step(grad_scale, found_inf):
-            return loss
-        if self.__dict__.get("_has_dtensors"):
-            with local_shards(self):
-                self._step_all(grad_scale, found_inf)
-        else:
-            self._step_all(grad_scale, found_inf)
+        driver.run(self, driver.StepContext(grad_scale, found_inf))
         return loss
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's ``state_dict``, each ``state_dtype`` by its name (``checkpoint``)."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict``, keeping every state tensor's dtype (``checkpoint``): an FP32
+        master, FP32 moments or a trail kept for a BF16 parameter are not rounded."""
+        checkpoint.load_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ master values
 

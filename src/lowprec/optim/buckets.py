@@ -58,15 +58,18 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import loss_scale, qstate
+from lowprec.optim import batches, compiled, loss_scale, param_step, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
+
+if TYPE_CHECKING:
+    from lowprec.optim.driver import StepContext
 
 __all__ = ["flatten", "step_buckets"]
 
@@ -328,7 +331,7 @@ class _Bucket:
         if gathered:
             g = self._gather(grads[a:b], hi - lo, "grad")
         g = g.view(-1)
-        flags = opt._group_flags(group, memo)
+        flags = param_step.group_flags(opt, group, memo)
         names = (self.sbufs, self.names[len(self.sbufs):])
         per = self.per
         mode = _mode(scaling)
@@ -341,25 +344,25 @@ class _Bucket:
         done = False
         if _fused_enabled(opt, group, self.params[0]):
             # (``step``: the count on the host, or the numbers made on the device from it)
-            coeffs, c32 = (opt._step_coefficients(group, step, memo) if isinstance(step, int)
+            coeffs, c32 = (param_step.step_coefficients(opt, group, step, memo) if isinstance(step, int)
                            else (step, step))
             try:
                 key = (a, b, g.dtype, mode)
                 fused = self.prepared.get(key)
                 if fused is None:
-                    fused = self.prepared[key] = opt._prepare_fused(
-                        storage, flags, p, g,
+                    fused = self.prepared[key] = compiled.prepare_fused(
+                        opt, storage, flags, p, g,
                         *({k: self.flats[k][lo // per[k]:hi // per[k]] for k in ks}
                           for ks in names),
                         scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
-                opt._run_fused(fused, g, coeffs, c32, *keys, extra)
+                compiled.run_fused(opt, fused, g, coeffs, c32, *keys, extra)
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
         if not done:
-            coeffs = (opt._step_coefficients(group, step, memo, tensors=False)[0]
+            coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
                       if isinstance(step, int) else step)
             chunk = _eager_chunk(g.device)
             qkw = {"qstate": self.qstate} if self.qstate else {}
@@ -373,7 +376,7 @@ class _Bucket:
             # (with random bits or whole-tensor sums: each parameter's elements on their own,
             # with its key, indexed from its first element)
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
-                       opt._keys(group, storage, step, self.indices[k])) for k in range(a, b)]
+                       param_step.random_keys(group, storage, step, self.indices[k])) for k in range(a, b)]
                      if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
             for first, last, (key_lo, key_hi) in spans:
                 # (whole blocks: a chunk is a multiple)
@@ -401,12 +404,12 @@ class _Bucket:
         parameter and index within it (``owner``, ``idx``: ``_batch_layout``), so that every
         element gets the bits it gets in a step of its own."""
         if b - a == 1:
-            return opt._keys(self.group, self.storage, step, self.indices[a]), {}
+            return param_step.random_keys(self.group, self.storage, step, self.indices[a]), {}
         index = self.index_tensors.get((a, b))
         if index is None:
             index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64)
         keys = stream_key_halves(self.group["seed"], step, index)
-        owner, idx = opt._batch_layout(tuple(n // 2 for n in self.sizes[a:b]))
+        owner, idx = batches.batch_layout(opt, tuple(n // 2 for n in self.sizes[a:b]))
         return keys, {"owner": owner, "idx": idx}
 
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
@@ -511,11 +514,11 @@ def flatten(opt) -> None:
     opt._buckets = layout if layout.buckets else None
 
 
-def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
+def step_buckets(opt, ctx: StepContext) -> bool:
     """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
     its errors), step each bucket and the parameters stepped on their own; False, having written
-    nothing, where anything the buckets rely on changed. Under a loss scaler (``grad_scale``,
-    ``found_inf``: ``step()``'s) the gradients are checked first, as the full step checks them
+    nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
+    ``grad_scale`` and ``found_inf``) the gradients are checked first, as the full step checks them
     (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
     the full step computes each parameter's numbers on its device."""
     layout = opt.__dict__.get("_buckets")
@@ -550,7 +553,7 @@ def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
         rest.append((group, p, index, storage))
     scaling = None
     memo: dict[Any, Any] = {}
-    if grad_scale is not None or found_inf is not None:
+    if ctx.scaled:
         work = []
         for bucket, gs in zip(layout.buckets, grads, strict=True):
             if not loss_scale._host_counts(bucket.params[0].device) and (
@@ -563,13 +566,14 @@ def step_buckets(opt, grad_scale: Any = None, found_inf: Any = None) -> bool:
                      for p, i, g in zip(bucket.params, bucket.indices, gs, strict=True)
                      if g is not None]
         work += rest
-        scaling = _Scaling.prepare(work, grad_scale, found_inf, opt.__dict__.get("_shard_reduce"))
+        scaling = _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf,
+                                   opt.__dict__.get("_shard_reduce"))
         counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                    if "step" in opt.state[p] and not loss_scale._host_counts(p.device)]
         if counted:  # (their numbers on the device, all at once: as the full step makes them)
-            opt._scaled_numbers_many(counted, scaling, memo)
+            param_step.scaled_numbers_many(opt, counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         bucket.step(opt, g, memo, scaling)
     for group, p, index, storage in rest:
-        opt._step_param(group, p, index, storage, scaling, memo)
+        param_step.step_param(opt, group, p, index, storage, scaling, memo)
     return True

@@ -18,8 +18,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
-from lowprec.optim import qstate
+from lowprec.optim import batches, qstate
 from lowprec.optim.batches import _by_size
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.plan import _flat_state
@@ -38,254 +39,255 @@ from lowprec.optim.storage import STORAGES, convert
 _STORAGE_OPTIONS = ("master", "state_dtype")
 
 
-class _Checkpoints:
-    """``LowPrecisionOptimizer``'s ``state_dict`` and ``load_state_dict``, keeping every state
-    tensor's dtype."""
+def state_dict(opt) -> dict[str, Any]:
+    """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
+    its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
+    ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
+    values. ``load_state_dict`` reads either."""
+    sd = Optimizer.state_dict(opt)
+    for group in sd["param_groups"]:
+        if isinstance(group.get("state_dtype"), torch.dtype):
+            group["state_dtype"] = str(group["state_dtype"]).removeprefix("torch.")
+    return sd
 
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
-        its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
-        ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
-        values. ``load_state_dict`` reads either."""
-        sd = super().state_dict()
-        for group in sd["param_groups"]:
-            if isinstance(group.get("state_dtype"), torch.dtype):
-                group["state_dtype"] = str(group["state_dtype"]).removeprefix("torch.")
-        return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict``, keeping every state tensor's dtype.
+def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
+    """Load a ``state_dict``, keeping every state tensor's dtype.
 
-        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
-        dtype, which would round an FP32 master copy, FP32 moments or a compensation buffer kept
-        for a BF16 parameter. Here state tensors keep their saved dtype and move to the
-        parameter's device; the checkpoint is checked against the parameters before anything is
-        changed. The hooks of ``register_load_state_dict_pre_hook`` and ``..._post_hook`` run
-        as torch.optim runs them: the pre-hooks on (a shallow copy of) the state dict first,
-        each able to replace it, the post-hooks once everything is loaded.
-        """
-        state_dict = state_dict.copy()  # (as torch.optim: a pre-hook may edit or replace it)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        saved_groups = copy.deepcopy(state_dict["param_groups"])  # (not shared with the caller)
-        saved_state = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
+    ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
+    dtype, which would round an FP32 master copy, FP32 moments or a compensation buffer kept
+    for a BF16 parameter. Here state tensors keep their saved dtype and move to the
+    parameter's device; the checkpoint is checked against the parameters before anything is
+    changed. The hooks of ``register_load_state_dict_pre_hook`` and ``..._post_hook`` run
+    as torch.optim runs them: the pre-hooks on (a shallow copy of) the state dict first,
+    each able to replace it, the post-hooks once everything is loaded.
+    """
+    state_dict = state_dict.copy()  # (as torch.optim: a pre-hook may edit or replace it)
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        out = pre_hook(opt, state_dict)
+        if out is not None:
+            state_dict = out
+    saved_groups = copy.deepcopy(state_dict["param_groups"])  # (not shared with the caller)
+    saved_state = state_dict["state"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(saved_groups)} parameter groups, this optimizer "
+            f"{len(opt.param_groups)}."
+        )
+    id_map: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
+    loaded_groups = []
+    for gi, (sg, g) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if len(sg["params"]) != len(g["params"]):
             raise ValueError(
-                f"the checkpoint has {len(saved_groups)} parameter groups, this optimizer "
-                f"{len(self.param_groups)}."
+                f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
+                f"has {len(sg['params'])}."
             )
-        id_map: dict[Any, tuple[torch.Tensor, dict[str, Any]]] = {}
-        loaded_groups = []
-        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(
-                    f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
-                    f"has {len(sg['params'])}."
-                )
-            # The checkpoint's options win, except how the state is stored where this
-            # optimizer was given that explicitly (a master other than "auto", a state_dtype):
-            # the state is then converted (_convert_master). A torch.optim checkpoint (no
-            # "master") brings its hyperparameters, and lowprec's own options stay as this
-            # optimizer's group has them: its "fused" means torch's kernels, and it has no
-            # master or seed.
-            if "master" in sg:
-                own = {k: g[k] for k in _STORAGE_OPTIONS if g[k] != _COMMON_DEFAULTS[k]}
-            else:
-                own = {k: g[k] for k in _COMMON_DEFAULTS}
-            merged = {k: v for k, v in {**g, **sg, **own}.items() if k not in _TORCH_ONLY_OPTIONS}
-            merged["params"] = g["params"]
-            if merged["seed"] is None:
-                merged["seed"] = g["seed"]
-            self._validate_group(merged, gi)
-            loaded_groups.append(merged)  # (with the live parameters, as torch's update_group)
-            for sid, p in zip(sg["params"], g["params"], strict=True):
-                id_map[sid] = (p, merged)
-        new_state: dict[torch.Tensor, dict[str, Any]] = {}
-        writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (converted masters' parameters)
-        for sid, st in saved_state.items():
-            if sid not in id_map:
-                raise ValueError(f"the checkpoint holds state for unknown parameter id {sid!r}.")
-            p, merged = id_map[sid]
-            moved = {
-                k: (v.to(device=v.device if k == "step" else p.device, copy=True)
-                    if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-                for k, v in st.items()
-            }
-            if "step" in moved and not isinstance(moved["step"], torch.Tensor):
-                # A count saved as a number (torch before 1.12, and some third-party code):
-                # a tensor, as torch's own optimizers convert it.
-                moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
-            if moved:
-                storage = self._storage(merged, p)
-                where = f"parameter {sid!r}"
-                if is_dtensor(p):
-                    mark_blocks(p)
-                    check_loaded_state(moved, p, where)
-                if "master" not in moved:  # torch.optim's state: see _adopt_state
-                    moved = self._adopt_state(moved, merged, p, storage, where)
-                elif moved["master"] != storage.name:
-                    moved, value = self._convert_master(moved, merged, p, storage, where)
-                    writes.append((p, value))
-                self._cast_math_buffers(moved, merged, p, storage)
-                self._check_state(moved, merged, p, storage, where)
-            new_state[p] = moved
-        with torch.no_grad():  # (every check has passed: now the parameters may change)
-            for p, value in writes:
-                local(p).copy_(value)
-        self._step_plan = None
-        self.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
-        # What torch's load_state_dict does once it has cast the state, which here keeps its
-        # dtypes: the live parameters in the loaded groups, the state keyed by them.
-        state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        state.update(new_state)
-        self.__setstate__({"state": state, "param_groups": loaded_groups})
-        self._lay_out_loaded()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        # The checkpoint's options win, except how the state is stored where this
+        # optimizer was given that explicitly (a master other than "auto", a state_dtype):
+        # the state is then converted (_convert_master). A torch.optim checkpoint (no
+        # "master") brings its hyperparameters, and lowprec's own options stay as this
+        # optimizer's group has them: its "fused" means torch's kernels, and it has no
+        # master or seed.
+        if "master" in sg:
+            own = {k: g[k] for k in _STORAGE_OPTIONS if g[k] != _COMMON_DEFAULTS[k]}
+        else:
+            own = {k: g[k] for k in _COMMON_DEFAULTS}
+        merged = {k: v for k, v in {**g, **sg, **own}.items() if k not in _TORCH_ONLY_OPTIONS}
+        merged["params"] = g["params"]
+        if merged["seed"] is None:
+            merged["seed"] = g["seed"]
+        opt._validate_group(merged, gi)
+        loaded_groups.append(merged)  # (with the live parameters, as torch's update_group)
+        for sid, p in zip(sg["params"], g["params"], strict=True):
+            id_map[sid] = (p, merged)
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (converted masters' parameters)
+    for sid, st in saved_state.items():
+        if sid not in id_map:
+            raise ValueError(f"the checkpoint holds state for unknown parameter id {sid!r}.")
+        p, merged = id_map[sid]
+        moved = {
+            k: (v.to(device=v.device if k == "step" else p.device, copy=True)
+                if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+            for k, v in st.items()
+        }
+        if "step" in moved and not isinstance(moved["step"], torch.Tensor):
+            # A count saved as a number (torch before 1.12, and some third-party code):
+            # a tensor, as torch's own optimizers convert it.
+            moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
+        if moved:
+            storage = opt._storage(merged, p)
+            where = f"parameter {sid!r}"
+            if is_dtensor(p):
+                mark_blocks(p)
+                check_loaded_state(moved, p, where)
+            if "master" not in moved:  # torch.optim's state: see _adopt_state
+                moved = _adopt_state(opt, moved, merged, p, storage, where)
+            elif moved["master"] != storage.name:
+                moved, value = _convert_master(opt, moved, merged, p, storage, where)
+                writes.append((p, value))
+            _cast_math_buffers(opt, moved, merged, p, storage)
+            opt._check_state(moved, merged, p, storage, where)
+        new_state[p] = moved
+    with torch.no_grad():  # (every check has passed: now the parameters may change)
+        for p, value in writes:
+            local(p).copy_(value)
+    opt._step_plan = None
+    opt.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
+    # What torch's load_state_dict does once it has cast the state, which here keeps its
+    # dtypes: the live parameters in the loaded groups, the state keyed by them.
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    state.update(new_state)
+    opt.__setstate__({"state": state, "param_groups": loaded_groups})
+    _lay_out_loaded(opt)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
-    def _convert_master(self, st, group, p, storage, where) -> tuple[dict[str, Any], Any]:
-        """A parameter's state saved under another ``master=`` strategy (``st["master"]``) as
-        ``storage`` keeps it: the FP32 master rebuilt from the parameter's current value and
-        the saved buffers (load the model's weights first), then stored the new way
-        (``storage.convert``: exact into ``"fp32"`` and ``"split"``). Returns the new state and
-        the parameter's new value (its local shard for a DTensor), written by the caller once
-        every check has passed."""
-        old = STORAGES.get(st["master"])
-        if old is None:
+
+def _convert_master(opt, st, group, p, storage, where) -> tuple[dict[str, Any], Any]:
+    """A parameter's state saved under another ``master=`` strategy (``st["master"]``) as
+    ``storage`` keeps it: the FP32 master rebuilt from the parameter's current value and
+    the saved buffers (load the model's weights first), then stored the new way
+    (``storage.convert``: exact into ``"fp32"`` and ``"split"``). Returns the new state and
+    the parameter's new value (its local shard for a DTensor), written by the caller once
+    every check has passed."""
+    old = STORAGES.get(st["master"])
+    if old is None:
+        raise ValueError(
+            f"{where}: the checkpoint's state was saved with master={st['master']!r}, which "
+            f"lowprec does not know, so it cannot be converted to this optimizer's "
+            f"master={storage.name!r}; load a checkpoint saved by a lowprec optimizer."
+        )
+    lp = local(p) if is_dtensor(p) else p.detach()
+    bufs = {}
+    for name, dtype in old.buffers(lp).items():
+        t = st.get(name)
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(
-                f"{where}: the checkpoint's state was saved with master={st['master']!r}, which "
-                f"lowprec does not know, so it cannot be converted to this optimizer's "
-                f"master={storage.name!r}; load a checkpoint saved by a lowprec optimizer."
+                f"{where}: its state was saved with master={old.name!r}, whose {name!r} "
+                f"should be a {tuple(p.shape)} {dtype} tensor, got {got}; so it cannot be "
+                f"converted to this optimizer's master={storage.name!r}. Load a checkpoint "
+                "of this model's parameters."
             )
-        lp = local(p) if is_dtensor(p) else p.detach()
-        bufs = {}
-        for name, dtype in old.buffers(lp).items():
-            t = st.get(name)
-            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                raise ValueError(
-                    f"{where}: its state was saved with master={old.name!r}, whose {name!r} "
-                    f"should be a {tuple(p.shape)} {dtype} tensor, got {got}; so it cannot be "
-                    f"converted to this optimizer's master={storage.name!r}. Load a checkpoint "
-                    "of this model's parameters."
-                )
-            bufs[name] = local(t)
-        value, new_bufs = convert(old, storage, lp, bufs)
-        out = {k: v for k, v in st.items() if k not in bufs}
-        out["master"] = storage.name
-        for name, t in new_bufs.items():
-            out[name] = wrap_like(t, p) if is_dtensor(p) else t
-        return out, value
+        bufs[name] = local(t)
+    value, new_bufs = convert(old, storage, lp, bufs)
+    out = {k: v for k, v in st.items() if k not in bufs}
+    out["master"] = storage.name
+    for name, t in new_bufs.items():
+        out[name] = wrap_like(t, p) if is_dtensor(p) else t
+    return out, value
 
-    def _cast_math_buffers(self, st, group, p, storage) -> None:
-        """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
-        optimizer was given, or the one a converted master implies): cast, or decoded from
-        8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
-        FP32 values (``qstate``). A buffer that is neither values shaped as ``p`` nor codes of
-        ``p`` with their scales is left for ``_check_state`` to refuse."""
-        dtype = self._state_dtype(group, p, storage)
-        want = qstate.BITS.get(group["state_dtype"], 8) if dtype == torch.uint8 else 0
-        # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
-        lp = local(p)
 
-        def keep(name: str, value: torch.Tensor) -> Any:
-            return wrap_state(name, value, lp, p) if is_dtensor(p) else value
+def _cast_math_buffers(opt, st, group, p, storage) -> None:
+    """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
+    optimizer was given, or the one a converted master implies): cast, or decoded from
+    8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
+    FP32 values (``qstate``). A buffer that is neither values shaped as ``p`` nor codes of
+    ``p`` with their scales is left for ``_check_state`` to refuse."""
+    dtype = opt._state_dtype(group, p, storage)
+    want = qstate.BITS.get(group["state_dtype"], 8) if dtype == torch.uint8 else 0
+    # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
+    lp = local(p)
 
-        for name in self._math_buffers(group, p):
-            key = qstate.scale_key(name)
-            t, scale = st.get(name), st.get(key)
-            saved = _saved_width(t, scale, p)
-            if saved is None:
+    def keep(name: str, value: torch.Tensor) -> Any:
+        return wrap_state(name, value, lp, p) if is_dtensor(p) else value
+
+    for name in opt._math_buffers(group, p):
+        key = qstate.scale_key(name)
+        t, scale = st.get(name), st.get(key)
+        saved = _saved_width(t, scale, p)
+        if saved is None:
+            continue
+        if saved and not is_dtensor(scale):
+            # (scales saved as another layout keeps them: an FSDP2 run's full state dict
+            # holds a row per row, a plain parameter's are flat)
+            st[key] = scale = scale.reshape(qstate.scale_shape(p))
+        if saved and saved == want:
+            continue
+        signed = name not in opt._nonnegative_buffers
+        lt = local(t)
+        if saved:  # (codes of another width, or values wanted: their FP32 values)
+            ls = local(scale)
+            if ls.numel() * qstate.BLOCK != lp.numel():
                 continue
-            if saved and not is_dtensor(scale):
-                # (scales saved as another layout keeps them: an FSDP2 run's full state dict
-                # holds a row per row, a plain parameter's are flat)
-                st[key] = scale = scale.reshape(qstate.scale_shape(p))
-            if saved and saved == want:
+            values = qstate.from_codes(lt, ls, signed, lp.shape)
+            del st[key]
+            if not want:
+                st[name] = keep(name, values.to(dtype))
                 continue
-            signed = name not in self._nonnegative_buffers
-            lt = local(t)
-            if saved:  # (codes of another width, or values wanted: their FP32 values)
-                ls = local(scale)
-                if ls.numel() * qstate.BLOCK != lp.numel():
-                    continue
-                values = qstate.from_codes(lt, ls, signed, lp.shape)
-                del st[key]
-                if not want:
-                    st[name] = keep(name, values.to(dtype))
-                    continue
-                lt = values
-            if want:
-                codes, scales = qstate.to_codes(lt, signed, want)
-                st[name] = keep(name, codes)
-                st[key] = keep(key, scales.view(qstate.scale_shape(lp)))
-            elif lt.dtype != dtype:
-                st[name] = t.to(dtype)
+            lt = values
+        if want:
+            codes, scales = qstate.to_codes(lt, signed, want)
+            st[name] = keep(name, codes)
+            st[key] = keep(key, scales.view(qstate.scale_shape(lp)))
+        elif lt.dtype != dtype:
+            st[name] = t.to(dtype)
 
-    def _adopt_state(self, st, group, p, storage, where) -> dict[str, Any]:
-        """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
-        no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
-        moments cast to this group's state dtype, the master's own buffers as at a fresh start
-        from the parameter's current value (a zero Kahan compensation or split trail, an FP32
-        copy of the parameter: load the model's weights first), the count kept
-        (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
-        first)."""
-        names = self._math_buffers(group, p)
-        # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
-        unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
-        if unknown:
+
+def _adopt_state(opt, st, group, p, storage, where) -> dict[str, Any]:
+    """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
+    no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
+    moments cast to this group's state dtype, the master's own buffers as at a fresh start
+    from the parameter's current value (a zero Kahan compensation or split trail, an FP32
+    copy of the parameter: load the model's weights first), the count kept
+    (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
+    first)."""
+    names = opt._math_buffers(group, p)
+    # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
+    unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
+    if unknown:
+        raise ValueError(
+            f"{where}: the checkpoint's state holds {unknown}, which {type(opt).__name__} "
+            f"with these options does not keep (it keeps {['step', *names]}); load a "
+            "checkpoint of the same optimizer."
+        )
+    state = opt._init_state(group, p, storage)
+    for name in names:
+        t = st.get(name)
+        if t is None:  # (torch's SGD before its first step: the fresh buffer)
+            continue
+        shape = opt._buffer_shape(name, p) or p.shape
+        if not isinstance(t, torch.Tensor) or t.shape != shape:
+            got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(
-                f"{where}: the checkpoint's state holds {unknown}, which {type(self).__name__} "
-                f"with these options does not keep (it keeps {['step', *names]}); load a "
-                "checkpoint of the same optimizer."
+                f"{where}: state {name!r} should be a {tuple(shape)} tensor, got {got}; "
+                "the state does not belong to this parameter."
             )
-        state = self._init_state(group, p, storage)
-        for name in names:
-            t = st.get(name)
-            if t is None:  # (torch's SGD before its first step: the fresh buffer)
-                continue
-            shape = self._buffer_shape(name, p) or p.shape
-            if not isinstance(t, torch.Tensor) or t.shape != shape:
-                got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
-                raise ValueError(
-                    f"{where}: state {name!r} should be a {tuple(shape)} tensor, got {got}; "
-                    "the state does not belong to this parameter."
-                )
-            # (8-bit state: the FP32 moments, which _cast_math_buffers encodes next)
-            dtype = torch.float32 if state[name].dtype == torch.uint8 else state[name].dtype
-            state[name] = t.to(device=p.device, dtype=dtype, copy=True)
-        step = st.get("step")
-        if step is None:
-            step = 1.0 if any(st.get(name) is not None for name in names) else 0.0
-        state["step"] = torch.tensor(float(step), dtype=torch.float32)
-        return state
+        # (8-bit state: the FP32 moments, which _cast_math_buffers encodes next)
+        dtype = torch.float32 if state[name].dtype == torch.uint8 else state[name].dtype
+        state[name] = t.to(device=p.device, dtype=dtype, copy=True)
+    step = st.get("step")
+    if step is None:
+        step = 1.0 if any(st.get(name) is not None for name in names) else 0.0
+    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    return state
 
-    def _lay_out_loaded(self) -> None:
-        """Lay out the small parameters' loaded state as a fused step batches them (one flat
-        tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
-        so that a resumed run steps it in place as a fresh one does, rather than concatenating it
-        and copying it back every step. The tensors were just copied from the checkpoint, so
-        nothing outside the optimizer holds them yet. Where the next step batches differently
-        (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
-        """
-        work, index = [], -1
-        for gi, group in enumerate(self.param_groups):
-            for p, storage in zip(group["params"], self._validate_group(group, gi), strict=True):
-                index += 1
-                if self.state.get(p) and not is_dtensor(p):  # (DTensor state stays as loaded)
-                    work.append((group, p, index, storage))
-        buckets, _ = self._small_buckets(_by_size(work)[1], None)
-        for _step, items in buckets:
-            group, _, _, storage = items[0]
-            states = [self.state[p] for _, p, _, _ in items]
-            sizes = [p.numel() for _, p, _, _ in items]
-            for name in (*storage.buffers(items[0][1]), *self._math_buffers(group, items[0][1])):
-                if all(st.get(name) is not None for st in states) and len(
-                    {(st[name].dtype, st[name].device) for st in states}
-                ) == 1:
-                    _flat_state(states, name, sizes, True)
+
+def _lay_out_loaded(opt) -> None:
+    """Lay out the small parameters' loaded state as a fused step batches them (one flat
+    tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
+    so that a resumed run steps it in place as a fresh one does, rather than concatenating it
+    and copying it back every step. The tensors were just copied from the checkpoint, so
+    nothing outside the optimizer holds them yet. Where the next step batches differently
+    (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
+    """
+    work, index = [], -1
+    for gi, group in enumerate(opt.param_groups):
+        for p, storage in zip(group["params"], opt._validate_group(group, gi), strict=True):
+            index += 1
+            if opt.state.get(p) and not is_dtensor(p):  # (DTensor state stays as loaded)
+                work.append((group, p, index, storage))
+    buckets, _ = batches.small_buckets(opt, _by_size(work)[1], None)
+    for _step, items in buckets:
+        group, _, _, storage = items[0]
+        states = [opt.state[p] for _, p, _, _ in items]
+        sizes = [p.numel() for _, p, _, _ in items]
+        for name in (*storage.buffers(items[0][1]), *opt._math_buffers(group, items[0][1])):
+            if all(st.get(name) is not None for st in states) and len(
+                {(st[name].dtype, st[name].device) for st in states}
+            ) == 1:
+                _flat_state(states, name, sizes, True)
 
 
 def _saved_width(t: Any, scale: Any, p: torch.Tensor) -> int | None:

@@ -436,192 +436,191 @@ class _Fused:
     )
 
 
-class _CompiledStep:
-    """``LowPrecisionOptimizer``'s compiled step of one tensor: ``_prepare_fused``, then
-    ``_run_fused``."""
+def prepare_fused(
+    opt, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
+    keyed: bool = False, start: int = 0, shards: Any = (), qstate: tuple = (),
+    rows: int = 0,
+) -> _Fused:
+    """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
+    numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
+    It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
+    (``_replay``).
 
-    def _prepare_fused(
-        self, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-        keyed: bool = False, start: int = 0, shards: Any = (), qstate: tuple = (),
-        rows: int = 0,
-    ) -> _Fused:
-        """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
-        numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
-        It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
-        (``_replay``).
-
-        ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
-        index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
-        shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
-        over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
-        the buffers kept as codes (``update._param_update``; never on pairs). ``rows``: ``p`` and
-        every buffer are ``rows`` parameters of one size laid end to end (a bucket's piece,
-        ``buckets``), stepped as rows of a matrix, a rule's whole-tensor sums (``_norm_terms``)
-        made per row; 0: one parameter (or its piece).
-        """
-        f = _Fused()
-        f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
-        f.qkw = {"qstate": qstate} if qstate else {}
-        f.bases = f.row_cuts = None
-        f.rows = rows
-        f.pairs = pairs = None if qstate else self._pairs_plan(storage, p, grad, sbufs, mbufs)
-        if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
-            raise RoundTripsDropped(
-                f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
-                "into x, which zeroes master='kahan''s compensation in this kernel (FP16, or "
-                "BF16 off the pairs path or with 8-bit state); fixed in torch "
-                f"{'.'.join(map(str, _CPU_ROUND_TRIPS_KEPT))}")
-        f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
-        f.base, f.start, f.shards = None, start, tuple(shards)
-        if start:
-            # (bfloat16 hashes pairs: the first pair's index; start is even there)
-            f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
-                                  dtype=torch.int64)
-        four = qstate_mod.four_bit(qstate)
-        if qstate:
-            # Rows of a block (4-bit: its two halves), each quantized buffer's scales a column
-            # (_run_fused_rows steps them a piece of rows at a time).
-            role = {k: "codes" for k, _ in qstate}
-            role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
-            f.views = ({k: qstate_mod.rows(v, four) for k, v in sbufs.items()},
-                       {k: qstate_mod.rows(v, four, role.get(k, "values"))
-                        for k, v in mbufs.items()})
-        elif pairs is None:
-            if keyed:
-                raise ValueError("per-word random keys need the fused step on pairs")
-            f.views = ({k: v.view(-1) for k, v in sbufs.items()},
-                       {k: v.view(-1) for k, v in mbufs.items()})
-        else:
-            f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
-                       {k: _pair_words(v, n) for k, v in mbufs.items()})
-        if rows:
-            f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
-        # (The parameter's own view is made by each call, like the gradient's: a view kept here
-        # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
-        # The whole-tensor sums in a compiled pass of their own, so that the update pass
-        # recomputes what it needs instead of keeping full-size temporaries.
-        # The functions the kernels compile (a shared call, _Many, runs the same ones).
-        f.update_fn = _param_update if pairs is None else _param_update_pairs
-        f.sums_fn = None
-        f.sums_kernel = None
-        f.signature = signature = _signature(p, grad, sbufs, mbufs)
-        # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
-        codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
-        rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
-        if self._norm_terms is not None:
-            f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
-            f.sums_kernel = _compiled_kernel(
-                type(self), storage, flags, scaled=scaled, fn=f.sums_fn,
-                extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
-                signature=signature,
-            )
-        f.kernel = _compiled_kernel(
-            type(self), storage, flags, scaled=scaled, fn=f.update_fn,
-            extra_key=(*(codes_key if pairs is None
-                         else (*pairs, *((("keys", "batched"),) if keyed else ()))), *rows_key),
+    ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
+    index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
+    shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
+    over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
+    the buffers kept as codes (``update._param_update``; never on pairs). ``rows``: ``p`` and
+    every buffer are ``rows`` parameters of one size laid end to end (a bucket's piece,
+    ``buckets``), stepped as rows of a matrix, a rule's whole-tensor sums (``_norm_terms``)
+    made per row; 0: one parameter (or its piece).
+    """
+    f = _Fused()
+    f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
+    f.qkw = {"qstate": qstate} if qstate else {}
+    f.bases = f.row_cuts = None
+    f.rows = rows
+    f.pairs = pairs = None if qstate else pairs_plan(opt, storage, p, grad, sbufs, mbufs)
+    if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
+        raise RoundTripsDropped(
+            f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
+            "into x, which zeroes master='kahan''s compensation in this kernel (FP16, or "
+            "BF16 off the pairs path or with 8-bit state); fixed in torch "
+            f"{'.'.join(map(str, _CPU_ROUND_TRIPS_KEPT))}")
+    f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+    f.base, f.start, f.shards = None, start, tuple(shards)
+    if start:
+        # (bfloat16 hashes pairs: the first pair's index; start is even there)
+        f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
+                              dtype=torch.int64)
+    four = qstate_mod.four_bit(qstate)
+    if qstate:
+        # Rows of a block (4-bit: its two halves), each quantized buffer's scales a column
+        # (_run_fused_rows steps them a piece of rows at a time).
+        role = {k: "codes" for k, _ in qstate}
+        role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+        f.views = ({k: qstate_mod.rows(v, four) for k, v in sbufs.items()},
+                   {k: qstate_mod.rows(v, four, role.get(k, "values"))
+                    for k, v in mbufs.items()})
+    elif pairs is None:
+        if keyed:
+            raise ValueError("per-word random keys need the fused step on pairs")
+        f.views = ({k: v.view(-1) for k, v in sbufs.items()},
+                   {k: v.view(-1) for k, v in mbufs.items()})
+    else:
+        f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
+                   {k: _pair_words(v, n) for k, v in mbufs.items()})
+    if rows:
+        f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
+    # (The parameter's own view is made by each call, like the gradient's: a view kept here
+    # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
+    # The whole-tensor sums in a compiled pass of their own, so that the update pass
+    # recomputes what it needs instead of keeping full-size temporaries.
+    # The functions the kernels compile (a shared call, _Many, runs the same ones).
+    f.update_fn = _param_update if pairs is None else _param_update_pairs
+    f.sums_fn = None
+    f.sums_kernel = None
+    f.signature = signature = _signature(p, grad, sbufs, mbufs)
+    # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
+    codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
+    rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
+    if opt._norm_terms is not None:
+        f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
+        f.sums_kernel = _compiled_kernel(
+            type(opt), storage, flags, scaled=scaled, fn=f.sums_fn,
+            extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
             signature=signature,
         )
-        return f
+    f.kernel = _compiled_kernel(
+        type(opt), storage, flags, scaled=scaled, fn=f.update_fn,
+        extra_key=(*(codes_key if pairs is None
+                     else (*pairs, *((("keys", "batched"),) if keyed else ()))), *rows_key),
+        signature=signature,
+    )
+    return f
 
-    def _run_fused(self, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
-        """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
-        writing anything)."""
-        if f.qkw:
-            self._run_fused_rows(f, grad, c32, lo, hi, extra)
-            return
-        storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
-        sv, mv = f.views
-        pv, gv = _step_view(f, p), _step_view(f, grad)
-        tail = slice(n, None) if pairs is not None and n < p.numel() else None
-        flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
-        if f.sums_kernel is not None:
-            c32 = dict(c32)  # the sums below are this parameter's own
-            kw = dict(storage=storage, norm_terms=self._norm_terms, flags=flags,
-                      inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
-            if pairs is None:
-                c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
-            else:
-                c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
-                if tail is not None:
-                    c32["sums"] = c32["sums"] + _param_sums(
-                        p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
-                        flat(f.mbufs, tail), coeffs, **kw,
-                    )
-                c32["sums"] = all_reduce_sums(c32["sums"], f.shards)
-            coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
-        if f.base is not None:
-            extra = {**extra, "base": f.base}
+
+def run_fused(opt, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
+    """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
+    writing anything)."""
+    if f.qkw:
+        _run_fused_rows(opt, f, grad, c32, lo, hi, extra)
+        return
+    storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
+    sv, mv = f.views
+    pv, gv = _step_view(f, p), _step_view(f, grad)
+    tail = slice(n, None) if pairs is not None and n < p.numel() else None
+    flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+    if f.sums_kernel is not None:
+        c32 = dict(c32)  # the sums below are this parameter's own
+        kw = dict(storage=storage, norm_terms=opt._norm_terms, flags=flags,
+                  inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
         if pairs is None:
-            f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
-                     storage=storage, math=self._math, flags=flags, **extra)
-            return
-        # 16-bit strategies go through pairs of elements (vectorized); an odd last element
-        # takes the eager step, with its own index for the random bits.
-        f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=self._math,
-                 flags=flags, dtypes=pairs, **extra)
-        if tail is not None:
-            _param_update(
-                p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
-                coeffs, lo, hi, storage=storage, math=self._math, flags=flags,
-                offset=f.start + n, **{k: v for k, v in extra.items() if k != "base"},
-            )
+            c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
+        else:
+            c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
+            if tail is not None:
+                c32["sums"] = c32["sums"] + _param_sums(
+                    p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
+                    flat(f.mbufs, tail), coeffs, **kw,
+                )
+            c32["sums"] = all_reduce_sums(c32["sums"], f.shards)
+        coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
+    if f.base is not None:
+        extra = {**extra, "base": f.base}
+    if pairs is None:
+        f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
+                 storage=storage, math=opt._math, flags=flags, **extra)
+        return
+    # 16-bit strategies go through pairs of elements (vectorized); an odd last element
+    # takes the eager step, with its own index for the random bits.
+    f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=opt._math,
+             flags=flags, dtypes=pairs, **extra)
+    if tail is not None:
+        _param_update(
+            p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
+            coeffs, lo, hi, storage=storage, math=opt._math, flags=flags,
+            offset=f.start + n, **{k: v for k, v in extra.items() if k != "base"},
+        )
 
-    def _run_fused_rows(self, f: _Fused, grad, c32, lo, hi, extra) -> None:
-        """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
-        type) rows of a block (a rule with norms: every piece's sums first, then every piece's
-        update). Inductor writes the new moments and weights to full-size temporaries between
-        its loops over the rows; per piece they stay in cache and the allocator reuses them,
-        where a step over a 16M-element parameter at once took 3.5x as long per element as one
-        over 256K (2.8x faster in all). Each piece's random bits are keyed by its elements' indices in the whole
-        parameter (``base``)."""
-        pv, gv = _step_view(f, f.p), _step_view(f, grad)
-        if f.row_cuts is None:  # (the pieces' views of the state, made once: f's tensors stay)
-            sv, mv = f.views
-            rows = pv.shape[0]
-            step = _QROWS.get(pv.device.type, _QROWS["cuda"])
-            pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
-            cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
-            f.row_cuts = [(sl, cut(sv, sl), cut(mv, sl)) for sl in pieces]
-        cuts = f.row_cuts
-        kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
-        if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
-            sums = None
-            for sl, s_sl, m_sl in cuts:
-                part = f.sums_kernel(pv[sl], gv[sl], s_sl, m_sl, c32,
-                                     norm_terms=self._norm_terms,
-                                     inv_scale=extra.get("inv_scale"), **kw)
-                sums = part if sums is None else sums + part
-            c32 = {**c32, "sums": all_reduce_sums(sums, f.shards)}
-        keys = _key_tensors(lo, hi)
-        bases = _row_bases(f, [sl for sl, _, _ in cuts])
-        for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
-            f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=self._math,
-                     **kw, **extra, **({} if base is None else {"base": base}))
 
-    def _pairs_plan(
-        self, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
-    ) -> tuple | None:
-        """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
+def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
+    """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
+    type) rows of a block (a rule with norms: every piece's sums first, then every piece's
+    update). Inductor writes the new moments and weights to full-size temporaries between
+    its loops over the rows; per piece they stay in cache and the allocator reuses them,
+    where a step over a 16M-element parameter at once took 3.5x as long per element as one
+    over 256K (2.8x faster in all). Each piece's random bits are keyed by its elements' indices in the whole
+    parameter (``base``)."""
+    pv, gv = _step_view(f, f.p), _step_view(f, grad)
+    if f.row_cuts is None:  # (the pieces' views of the state, made once: f's tensors stay)
+        sv, mv = f.views
+        rows = pv.shape[0]
+        step = _QROWS.get(pv.device.type, _QROWS["cuda"])
+        pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+        cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
+        f.row_cuts = [(sl, cut(sv, sl), cut(mv, sl)) for sl in pieces]
+    cuts = f.row_cuts
+    kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
+    if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
+        sums = None
+        for sl, s_sl, m_sl in cuts:
+            part = f.sums_kernel(pv[sl], gv[sl], s_sl, m_sl, c32,
+                                 norm_terms=opt._norm_terms,
+                                 inv_scale=extra.get("inv_scale"), **kw)
+            sums = part if sums is None else sums + part
+        c32 = {**c32, "sums": all_reduce_sums(sums, f.shards)}
+    keys = _key_tensors(lo, hi)
+    bases = _row_bases(f, [sl for sl, _, _ in cuts])
+    for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
+        f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=opt._math,
+                 **kw, **extra, **({} if base is None else {"base": base}))
 
-        Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
-        strategy on bfloat16 parameters), elementwise rules or rules whose only reductions are
-        ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views start on
-        a pair boundary.
-        """
-        if (
-            not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
-            or not (self._elementwise or self._norm_terms is not None)
-            or p.device.type != "cpu"
-        ):
+
+def pairs_plan(
+    opt, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
+) -> tuple | None:
+    """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
+
+    Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
+    strategy on bfloat16 parameters), elementwise rules or rules whose only reductions are
+    ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views start on
+    a pair boundary.
+    """
+    if (
+        not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
+        or not (opt._elementwise or opt._norm_terms is not None)
+        or p.device.type != "cpu"
+    ):
+        return None
+    plan = [("grad", grad.dtype)]
+    if grad.dtype not in _PAIR_DTYPES or grad.storage_offset() % 2:
+        return None
+    for k, t in mbufs.items():
+        if t.dtype not in _PAIR_DTYPES or t.storage_offset() % 2:
             return None
-        plan = [("grad", grad.dtype)]
-        if grad.dtype not in _PAIR_DTYPES or grad.storage_offset() % 2:
+        plan.append((k, t.dtype))
+    for t in sbufs.values():
+        if t.element_size() not in (2, 4) or t.storage_offset() % 2:
             return None
-        for k, t in mbufs.items():
-            if t.dtype not in _PAIR_DTYPES or t.storage_offset() % 2:
-                return None
-            plan.append((k, t.dtype))
-        for t in sbufs.values():
-            if t.element_size() not in (2, 4) or t.storage_offset() % 2:
-                return None
-        return tuple(plan)
+    return tuple(plan)

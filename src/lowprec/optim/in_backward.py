@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowprec.optim import driver, param_step, replay
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.batches import _by_size
 from lowprec.optim.plan import _Entry
@@ -181,7 +182,7 @@ class StepInBackward:
             return False
         e.step = int(e.count.item())
         fused: list[_Entry] = []
-        opt._replay_run(e, memo, None, fused)  # (a kernel that fails to compile: _step_param)
+        replay.redo_run(opt, e, memo, None, fused)  # (a kernel that fails to compile: _step_param)
         if fused:
             e.count.fill_(e.step + 1)
         return True
@@ -192,10 +193,10 @@ class StepInBackward:
         state = opt.state.get(it.p)
         work = (it.group, it.p, it.index, it.storage)
         if state and opt._check_state(state, it.group, it.p, it.storage, it.where):
-            opt._step_late([work], None)  # (buffers an option turned on since: created now)
+            param_step.step_late(opt, [work], None)  # (buffers an option turned on since: created now)
             self._checked.pop(id(it.p), None)
             return
-        opt._step_param(*work, None, memo)
+        param_step.step_param(opt, *work, None, memo)
 
     @torch.no_grad()
     def _flush(self) -> None:
@@ -204,7 +205,7 @@ class StepInBackward:
         if not self._small_waiting:
             return
         self._small_waiting = False
-        self.optimizer._step_all(None, None)
+        driver.stages(self.optimizer, driver.StepContext())
         for it in self._items.values():
             if it.small:
                 it.p.grad = None

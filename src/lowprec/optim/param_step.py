@@ -1,0 +1,314 @@
+"""PARAM_STEP_DOC"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowprec.numerics import stream_key, stream_key_halves
+
+# (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
+from lowprec.optim import compiled, loss_scale, qstate, update
+from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
+from lowprec.optim.loss_scale import _mode, _Scaling
+from lowprec.optim.plan import _Entry
+from lowprec.optim.shards import all_reduce_sums, reduce_groups
+from lowprec.optim.storage import MasterStorage
+from lowprec.optim.update import _param_sums, _param_update
+
+
+def _block_slice(sl: slice, per: int | None = None) -> slice:
+    """The blocks' scales of the elements ``sl`` (which start on a block, or are all of them);
+    ``per`` 2: the bytes of their packed 4-bit codes (a block's elements are its bytes')."""
+    if sl.start is None:
+        return sl
+    per = per or qstate.BLOCK
+    return slice(sl.start // per, -(-sl.stop // per))
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    """Whether host numbers ``a`` and ``b`` are the same value, bit for bit (-0.0 is not 0.0)."""
+    if type(a) is not type(b) or not isinstance(a, (int, float)):
+        return False
+    return a.hex() == b.hex() if isinstance(a, float) else a == b
+
+
+def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a copy of ``t`` padded)."""
+    per = max(1, 16 // t.element_size())
+    padded = t.new_zeros((t.numel(), per))
+    padded[:, 0] = t
+    return padded[:, 0].unbind()
+
+
+def step_late(opt, late: list, scaling: _Scaling | None) -> None:
+    """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
+    create them, then take an eager step with the coefficients of their first use."""
+    for group, p, index, storage in late:
+        state = opt.state[p]
+        dtype = opt._state_dtype(group, p, storage)
+        for name in opt._math_buffers(group, p):
+            if state.get(name, None) is None:
+                state.update(opt._new_math_buffer(group, p, name, dtype))
+        step_param(opt, group, p, index, storage, scaling, {}, first_use=True)
+
+
+def group_flags(opt, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
+    key = ("flags", id(group))
+    flags = memo.get(key)
+    if flags is None:
+        flags = memo[key] = opt._flags(group)
+    return flags
+
+
+def step_coefficients(opt, group, step, memo, tensors: bool = True) -> tuple[dict, Any]:
+    """The group's coefficients at ``step`` on the host, and (``tensors``) as 0-d FP32 tensors
+    for the compiled kernels; computed once per group and step number in a ``step()``."""
+    key = ("coeffs", id(group), step)
+    cached = memo.get(key)
+    if cached is None or (tensors and cached[1] is None):
+        host = opt._coefficients(group, step) if cached is None else cached[0]
+        c32 = _coefficient_tensors(opt, group, host) if tensors else None
+        cached = memo[key] = (host, c32)
+    return cached
+
+
+def _coefficient_tensors(opt, group, host: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
+    the previous step for every value that did not change (lr, betas, weight decay... most
+    of them), so that a step creates few (each costs microseconds of host time)."""
+    cache = opt.__dict__.setdefault("_coefficient_cache", {})
+    prev = cache.get(id(group))
+    old_host, old = (prev[1], prev[2]) if prev is not None and prev[0] is group else ({}, {})
+    c32 = {
+        k: old[k] if k in old_host and _same_number(v, old_host[k])
+        else torch.as_tensor(v, dtype=torch.float32)
+        for k, v in host.items()
+    }
+    cache[id(group)] = (group, host, c32)
+    return c32
+
+
+def kernel_coefficients(opt, group, step, coeffs, memo) -> tuple[dict, Any]:
+    """A compiled call's coefficients: on the host and as 0-d FP32 tensors, shared by the
+    group's parameters at a host step number (``_step_coefficients``); for a step counted
+    on the device (``_scaled_numbers``' tensors) made from ``coeffs``."""
+    if isinstance(step, int):
+        return step_coefficients(opt, group, step, memo)
+    return coeffs, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
+
+
+def scaled_numbers(opt, group, p, index, storage, state, scaling: _Scaling, memo) -> tuple:
+    """A parameter's step under a loss scaler: its step number (FP64), random key halves,
+    FP32 coefficients and the scaler's tensors, all on its device. The step count lives there
+    and advances only when the step is taken, so everything that depends on it is computed
+    there too. The coefficients that do not depend on it (lr, weight decay...) are the same
+    tensors for the group's parameters within a ``step()``."""
+    done = memo.get(("scaled", id(p)))
+    if done is None:  # (not made with its group's others: e.g. its state is new this step)
+        scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
+        done = memo[("scaled", id(p))]
+    return done
+
+
+def scaled_numbers_many(opt, items: list, scaling: _Scaling, memo) -> None:
+    """``_scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
+    per group and device the step counts are stacked and every number is computed for all of
+    them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
+    which on a GPU were most of a step), each parameter's share a view. ``items``: (group,
+    p, index, storage, state) of parameters whose counts are kept on their devices.
+
+    The views lie 16 bytes apart, as a tensor of their own would begin: a compiled kernel
+    may take an input it was compiled for aligned only after copying it."""
+    sets: dict[Any, tuple[dict, list]] = {}
+    for group, p, index, storage, state in items:
+        if state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
+        sets.setdefault((id(group), p.device), (group, []))[1].append((p, index, storage))
+    for (_, device), (group, members) in sets.items():
+        step = torch.stack([opt.state[p]["step"] for p, _, _ in members]).double() + 1
+        steps = _aligned_views(step)
+        if any(storage.needs_random_bits for _, _, storage in members):
+            # (kept: a host list copied to a GPU waits for the work queued before it)
+            indices = tuple(i for _, i, _ in members)
+            cache = opt.__dict__.setdefault("_index_tensors", {})
+            index = cache.get((device, indices))
+            if index is None:
+                index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64,
+                                                              device=device)
+            los, his = map(_aligned_views,
+                           stream_key_halves(group["seed"], step.long(), index))
+        shared = memo.setdefault(("constants", id(group), device), {})
+        per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
+        for k, v in opt._coefficients(group, step).items():
+            if isinstance(v, torch.Tensor):
+                per[k] = _aligned_views(torch.as_tensor(v, dtype=torch.float32, device=device))
+            else:
+                if k not in shared:
+                    shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
+                per[k] = None
+        extra = scaling.kernel_args(device)
+        for i, (p, _, storage) in enumerate(members):
+            coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
+            lo_i, hi_i = (los[i], his[i]) if storage.needs_random_bits else (0, 0)
+            memo[("scaled", id(p))] = (steps[i], lo_i, hi_i, coeffs, extra)
+
+
+def random_keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
+    """The halves of a parameter's random key at ``step`` (zeros where none is needed)."""
+    if not storage.needs_random_bits:
+        return 0, 0
+    key = stream_key(group["seed"], step, index)
+    return key & 0xFFFFFFFF, key >> 32
+
+
+def step_param(
+    opt, group, p, index, storage: MasterStorage, scaling=None, memo=None,
+    first_use: bool = False,
+) -> None:
+    """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
+    group shares (flags, coefficients and their tensors for a given step number), so that a
+    model of many small tensors does not pay for them per tensor; its ``"plan"`` records the
+    step for ``_replay``. ``first_use``: the first step of buffers created late
+    (``_step_late``), eager, with ``_first_use_coefficients``."""
+    memo = {} if memo is None else memo
+    state = opt.state[p]
+    if not state:
+        state.update(opt._init_state(group, p, storage))
+    sbufs = {k: state[k] for k in storage.buffers(p)}
+    mbufs = opt._mbufs(group, state, p)
+    quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
+    qkw = {"qstate": quantized} if quantized else {}
+    flags = group_flags(opt, group, memo)
+    if scaling is None or loss_scale._host_counts(p.device):
+        step = int(state["step"].item()) + 1
+        lo, hi = random_keys(group, storage, step, index)
+        coeffs, _ = step_coefficients(opt, group, step, memo, tensors=False)
+        extra = {} if scaling is None else scaling.kernel_args(p.device)
+    else:
+        step, lo, hi, coeffs, extra = scaled_numbers(
+            opt, group, p, index, storage, state, scaling, memo
+        )
+    if first_use:
+        coeffs = opt._first_use_coefficients(group, step)
+    plan = memo.get("plan")
+    # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
+    shards = reduce_groups(opt, p) if not opt._elementwise else ()
+    # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
+    # indices in the whole parameter, from `start` on (the compiled kernels take it as a
+    # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
+    start = 0
+    offsets = opt.__dict__.get("_shard_offsets")
+    if offsets and storage.needs_random_bits:
+        start = offsets.get(id(p), 0)
+    fusable = not start or (
+        start + p.numel() <= update._INT32_MAX and (start % 2 == 0 or p.dtype != torch.bfloat16)
+    )
+    tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
+    # Flattening must give views for the in-place writes to land: both the fused kernel and
+    # the chunked eager step need contiguous tensors.
+    contiguous = all(t.is_contiguous() for t in tensors)
+    per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}  # (elements per entry)
+    per.update({k: 2 for k, f in quantized if f.endswith("4")})  # (4-bit codes: 2 a byte)
+
+    def flat(d, sl=slice(None)):
+        """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them, the
+        bytes of their 4-bit codes)."""
+        return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
+                for k, v in d.items()}
+
+    if opt._whole(group):  # (one call in the parameter's shape: Muon, Adafactor)
+        if not (opt._whole_compiles and not quantized and not first_use and contiguous
+                and p.numel() > 1 and _fused_enabled(opt, group, p)
+                and _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step,
+                                           coeffs, lo, hi, extra, scaling, memo)):
+            shape = {"shape": p.shape} if quantized else {}
+            _param_update(p, p.grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
+                          math=opt._math, flags=flags, offset=start, **extra, **qkw,
+                          **shape)
+        advance(state, step, scaling, p.device)
+        if plan is not None:
+            plan.add(_Entry(group, p, index, storage, state, None))
+        return
+    if (p.numel() > 1 and contiguous and fusable and not first_use
+            and _fused_enabled(opt, group, p)):
+        coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
+        try:
+            fused = compiled.prepare_fused(
+                opt, storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
+                start=start, shards=shards, qstate=quantized,
+            )
+            compiled.run_fused(opt, fused, p.grad, coeffs, c32, lo, hi, extra)
+        except _COMPILE_ERRORS as e:  # compilation failed before anything was written
+            _disable_fused(opt, e)
+        else:
+            advance(state, step, scaling, p.device)
+            if plan is not None:
+                plan.add(_Entry(group, p, index, storage, state, fused))
+            return
+    chunkable = opt._elementwise or opt._norm_terms is not None
+    chunk = update._eager_chunk(p.device)
+    if chunkable and contiguous and p.numel() > chunk:
+        # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
+        # temporaries are fresh allocations that page-fault on every step) and the step's
+        # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
+        # random bits make this bit-identical to one pass.
+        pieces = [
+            (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
+             start + sl.start)
+            for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
+        ]
+    elif quantized:  # (codes: flat, their scales one per block)
+        pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
+    else:
+        pieces = [(p, p.grad, sbufs, mbufs, start)]
+    if opt._norm_terms is not None and not opt._elementwise and (len(pieces) > 1 or shards):
+        # First pass: the rule's whole-tensor sums (FP64), read-only.
+        sums = None
+        for piece_p, piece_g, piece_s, piece_m, _ in pieces:
+            part = _param_sums(
+                piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
+                norm_terms=opt._norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
+                **qkw,
+            )
+            sums = part if sums is None else sums + part
+        coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
+    for piece_p, piece_g, piece_s, piece_m, offset in pieces:
+        _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
+                      math=opt._math, flags=flags, offset=offset, **extra, **qkw)
+    advance(state, step, scaling, p.device)
+    if plan is not None:
+        plan.add(_Entry(group, p, index, storage, state, None))
+
+
+def _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step, coeffs, lo, hi,
+                      extra, scaling, memo) -> bool:
+    """A whole-tensor rule's step compiled as one graph in the parameter's shape (one
+    kernel per optimizer variant and number of dimensions, sizes dynamic); False, having
+    written nothing, where it failed to compile (the eager call then takes it)."""
+    if storage.name == "kahan" and compiled._round_trips_dropped(p):
+        return False  # (this torch's C++ code would drop Kahan's round trip: eager)
+    coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
+    try:
+        kernel = compiled._compiled_kernel(
+            type(opt), storage, flags, scaled=_mode(scaling),
+            extra_key=(("whole", p.dim()),),
+            signature=compiled._signature(p, p.grad, sbufs, mbufs),
+            fullgraph=not opt._whole_graph_breaks,
+        )
+        # (a new view of the parameter: handed the leaf itself, Inductor fails to compile)
+        kernel(p.view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,
+               *compiled._key_tensors(lo, hi), storage=storage, math=opt._math,
+               flags=flags, **extra)
+    except _COMPILE_ERRORS as e:  # compilation failed before anything was written
+        _disable_fused(opt, e)
+        return False
+    return True
+
+
+def advance(state, step, scaling, device) -> None:
+    if scaling is None:
+        state["step"].fill_(step)
+    else:  # one more step unless this one was skipped, decided on the device
+        state["step"].add_(scaling.taken_on(device))
