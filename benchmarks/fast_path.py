@@ -4,8 +4,11 @@ model.
 
 The mechanisms (``docs/architecture.md``, "The fused step"):
 
+* ``buckets``: from the second step on, a group's tensors in flat buffers, a few compiled calls
+  per group whatever their number (the pipeline's first stage, ``buckets.step_buckets``); off,
+  the recorded step or the full one, as for a rule or layout buckets do not take;
 * ``pairs``: on CPU, 16-bit tensors stepped as 32-bit words of two elements (vectorized C++);
-  off, the elementwise kernel (``_pairs_plan`` returns None);
+  off, the elementwise kernel (``compiled.pairs_plan`` returns None);
 * ``batches``: parameters of up to ``batches._SMALL`` elements stepped by one compiled call per
   batch; off, one call each (``_SMALL`` = 0 during the step);
 * ``replay``: from the second step on, the recorded step's prepared work redone after checking
@@ -14,6 +17,11 @@ The mechanisms (``docs/architecture.md``, "The fused step"):
 * ``shared calls``: a redone step's large parameters of one kernel variant, up to 4 per compiled
   call (``plan._Many``); off, one call each.
 
+Each is switched off by patching its module during the switched-off optimizer's step alone
+(``SWITCHES``). Where buckets take a step, the mechanisms of the steps they replace (batches after
+the first step, replay, shared calls) do not run: ``lamb-8bit`` and ``adafactor`` are rules
+buckets do not take, the steps that replay and shared calls still serve.
+
 The optimizers stepped with and without a mechanism are alive side by side and stepped in turn
 (which goes first alternates), each with its own parameters and the same fixed gradients; a
 mechanism's figure is the median over the steps of (step without it) / (step with all), so a
@@ -21,7 +29,7 @@ load that comes and goes slows both alike. ``saves`` is 1 - with / without: the 
 step without the mechanism that the mechanism removes. The issue's bar: a mechanism that saves
 under 3% on every workload is not worth its lines.
 
-    python benchmarks/fast_path.py                 # both workloads, 4 optimizer configurations
+    python benchmarks/fast_path.py                 # both workloads, 6 optimizer configurations
     python benchmarks/fast_path.py --quick         # a smoke run
     python benchmarks/fast_path.py --device cuda   # on a GPU (gpu_check.sh runs it)
 """
@@ -52,6 +60,8 @@ CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-stochastic": (lowprec.AdamW, {"lr": 1e-3, "master": "stochastic"}),
     "sgd-split": (lowprec.SGD, {"lr": 1e-2, "momentum": 0.9, "master": "split"}),
     "lamb-kahan": (lowprec.Lamb, {"lr": 1e-3, "master": "kahan"}),
+    "lamb-8bit": (lowprec.Lamb, {"lr": 1e-3, "master": "kahan", "state_dtype": "8bit"}),
+    "adafactor": (lowprec.Adafactor, {"lr": 1e-3, "master": "kahan"}),
 }
 
 

@@ -258,8 +258,8 @@ def test_update_monitor_refuses_a_step_inside_backward():
 
 @pytest.mark.fused
 def test_later_steps_redo_the_prepared_step_and_notice_changes(monkeypatch):
-    # From the second step on, a large parameter's hook redoes its prepared compiled step
-    # (no full param_step.step_param) unless something it relied on changed; either way the same bits.
+    # From the second step on, a large parameter's hook redoes its prepared compiled step (no full
+    # param_step.step_param) unless something it relied on changed; either way the same bits.
     model = _model()
     opt = _optimizer("adamw", model, master="kahan", fused=True)
     ref_model = _model()

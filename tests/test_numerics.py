@@ -7,7 +7,7 @@ of many stochastic draws compared with the input, with the standard error in the
 Tests that take ``device`` run lowprec's functions there (the CPU, and CUDA where present: the
 ``device`` fixture) and compare the results, moved to the CPU, with references computed on the
 CPU; rounding, splitting and the counter-based hash are elementwise, so they are exact on every
-device. The helpers of the pairs of elements are the CPU fused step's (``compiled._pairs_plan``
+device. The helpers of the pairs of elements are the CPU fused step's (``compiled.pairs_plan``
 takes pairs on the CPU only), so their tests stay on the CPU.
 """
 

@@ -397,7 +397,7 @@ class UpdateMonitor:
             state = opt._init_state(group, p, storage)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        late = [k for k in opt._math_buffers(group, p) if state.get(k) is None]  # (_step_late)
+        late = [k for k in opt._math_buffers(group, p) if state.get(k) is None]  # (step_late)
         if late:
             state = {**state}
             for k in late:

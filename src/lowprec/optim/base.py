@@ -18,33 +18,30 @@ dtype).
 
 ``LowPrecisionOptimizer`` (this module) holds what a subclass and a caller meet: the subclass
 interface, parameter groups and their validation, lazy state, ``step()``, ``master_weight``, and
-``master_state_dict`` beside it. The rest of a step comes from mixins, one module per stage, in
-the order a step meets them:
+``master_state_dict`` beside it. ``step()`` runs its closure and hands a ``driver.StepContext``
+(the loss scaler's inputs) to ``driver.run``, a pipeline of stages, each a function of the
+optimizer and the context in a module of its own, the first that takes the step ending it:
 
-* ``driver`` (``_FullStep``): ``step()`` after the closure; step through the buckets
-  (``buckets``, plain functions taking the optimizer), redo the recorded step or take a full
-  one: validate, check the gradients under a loss scaler, step the large parameters one by one
-  (eager, in chunks, or compiled), then the small ones in batches, and record the step;
-* ``replay`` (``_Replay``): redo a recorded step (``plan``: ``_Plan``, ``_Entry``, ``_Batch``,
-  ``_Many``), or decline, having written nothing;
-* ``batches`` (``_SmallBatches``): small parameters stepped by one compiled call per batch;
-* ``compiled`` (``_CompiledStep``): a tensor's compiled step, prepared and run; the kernels and
-  their cache;
-* ``checkpoint`` (``_Checkpoints``): ``load_state_dict``.
+* ``buckets.step_buckets``: the group's tensors in flat buffers, a few compiled calls per group;
+* ``replay.redo``: the step the last full step recorded (``plan``), or decline, having written
+  nothing;
+* ``driver.full_step``: validate, check the gradients under a loss scaler, step the large
+  parameters one by one (``param_step.step_param``: eager, in chunks, or compiled) and the small
+  ones in batches (``batches``), record the step; ``buckets.flatten`` then lays buckets out.
 
-Below them, taking plain tensors rather than the optimizer: ``update`` (one parameter's update,
-which the eager and the compiled steps both run), ``loss_scale`` (the loss-scaler contract's
-inputs), ``options`` (group options and their checks), ``storage`` and ``shards``.
+Below them: ``param_step`` (one parameter's step and the step's numbers), ``compiled`` (a
+tensor's compiled step, prepared and run; the kernels and their cache), and, taking plain tensors
+rather than the optimizer, ``update`` (one parameter's update, which the eager and the compiled
+steps both run), ``loss_scale`` (the loss-scaler contract's inputs), ``options``, ``storage`` and
+``shards``. ``checkpoint`` holds ``state_dict`` and ``load_state_dict``, which this class's
+methods call.
 
-The stages are mixins rather than functions taking the optimizer. Their methods are the class's:
-they call each other and the subclass interface through ``self``, and callers reach them through
-the instance (``shards``, ``diagnostics`` and ``memory`` call ``_collect``, ``_init_state``,
-``_storage``; tests switch replay off for one optimizer by setting ``opt._replay``). A mixin
-moves a method with its body and every call to it unchanged. No mixin imports this module, so
-``lowprec.optim`` has no import circle (``shards`` names the class for type checking only). A
-module-level name that tests replace (``loss_scale._host_counts``, ``compiled._compiled_kernel``,
-``update._INT32_MAX``) lives in one module, and another module that reads it reads it through
-that one, so that one ``monkeypatch.setattr`` reaches every reader.
+Each module imports only those below it, and none imports this one (``shards`` and ``plan`` name
+the class for type checking only), so ``lowprec.optim`` has no import circle. A stage calls
+another through its module (``replay.redo``, not ``redo``), and a module-level name that tests
+replace (``replay.redo``, ``loss_scale._host_counts``, ``compiled._compiled_kernel``,
+``update._INT32_MAX``) is read through the module that holds it, so that one
+``monkeypatch.setattr`` reaches every caller.
 """
 
 from __future__ import annotations
@@ -287,7 +284,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """A group's options that shape a step beyond its ``_flags`` and coefficients: a recorded
-        step (``_replay``) is redone only while they stay the same."""
+        step (``replay.redo``) is redone only while they stay the same."""
         return (group["master"], group["state_dtype"], group["fused"], group["seed"],
                 self._math_buffers(group))
 
@@ -331,7 +328,7 @@ class LowPrecisionOptimizer(Optimizer):
 
         ``late`` collects the work items whose state lacks a buffer the update rule now keeps
         (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
-        to 0.9): ``_step_all`` creates it, as torch.optim creates its buffers lazily."""
+        to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
         work = []
         index = -1
         expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
@@ -423,7 +420,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
-        the update rule's buffers it lacks (created at the next step: ``_step_late``)."""
+        the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
         if isinstance(where, tuple):  # (group, parameter): formatted only for an error
             where = f"parameter group {where[0]}, parameter {where[1]}"
         if state.get("master") != storage.name:
@@ -459,7 +456,7 @@ class LowPrecisionOptimizer(Optimizer):
         return missing
 
     def _init_state(self, group, p, storage) -> dict[str, Any]:
-        if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: _adopt_state)
+        if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
             return init_state_local(self, group, p, storage)
         sd = self._state_dtype(group, p, storage)
         state: dict[str, Any] = {

@@ -1,18 +1,17 @@
-"""Small parameters batched (``_SmallBatches``, a mixin of ``LowPrecisionOptimizer``).
+"""Small parameters batched: a full step's parameters of up to ``_SMALL`` elements, a compiled call
+per batch.
 
 ``_by_size`` orders a step's work: parameters of up to ``_SMALL`` elements come last, for
-``_step_small_fused`` to step them in batches of up to ``_SMALL_BATCH`` elements, one compiled call
+``step_small`` to step them in batches of up to ``_SMALL_BATCH`` elements, one compiled call
 per batch, since the per-call cost of a compiled kernel is most of a small tensor's step.
-``_small_buckets`` decides the batches (per group, strategy, step number and gradient dtype; on
+``small_buckets`` decides the batches (per group, strategy, step number and gradient dtype; on
 pairs where random keys are per parameter), ``plan._Batch`` holds one (its state buffers laid
-out flat, ``plan._flat_state``, where possible), and ``_run_batch`` steps it through the compiled
+out flat, ``plan._flat_state``, where possible), and ``run_batch`` steps it through the compiled
 step (``compiled``), giving each parameter its own random bits. Only elementwise rules batch:
 LAMB's per-parameter norms made its batches slower than a call per parameter
 (``benchmarks/fast_path.py``), so its small parameters take their own calls. A
-recorded step (``replay``) redoes the batches with ``_run_batch``; ``checkpoint`` lays loaded
-state out as ``_small_buckets`` would batch it.
-
-A mixin, as every stage (``base`` says why): it calls the other stages' methods through ``self``.
+recorded step (``replay``) redoes the batches with ``run_batch``; ``checkpoint`` lays loaded
+state out as ``small_buckets`` would batch it.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _batches_on(device: torch.device, storage, dtype: torch.dtype) -> bool:
     of host work (Dynamo's guards and wrappers) on either, most of a small tensor's step, while a
     batch adds a concatenation and a ``_foreach_copy_`` (two launches on CUDA; not yet measured
     on a GPU: benchmarks/fast_path.py --device cuda). Stochastic rounding batches only on the
-    CPU, on pairs of BF16 elements (its per-word keys: ``_run_batch``), a CPU layout."""
+    CPU, on pairs of BF16 elements (its per-word keys: ``run_batch``), a CPU layout."""
     if device.type == "cpu":
         return not storage.needs_random_bits or storage.pairs_ok(dtype)
     return device.type == "cuda" and not storage.needs_random_bits
@@ -103,7 +102,7 @@ def step_small(opt, items, memo, scaling: _Scaling | None = None) -> list:
 
 
 def _small_batches(opt, items) -> tuple[list[_Batch], list]:
-    """``_step_small_fused``'s batches of ``items`` (two or more parameters each, creating
+    """``step_small``'s batches of ``items`` (two or more parameters each, creating
     their state), and the items left out."""
     fresh: set[int] = set()  # ids of the parameters whose state is created here
     buckets, rest = small_buckets(opt, items, fresh)
@@ -115,12 +114,12 @@ def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, l
     """How ``items`` (small parameters, in step order) fall into batches: ``(step, items)`` per
     batch of two or more, and the items left out.
 
-    Per parameter this does only what must be redone each step (the host work here is most of
-    a small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a
-    batch is keyed by group, strategy, step and gradient dtype alone. With ``fresh`` a set,
-    missing state is created (its parameters' ids added to ``fresh``); with None (a
-    checkpoint being laid out, ``_lay_out_loaded``) parameters without state are left out and
-    each gradient is taken to be like its parameter, as ``backward`` makes it.
+    Per parameter this does only what must be redone each step (the host work here is most of a
+    small tensor's cost): the state buffers' dtypes were checked by ``_collect``, so a batch is
+    keyed by group, strategy, step and gradient dtype alone. With ``fresh`` a set, missing state is
+    created (its parameters' ids added to ``fresh``); with None (a checkpoint being laid out,
+    ``checkpoint._lay_out_loaded``) parameters without state are left out and each gradient is taken
+    to be like its parameter, as ``backward`` makes it.
     """
     if getattr(opt, "_fused_broken", False) or not opt._elementwise:
         return [], items
@@ -145,7 +144,7 @@ def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, l
         if names is None or n < 2 or (n % 2 and storage.needs_random_bits) or (
             storage.needs_random_bits and shard_offsets and shard_offsets.get(id(p))
         ):
-            # (a shard's random bits start at its offset: _step_param)
+            # (a shard's random bits start at its offset: param_step.step_param)
             rest.append(item)
             continue
         state = opt.state[p]

@@ -7,7 +7,7 @@ a bucket: each of their state buffers is laid out in one flat buffer (``state[p]
 of the bucket's buffer of that name), and their step counts in one count tensor
 (``state[p]["step"]`` its 0-d views). A step then takes, per piece of a bucket (``_pieces``), one
 gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
-step's kernel on the flat buffers (``compiled._run_fused``: the kernel a single tensor's step
+step's kernel on the flat buffers (``compiled.run_fused``: the kernel a single tensor's step
 runs; the update is elementwise, so the bits are the same), one copy of the new values back into
 the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
 number of tensors (``step_buckets``). The parameters keep their own storage: made views of one
@@ -32,7 +32,7 @@ A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust rati
 RMS) takes a piece's parameters as rows of a matrix, all of one size (``flatten`` puts equal
 sizes side by side, ``_pieces`` cuts where the size changes): its sums pass makes each row's
 sums (FP64, as a parameter's own: the order of adding does not show in the FP32 norm) and its
-update broadcasts them over the row (``compiled._prepare_fused``'s ``rows``). A parameter of a
+update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``). A parameter of a
 size of its own is a piece alone, in the kernels of a parameter's own step.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
@@ -50,8 +50,10 @@ its views (``load_state_dict`` replaces them), the gradients are present in the 
 and of one dtype. Where anything differs ``step_buckets`` returns False having written nothing,
 the full step runs, and ``flatten`` lays the buckets out again after it.
 
-``flatten`` and ``step_buckets`` take the optimizer; they call its stages (``_step_param``,
-``_prepare_fused``, ``_run_fused``, ``_step_coefficients``) and its subclass interface.
+``step_buckets`` is the pipeline's first stage (``driver``), ``flatten`` runs after a full step;
+both take the optimizer and call the functions below them (``compiled.prepare_fused``,
+``compiled.run_fused``, ``param_step.step_param``, ``param_step.step_coefficients``) and the
+optimizer's subclass interface.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
         t, n = state.get(name), per.get(name, 1)
         if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
                 or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
-                or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled._pairs_plan)
+                or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled.pairs_plan)
                 or opt._buffer_shape(name, p) is not None
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
@@ -277,8 +279,9 @@ class _Bucket:
 
     def _device_numbers(self, opt, memo: dict) -> dict[str, torch.Tensor]:
         """The step's coefficients as 0-d FP32 tensors on the counts' device, from the bucket's
-        one count (``same_counts``) as the full step makes them (``_scaled_numbers_many``): the
-        numbers that depend on the count computed there, the others the group's constants."""
+        one count (``same_counts``) as the full step makes them
+        (``param_step.scaled_numbers_many``): the numbers that depend on the count computed there,
+        the others the group's constants."""
         device = self.counts.device
         step = self.counts[0].double() + 1
         shared = memo.setdefault(("constants", id(self.group), device), {})
@@ -344,8 +347,8 @@ class _Bucket:
         done = False
         if _fused_enabled(opt, group, self.params[0]):
             # (``step``: the count on the host, or the numbers made on the device from it)
-            coeffs, c32 = (param_step.step_coefficients(opt, group, step, memo) if isinstance(step, int)
-                           else (step, step))
+            coeffs, c32 = (param_step.step_coefficients(opt, group, step, memo)
+                           if isinstance(step, int) else (step, step))
             try:
                 key = (a, b, g.dtype, mode)
                 fused = self.prepared.get(key)
@@ -376,7 +379,8 @@ class _Bucket:
             # (with random bits or whole-tensor sums: each parameter's elements on their own,
             # with its key, indexed from its first element)
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
-                       param_step.random_keys(group, storage, step, self.indices[k])) for k in range(a, b)]
+                       param_step.random_keys(group, storage, step, self.indices[k]))
+                      for k in range(a, b)]
                      if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
             for first, last, (key_lo, key_hi) in spans:
                 # (whole blocks: a chunk is a multiple)
@@ -401,7 +405,7 @@ class _Bucket:
         """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
         alone, its key's halves (``_keys``); a gathered piece, one key half per parameter
         (int64, made for all of them at once: ``numerics.stream_key_halves``) with each word's
-        parameter and index within it (``owner``, ``idx``: ``_batch_layout``), so that every
+        parameter and index within it (``owner``, ``idx``: ``batches.batch_layout``), so that every
         element gets the bits it gets in a step of its own."""
         if b - a == 1:
             return param_step.random_keys(self.group, self.storage, step, self.indices[a]), {}
@@ -549,7 +553,7 @@ def step_buckets(opt, ctx: StepContext) -> bool:
             continue
         storage = storages[gi][pi]
         if opt._check_param(group, p, storage, (gi, pi), expected):
-            return False  # (buffers to create: the full step's _step_late)
+            return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
     scaling = None
     memo: dict[Any, Any] = {}

@@ -1,14 +1,14 @@
-"""Checkpoints: ``load_state_dict`` (``_Checkpoints``, a mixin of ``LowPrecisionOptimizer``).
+"""Checkpoints: ``LowPrecisionOptimizer``'s ``state_dict`` and ``load_state_dict``.
 
 torch.optim's ``load_state_dict`` casts floating-point state to the parameter's dtype, which would
 round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dict`` here keeps
 every state tensor's dtype, checks the whole checkpoint against the parameters before changing
 anything, adopts a torch.optim checkpoint (``_adopt_state``), runs torch.optim's load hooks, and
 lays the small parameters' loaded state out as a step batches it (``_lay_out_loaded``, with
-``batches._small_buckets`` and ``plan._flat_state``). ``state_dict`` is torch.optim's; the export
-of the FP32 masters, ``master_state_dict``, is in ``base``, beside ``master_weight``.
-
-A mixin, as every stage (``base`` says why); it does not import ``base``, which imports it.
+``batches.small_buckets`` and ``plan._flat_state``). ``state_dict`` is torch.optim's, each
+``state_dtype`` by its name; the export of the FP32 masters, ``master_state_dict``, is in ``base``,
+beside ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module
+does not import ``base``.
 """
 
 from __future__ import annotations

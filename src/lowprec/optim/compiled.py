@@ -1,19 +1,16 @@
-"""The compiled (fused) step: kernels and their cache, and a tensor's compiled step prepared and run
-(``_CompiledStep``, a mixin of ``LowPrecisionOptimizer``).
+"""The compiled (fused) step: kernels and their cache; a tensor's compiled step prepared and run.
 
 ``_compiled_kernel`` compiles ``update._param_update`` (or another function of ``update``) once
 per variant: optimizer, strategy, flags, loss-scaler mode and the tensors' device type and dtypes
 (``_signature``), with the Inductor settings the step's numerics need; ``_KERNELS`` caches them.
-``_prepare_fused`` gathers what a compiled step of one contiguous tensor needs besides its
-gradient and the step's numbers (``_Fused``: flat views or words of pairs, ``_pairs_plan``, and
+``prepare_fused`` gathers what a compiled step of one contiguous tensor needs besides its
+gradient and the step's numbers (``_Fused``: flat views or words of pairs, ``pairs_plan``, and
 the kernels), which depends on layouts and dtypes alone, so a recorded step keeps it;
-``_run_fused`` runs it (a sums pass first for a rule with norms; the odd last element of pairs
+``run_fused`` runs it (a sums pass first for a rule with norms; the odd last element of pairs
 eagerly). A compilation failure (``_COMPILE_ERRORS``) leaves nothing written: the caller
 falls back to the eager step and ``_disable_fused`` turns the fused step off with a warning.
 ``_one_cpp_kernel_per_loop`` is a compile setting of the shared calls (``plan._Many``).
-Tests replace ``_compiled_kernel``; ``plan`` reads it through this module.
-
-A mixin, as every stage (``base`` says why): it calls the other stages' methods through ``self``.
+Tests replace ``_compiled_kernel`` and ``pairs_plan``; other modules call them through this one.
 """
 
 from __future__ import annotations
@@ -387,7 +384,7 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
     words of pairs of elements. Always a new view, even of a 1-d ``t``: handed a 1-d parameter
     itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
-    if f.qkw:  # (8-bit or 4-bit state: rows of a block; see _prepare_fused)
+    if f.qkw:  # (8-bit or 4-bit state: rows of a block; see prepare_fused)
         return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]))
     v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
     return v.view(f.rows, -1) if f.rows else v  # (rows: a bucket's parameters of one size)
@@ -410,7 +407,7 @@ def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor | None]:
 
 
 class _Fused:
-    """A compiled step prepared by ``LowPrecisionOptimizer._prepare_fused``."""
+    """A compiled step prepared by ``prepare_fused``."""
 
     __slots__ = (
         "base",
@@ -444,7 +441,7 @@ def prepare_fused(
     """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
     numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
     It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
-    (``_replay``).
+    (``replay.redo``).
 
     ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
     index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
@@ -566,12 +563,12 @@ def run_fused(opt, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
 
 def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
     """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
-    type) rows of a block (a rule with norms: every piece's sums first, then every piece's
-    update). Inductor writes the new moments and weights to full-size temporaries between
-    its loops over the rows; per piece they stay in cache and the allocator reuses them,
-    where a step over a 16M-element parameter at once took 3.5x as long per element as one
-    over 256K (2.8x faster in all). Each piece's random bits are keyed by its elements' indices in the whole
-    parameter (``base``)."""
+    type) rows of a block (a rule with norms: every piece's sums first, then every piece's update).
+    Inductor writes the new moments and weights to full-size temporaries between its loops over the
+    rows; per piece they stay in cache and the allocator reuses them, where a step over a
+    16M-element parameter at once took 3.5x as long per element as one over 256K (2.8x faster in
+    all). Each piece's random bits are keyed by its elements' indices in the whole parameter
+    (``base``)."""
     pv, gv = _step_view(f, f.p), _step_view(f, grad)
     if f.row_cuts is None:  # (the pieces' views of the state, made once: f's tensors stay)
         sv, mv = f.views

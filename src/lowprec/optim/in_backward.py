@@ -7,7 +7,7 @@ as soon as autograd has summed its gradient, and frees the gradient right after,
 the gradients autograd is still producing exist at any moment (optimi's "gradient release",
 torch's private ``_apply_optimizer_in_backward``).
 
-It runs the optimizer's own per-parameter step (``driver._step_param``, compiled where the step
+It runs the optimizer's own per-parameter step (``param_step.step_param``, compiled where the step
 is fused), with the numbers of the parameter's group made once per step, so the result equals
 the same optimizer stepped normally bit for bit, for every optimizer and ``master=`` strategy:
 each parameter's update depends on its own gradient and state alone (LAMB's and StableAdamW's
@@ -70,8 +70,8 @@ class _Item:
 
 
 class _Recorder:
-    """``memo["plan"]`` for ``_step_param``: keeps each parameter's ``_Entry`` (its prepared
-    compiled step), for the next step's hook to redo."""
+    """``memo["plan"]`` for ``param_step.step_param``: keeps each parameter's ``_Entry`` (its
+    prepared compiled step), for the next step's hook to redo."""
 
     def __init__(self, entries: dict[int, _Entry]) -> None:
         self.entries = entries
@@ -172,7 +172,7 @@ class StepInBackward:
 
     def _redo(self, p: torch.Tensor, memo: dict[Any, Any]) -> bool:
         """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
-        ``step()`` redoes a recorded one (``_replay_run``), if nothing it relied on changed;
+        ``step()`` redoes a recorded one (``replay.redo_run``), if nothing it relied on changed;
         False, having written nothing, otherwise."""
         opt = self.optimizer
         if getattr(opt, "_fused_broken", False):  # (compilation failed: eager from now on)
@@ -182,7 +182,7 @@ class StepInBackward:
             return False
         e.step = int(e.count.item())
         fused: list[_Entry] = []
-        replay.redo_run(opt, e, memo, None, fused)  # (a kernel that fails to compile: _step_param)
+        replay.redo_run(opt, e, memo, None, fused)  # (one that fails to compile: step_param)
         if fused:
             e.count.fill_(e.step + 1)
         return True
@@ -193,7 +193,7 @@ class StepInBackward:
         state = opt.state.get(it.p)
         work = (it.group, it.p, it.index, it.storage)
         if state and opt._check_state(state, it.group, it.p, it.storage, it.where):
-            param_step.step_late(opt, [work], None)  # (buffers an option turned on since: created now)
+            param_step.step_late(opt, [work], None)  # (buffers an option turned on since)
             self._checked.pop(id(it.p), None)
             return
         param_step.step_param(opt, *work, None, memo)

@@ -7,7 +7,7 @@ the gradient inside the update (``update._param_update``), and the skip flag, wh
 old value for every write. ``_mode`` is the part of a compiled kernel's key this decides;
 ``_advance_counts`` advances the step counts of parameters stepped together by ``1 - skip``.
 ``_host_counts`` says where a step under a scaler reads its counts on the host (the CPU) or
-computes its numbers on the device (``driver._scaled_numbers``); tests replace it, so the modules
+computes its numbers on the device (``param_step.scaled_numbers``); tests replace it, so the modules
 that read it read it through this one (``loss_scale._host_counts``).
 """
 
@@ -147,10 +147,10 @@ def _mode(scaling: _Scaling | None) -> str | bool:
 
 def _advance_counts(counts: list[torch.Tensor], scaling: _Scaling | None) -> None:
     """Advance the step counts of parameters stepped together, in one call per device. Each
-    holds the whole number read on the host before the step (or, under a loss scaler off the
-    CPU, the count its numbers were computed from on its device), so adding 1 stores what
-    ``_advance``'s ``fill_(count + 1)`` would, for floating-point or integer counts (a loaded
-    checkpoint keeps its dtype); under a loss scaler, ``1 - skip``, decided on the device."""
+    holds the whole number read on the host before the step (or, under a loss scaler off the CPU,
+    the count its numbers were computed from on its device), so adding 1 stores what
+    ``param_step.advance``'s ``fill_(count + 1)`` would, for floating-point or integer counts (a
+    loaded checkpoint keeps its dtype); under a loss scaler, ``1 - skip``, decided on the device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for c in counts:
         by_device.setdefault(c.device, []).append(c)
@@ -162,5 +162,5 @@ def _host_counts(device: torch.device) -> bool:
     """Whether a step under a loss scaler reads the step counts of parameters on ``device`` on the
     host and takes the group's host numbers, as a plain step does: on the CPU, where that costs
     no synchronisation and saves each parameter a dozen small tensor operations. Elsewhere the
-    numbers are computed on the device (``_scaled_numbers``)."""
+    numbers are computed on the device (``param_step.scaled_numbers``)."""
     return device.type == "cpu"

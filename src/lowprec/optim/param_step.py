@@ -1,4 +1,18 @@
-"""PARAM_STEP_DOC"""
+"""One parameter's step, and the step's numbers: what every stage of the pipeline (``driver``)
+runs for a parameter it steps on its own.
+
+``step_param`` steps one parameter: compiled (``compiled.prepare_fused``, ``compiled.run_fused``;
+one call in the parameter's shape for a rule that needs it whole, ``_step_whole_fused``) where
+enabled and possible, else eager (``update._param_update``), in chunks on a large tensor, a rule's
+whole-tensor sums first. ``step_late`` creates the buffers an option turned on and takes their
+first, eager, step. The step's numbers are made once per group and step number and shared through
+a ``memo`` (a dict a stage keeps for one ``step()``): the rule's flags (``group_flags``), its
+coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coefficients``),
+stochastic rounding's keys (``random_keys``) and, under a loss scaler off the CPU, all of them
+made on the device from the step counts kept there (``scaled_numbers_many``). ``advance``
+advances a parameter's count once it is stepped (by ``1 - skip`` under a loss scaler, decided on
+the device).
+"""
 
 from __future__ import annotations
 
@@ -92,8 +106,8 @@ def _coefficient_tensors(opt, group, host: dict[str, Any]) -> dict[str, torch.Te
 
 def kernel_coefficients(opt, group, step, coeffs, memo) -> tuple[dict, Any]:
     """A compiled call's coefficients: on the host and as 0-d FP32 tensors, shared by the
-    group's parameters at a host step number (``_step_coefficients``); for a step counted
-    on the device (``_scaled_numbers``' tensors) made from ``coeffs``."""
+    group's parameters at a host step number (``step_coefficients``); for a step counted
+    on the device (``scaled_numbers``' tensors) made from ``coeffs``."""
     if isinstance(step, int):
         return step_coefficients(opt, group, step, memo)
     return coeffs, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
@@ -113,7 +127,7 @@ def scaled_numbers(opt, group, p, index, storage, state, scaling: _Scaling, memo
 
 
 def scaled_numbers_many(opt, items: list, scaling: _Scaling, memo) -> None:
-    """``_scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
+    """``scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
     per group and device the step counts are stacked and every number is computed for all of
     them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
     which on a GPU were most of a step), each parameter's share a view. ``items``: (group,
@@ -170,8 +184,8 @@ def step_param(
     """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
     group shares (flags, coefficients and their tensors for a given step number), so that a
     model of many small tensors does not pay for them per tensor; its ``"plan"`` records the
-    step for ``_replay``. ``first_use``: the first step of buffers created late
-    (``_step_late``), eager, with ``_first_use_coefficients``."""
+    step for ``replay.redo``. ``first_use``: the first step of buffers created late
+    (``step_late``), eager, with ``_first_use_coefficients``."""
     memo = {} if memo is None else memo
     state = opt.state[p]
     if not state:

@@ -1,6 +1,6 @@
 """The record of a step, for the next to redo (``replay``): ``_Plan`` and its runs.
 
-A full step (``driver``) records per parameter an ``_Entry`` (what ``_replay`` checks before
+A full step (``driver``) records per parameter an ``_Entry`` (what ``replay.redo`` checks before
 redoing it, and its prepared compiled step, ``compiled._Fused``, or None for an eager one) and per
 batch of small parameters a ``_Batch`` (``batches``), in the order they ran. ``_Plan.read_counts``
 reads the step counts as the full step reads them; ``_Plan.merged`` replaces entries that can
@@ -37,10 +37,11 @@ def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
 
 
 class _Entry:
-    """One parameter of a recorded step: what ``_replay`` checks before redoing it (the parameter,
-    the layout of its gradient, its state tensors) and its prepared compiled step (None: it took
-    ``_step_param``, redone as such). It holds no gradient, so that a gradient the training loop
-    drops is freed. ``step`` is its step count as ``_Plan.read_counts`` last read it."""
+    """One parameter of a recorded step: what ``replay.redo`` checks before redoing it (the
+    parameter, the layout of its gradient, its state tensors) and its prepared compiled step (None:
+    it took ``param_step.step_param``, redone as such). It holds no gradient, so that a gradient the
+    training loop drops is freed. ``step`` is its step count as ``_Plan.read_counts`` last read
+    it."""
 
     __slots__ = ("count", "dtype", "fused", "gkind", "group", "index", "names", "p", "ptr",
                  "shape", "size", "state", "step", "storage", "stride", "tensors")
@@ -68,7 +69,7 @@ class _Entry:
 
 
 class _Batch:
-    """Small parameters stepped together by one compiled call (``_step_small_fused``): their
+    """Small parameters stepped together by one compiled call (``batches.step_small``): their
     flattened views, to concatenate and copy back, and per state buffer name the one flat tensor
     holding every parameter's buffer in turn where there is one (``_flat_state``), which the call
     updates in place, else None (those buffers are concatenated and copied back too)."""
@@ -145,7 +146,7 @@ _MANY_OPTIONS = {"score_fusion_memory_threshold": 4096}
 
 
 class _Many:
-    """Recorded parameters redone by one compiled call (``_run_many``): their prepared steps
+    """Recorded parameters redone by one compiled call (``replay.run_many``): their prepared steps
     (``_Fused``) share a kernel variant, a group and a device, and none has an odd last element.
     Their updates are independent, so one call gives each the bits its own call would; a rule
     with whole-tensor norms (LAMB) takes each parameter's sums pass, then its update, in turn.
@@ -199,8 +200,8 @@ class _Many:
                 and not f.shards and not f.qkw  # (8-bit state: calls per piece already)
                 and (not scaled or loss_scale._host_counts(run.p.device))
             ):
-                # (Their step counts as last read: the coefficients are shared. Counts that
-                # stop agreeing later, written by a caller, make _run_many step them one by one.)
+                # (Their step counts as last read: the coefficients are shared. Counts that stop
+                # agreeing later, written by a caller, make replay.run_many step them one by one.)
                 key = (id(f.kernel), id(run.group), run.p.device, run.step)
                 together.setdefault(key, []).append(run)
         # Sorted by size and cut into calls of at most _MANY_MAX: a call's compile time grows
@@ -225,7 +226,7 @@ class _Many:
 
 
 class _Plan:
-    """A step recorded for ``_replay``: per group its options and flags, the parameters that had
+    """A step recorded for ``replay.redo``: per group its options and flags, the parameters that had
     no gradient (with their dtype and device), and the work (``_Entry`` or ``_Batch``) in the order
     it ran."""
 
@@ -266,9 +267,9 @@ class _Plan:
         it, e.g. by a collective or through ``.data``). False where the record cannot be redone
         at these counts: one that is not a whole number, or a batch whose counts differ.
 
-        A step under a loss scaler reads only the counts of its batches and of parameters on the
-        CPU (``_host_counts``): the others are read on their devices (``_scaled_numbers``), with no
-        host synchronisation."""
+        A step under a loss scaler reads only the counts of its batches and of parameters on the CPU
+        (``_host_counts``): the others are read on their devices (``param_step.scaled_numbers``),
+        with no host synchronisation."""
         if self.counts is None:
             sets: dict[Any, tuple[list[_Entry], list[torch.Tensor]]] = {}
             batched = {id(e) for b in self.batches for e in b.entries}

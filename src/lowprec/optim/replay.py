@@ -1,14 +1,12 @@
-"""Recorded steps redone (``_Replay``, a mixin of ``LowPrecisionOptimizer``).
+"""Recorded steps redone: the pipeline's second stage (``driver``).
 
-A full step (``driver``) records what it did in a ``plan._Plan``. The next step calls ``_replay``
-first: it checks the record against the optimizer (the same groups, options, flags, parameters,
-gradient layouts and state tensors; the step counts read as the full step reads them) and, where
-nothing differs, redoes it with this step's numbers: each entry's prepared compiled call
-(``compiled._run_fused``), each batch (``batches._run_batch``), and the entries that can share a
-compiled call by one call (``plan._Many``, ``_run_many``); the rest by ``_step_param``. Where
-anything differs it returns False, having written nothing, and the full step runs.
-
-A mixin, as every stage (``base`` says why): it calls the other stages' methods through ``self``.
+A full step (``driver.full_step``) records what it did in a ``plan._Plan``. Where the buckets did
+not take the next step, ``redo`` checks the record against the optimizer (the same groups, options,
+flags, parameters, gradient layouts and state tensors; the step counts read as the full step reads
+them) and, where nothing differs, redoes it with this step's numbers: each entry's prepared compiled
+call (``compiled.run_fused``), each batch (``batches.run_batch``), and the entries that can share a
+compiled call by one call (``plan._Many``, ``run_many``); the rest by ``param_step.step_param``.
+Where anything differs it returns False, having written nothing, and the full step runs.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ def redo(opt, ctx: StepContext) -> bool:
     if not plan.read_counts():  # (before the scaler's check, which writes found_inf)
         return False
     scaling = None
-    if plan.scaled:  # (off the CPU the counts are read on the device: _scaled_numbers)
+    if plan.scaled:  # (off the CPU the counts are read on the device: param_step.scaled_numbers)
         scaling = _Scaling.prepare(
             [(e.group, e.p, e.index, e.storage) for e in plan.entries], ctx.grad_scale,
             ctx.found_inf,
@@ -103,7 +101,7 @@ def redo(opt, ctx: StepContext) -> bool:
 
 def redo_run(opt, run, memo, scaling, fused: list[_Entry]) -> None:
     """Redo one recorded run (a batch or a parameter); ``fused`` collects the entries whose
-    counts ``_replay`` advances."""
+    counts ``redo`` advances."""
     if isinstance(run, _Batch):
         if not batches.run_batch(opt, run, run.entries[0].step + 1, memo, scaling):
             opt._step_plan = None
@@ -147,7 +145,8 @@ def run_many(opt, many: _Many, memo, scaling) -> bool:
     group, storage = e0.group, e0.storage
     _, c32 = param_step.step_coefficients(opt, group, step, memo)
     if storage.needs_random_bits:
-        keys = [_key_tensors(*param_step.random_keys(group, storage, step, e.index)) for e in entries]
+        keys = [_key_tensors(*param_step.random_keys(group, storage, step, e.index))
+                for e in entries]
         los, his = [lo for lo, _ in keys], [hi for _, hi in keys]
     else:
         los = his = [_ZERO_KEY] * len(entries)

@@ -119,7 +119,7 @@ def flat_offset(p: Any) -> int:
 class _Shard:
     """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
     its local tensor and placements stay the same: its local state dict (kept from step to step
-    for ``_replay``), the index of its first element in the whole parameter (keying stochastic
+    for ``replay.redo``), the index of its first element in the whole parameter (keying stochastic
     rounding's random bits), and the process groups its shards span."""
 
     __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
@@ -217,9 +217,9 @@ def _check_seeds(opt: LowPrecisionOptimizer, rounding: list[tuple[int, _Shard]])
 def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
     """For the length of a step: every DTensor parameter replaced, in ``opt.param_groups``, by its
     local tensor carrying its local gradient, and ``opt.state`` by a map whose entries for those
-    tensors hold local views of the DTensor state (the other entries are the optimizer's own
-    dicts). The state dicts of the local tensors are kept from step to step, so that a recorded
-    step (``_replay``) is redone as for plain parameters. Afterwards every parameter-shaped state
+    tensors hold local views of the DTensor state (the other entries are the optimizer's own dicts).
+    The state dicts of the local tensors are kept from step to step, so that a recorded step
+    (``replay.redo``) is redone as for plain parameters. Afterwards every parameter-shaped state
     tensor is a DTensor of the parameter's placements. Nothing is changed if a check fails."""
     groups = opt.param_groups
     old: dict[int, _Shard] = opt.__dict__.get("_shards") or {}

@@ -307,10 +307,10 @@ def _param_update_pairs(
     Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
 
     ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
-    ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's
-    parameter and ``idx`` its index within that parameter, which replaces the word's own index
-    in the random bits' hash (``_batch_layout``). ``base`` (0-d int64) is added to every word's
-    index: a DTensor shard's first word's index in the whole parameter (``_random_bits``).
+    ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's parameter
+    and ``idx`` its index within that parameter, which replaces the word's own index in the random
+    bits' hash (``batches.batch_layout``). ``base`` (0-d int64) is added to every word's index: a
+    DTensor shard's first word's index in the whole parameter (``_random_bits``).
     """
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
