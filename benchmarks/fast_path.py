@@ -66,12 +66,20 @@ CONFIGS = {  # name -> (optimizer class, keywords)
 
 
 _never = lambda *args, **kwargs: False  # noqa: E731
+_kind = buckets._kind
+
+
+def _kind_off_pairs(opt, group, p, storage):
+    """``buckets._kind`` without pairs: stochastic rounding's parameters left out of buckets (a
+    gathered piece's per-word random keys need the pairs kernel), stepped as before buckets."""
+    return None if storage.needs_random_bits else _kind(opt, group, p, storage)
 
 # What switches a mechanism off, patched into its module for the switched-off optimizer's step
 # alone (the stages are functions: lowprec.optim.driver).
 SWITCHES: dict[str, list[tuple[Any, str, Any]]] = {
     "buckets": [(buckets, "step_buckets", _never), (buckets, "flatten", lambda opt: None)],
-    "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None)],
+    "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None),
+              (buckets, "_kind", _kind_off_pairs)],
     "batches": [(batches, "_SMALL", 0)],
     "replay": [(replay, "redo", _never)],
     "shared calls": [(replay, "run_many", _never)],
