@@ -24,7 +24,8 @@ import warnings
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, compiled, update
+from lowprec.numerics import split
+from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, batches, compiled, update
 from tests._cases import pairwise
 from tests._same import assert_same, bits
 
@@ -192,7 +193,7 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels(device):
 PAIR_CASES = [
     (cls, kw, master, state_dtype, grad_dtype)
     for (cls, kw), master, (state_dtype, grad_dtype) in pairwise(
-        OPTIMIZERS, ("none", "kahan", "split", "stochastic", "fp32"),
+        OPTIMIZERS, ("kahan", "split", "stochastic"),
         ((None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)),
     )
 ]
@@ -202,15 +203,18 @@ PAIR_CASES = [
     ("cls", "kw", "master", "state_dtype", "grad_dtype"), PAIR_CASES,
     ids=[f"{c[0].__name__}-{c[2]}-state{str(c[3])[6:]}-grad{str(c[4])[6:]}" for c in PAIR_CASES],
 )
-def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype):
+def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype, monkeypatch):
     """(CPU only: pairs are the CPU fused step's.)
 
-    The fused step of BF16 parameters on pairs of elements (int32/int64 words) equals eager.
+    The fused step of BF16 parameters on pairs of elements (int32/int64 words) equals eager, for
+    the strategies that have them: split and stochastic rounding, and Kahan, as a torch whose
+    Inductor drops its round trip off the pairs takes it (``compiled._pairs_pay``).
 
     Odd lengths (the last element goes eager), BF16 and FP32 moments, BF16 and FP32 gradients,
     small parameters (batched), and a large one viewed at an odd offset of its storage (no
     pairs: the elementwise kernel).
     """
+    monkeypatch.setattr(compiled, "_PAIRS_FASTER", ("kahan", "split", "stochastic"))
     n = batches._SMALL + 301
     storage = torch.randn(n + 1).to(torch.bfloat16)
     def run(fused):
@@ -276,7 +280,8 @@ def test_small_lamb_parameters_take_their_own_calls(master):
     """Small LAMB parameters are not batched (per-parameter norms made batches slower than a call
     each: benchmarks/fast_path.py): each BF16 parameter takes its own sums and update passes, bit
     for bit the eager step, a parameter without a gradient at a step and a seed whose keys use
-    all 64 bits included."""
+    all 64 bits included. Split and stochastic rounding step on pairs (words), the others on the
+    elements, as FP32 parameters do."""
     shapes = [(64, 30), (6,), (2, 3, 5), (33,), (8, 2), (4, 4)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     init[4] = init[4] * 100  # a very different ||w|| (ratios differ by parameter)
@@ -291,9 +296,13 @@ def test_small_lamb_parameters_take_their_own_calls(master):
         p.grad = torch.randn(p.shape).to(p.dtype)
     with _kernel_calls() as calls:
         opt.step()  # (the first step: every parameter through the full step)
-    sums = sorted((words for name, _, words in calls if name == "_param_sums_pairs"),
-                  reverse=True)
-    assert sums == [960, 16, 15, 8, 8, 3], calls  # (each its own words; 33: 16 and one eager)
+    on_pairs = master in compiled._PAIRS_FASTER
+    sums = sorted((n for name, _, n in calls
+                   if name == ("_param_sums_pairs" if on_pairs else "_param_sums")), reverse=True)
+    if on_pairs:  # (each its own words; 33: 16 and one eager)
+        assert sums == [960, 16, 15, 8, 8, 3], calls
+    else:  # (each its own elements, the FP32 parameter's 10 among them)
+        assert sums == [1920, 33, 30, 16, 16, 10, 6], calls
 
 
 def _sequential_sum_trap(words: int) -> torch.Tensor:
@@ -318,25 +327,35 @@ def _sequential_sum_trap(words: int) -> torch.Tensor:
     return w
 
 
-def test_lamb_norms_are_summed_pairwise():
+@pytest.mark.parametrize("master", ["fp32", "split"], ids=["elements", "pairs"])
+def test_lamb_norms_are_summed_pairwise(master):
     """A compiled sums pass adds pairwise, as eager does: on a vector whose norm a sequential sum
-    gets one FP32 ulp wrong, fused equals eager bit for bit."""
+    gets one FP32 ulp wrong, fused equals eager bit for bit, on the elements (an FP32 master) and
+    on pairs (split)."""
     w = _sequential_sum_trap(32001)
     results = []
     for fused in (False, True):
         params = [w.to(torch.bfloat16).requires_grad_(), torch.ones(16, dtype=torch.bfloat16,
                                                                      requires_grad=True)]
-        opt = Lamb(params, lr=1e-2, master="fp32", fused=fused)
+        opt = Lamb(params, lr=1e-2, master=master, fused=fused)
         gen = torch.Generator().manual_seed(1)
         with _kernel_calls() as calls:
             for step in range(2):
                 for p in params:
                     p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
                 if step == 1:  # a master weight as training leaves it: any FP32 values
-                    opt.state[params[0]]["master_weight"].copy_(w)
+                    state = opt.state[params[0]]
+                    if master == "fp32":
+                        state["master_weight"].copy_(w)
+                    else:
+                        top, trail = split(w)
+                        with torch.no_grad():
+                            params[0].copy_(top)
+                        state["trail"].copy_(trail)
                 opt.step()
         results.append((params, opt))
-    assert [words for name, _, words in calls if name == "_param_sums_pairs"][:1] == [32001]
+    name, n = ("_param_sums", 64002) if master == "fp32" else ("_param_sums_pairs", 32001)
+    assert [length for fn, _, length in calls if fn == name][:1] == [n]
     assert_same(*results[0], *results[1])
 
 
@@ -446,8 +465,8 @@ def test_small_parameters_past_one_batch_take_several_calls():
             opt.step()
         results.append((params, opt))
     assert_same(*results[0], *results[1])
-    sizes = [words * 2 for _, _, words in calls]
-    assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters, words of 2 elements
+    sizes = [n for _, _, n in calls]
+    assert sorted(sizes) == [120_000, 240_000], sizes  # 4 + 2 parameters
 
 
 @pytest.mark.parametrize(
@@ -636,3 +655,22 @@ def test_the_fallback_filter_matches_every_fallback_warning(monkeypatch):
     fallback = re.compile(FALLBACK_WARNING, re.I)  # (a warnings filter's flags)
     assert all(fallback.match(m) for m in messages), messages
     assert not fallback.match("lowprec: parameter group 0: state_dtype='8bit' keeps FP32 state")
+
+
+def test_whole_tensor_rules_compile_for_fp32_gradients_of_bf16_parameters():
+    """A BF16 parameter with an FP32 gradient (``grad_dtype`` None) takes the compiled step of a
+    rule that needs the tensor whole (Adafactor), bit for bit the eager one: handed a view of the
+    parameter, Dynamo refused its FP32 gradient and the optimizer fell back to eager for good
+    (under the ``fused`` mark a fallback fails this test)."""
+    init = torch.randn(64, 48).to(torch.bfloat16)
+    results = []
+    for fused in (False, True):
+        p = init.clone().requires_grad_()
+        p.grad_dtype = None
+        opt = Adafactor([p], lr=1e-2, master="kahan", fused=fused)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        results.append(([p], opt))
+    assert_same(*results[0], *results[1])

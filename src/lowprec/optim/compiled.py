@@ -382,8 +382,11 @@ def _one_cpp_kernel_per_loop() -> Iterator[None]:
 
 def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
-    words of pairs of elements. Always a new view, even of a 1-d ``t``: handed a 1-d parameter
-    itself (a leaf that requires grad), a parameter's own call fails to compile in Inductor."""
+    words of pairs of elements. Always a new view of ``t`` detached, even of a 1-d ``t``: handed
+    a 1-d parameter itself (a leaf that requires grad), a parameter's own call fails to compile
+    in Inductor, and handed a view of a BF16 parameter whose gradient is FP32 (``grad_dtype``
+    None), Dynamo's fake copy of it refuses the FP32 gradient."""
+    t = t.detach()
     if f.qkw:  # (8-bit or 4-bit state: rows of a block; see prepare_fused)
         return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]))
     v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
@@ -594,18 +597,38 @@ def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
                  **kw, **extra, **({} if base is None else {"base": base}))
 
 
+# The strategies whose CPU step takes pairs of BF16 elements (32-bit words, ``storage``'s
+# ``load_pairs``/``store_pairs``): those that work on the bits (split's 16-bit trail,
+# stochastic rounding's random bits), for which the pairs kernel is the faster. For the others
+# the elementwise kernel is the faster, with the same bits (Inductor vectorizes BF16 <-> FP32
+# itself; the pairs kernel unpacks words with integer shifts). AdamW, BF16, 25M parameters in 32
+# tensors, Zen 3 (AVX2), torch 2.13, 2 threads, ms a step, pairs -> elementwise: kahan 57.0 ->
+# 33.0, none 59.1 -> 44.0, fp32 79.8 -> 37.0; LAMB kahan 116 -> 62; SGD kahan 45.4 -> 27.2; but
+# split 67.4 -> 113.5 and stochastic 63.0 -> 113.2 (benchmarks/fast_path.py's pairs column).
+_PAIRS_FASTER = ("split", "stochastic")
+
+
+def _pairs_pay(storage: MasterStorage) -> bool:
+    """Whether a BF16 CPU step under ``storage`` takes the pairs kernel: where it is the faster
+    (``_PAIRS_FASTER``), and for Kahan where this torch's Inductor C++ code would drop the
+    compensation's round trip in the elementwise kernel (``_CPU_ROUND_TRIPS_KEPT``)."""
+    return storage.name in _PAIRS_FASTER or (storage.name == "kahan"
+                                             and _cpu_drops_round_trips())
+
+
 def pairs_plan(
     opt, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
 ) -> tuple | None:
     """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
 
     Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
-    strategy on bfloat16 parameters), elementwise rules or rules whose only reductions are
-    ``_norm_terms``, and gradients and buffers in bfloat16 or FP32 whose flat views start on
-    a pair boundary.
+    strategy on bfloat16 parameters) where they are the faster kernel or the only correct one
+    (``_pairs_pay``), elementwise rules or rules whose only reductions are ``_norm_terms``, and
+    gradients and buffers in bfloat16 or FP32 whose flat views start on a pair boundary.
     """
     if (
-        not storage.pairs_ok(p.dtype) or p.numel() < 2 or p.storage_offset() % 2
+        not storage.pairs_ok(p.dtype) or not _pairs_pay(storage)
+        or p.numel() < 2 or p.storage_offset() % 2
         or not (opt._elementwise or opt._norm_terms is not None)
         or p.device.type != "cpu"
     ):

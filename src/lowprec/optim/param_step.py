@@ -311,8 +311,9 @@ def _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step, coeffs,
             signature=compiled._signature(p, p.grad, sbufs, mbufs),
             fullgraph=not opt._whole_graph_breaks,
         )
-        # (a new view of the parameter: handed the leaf itself, Inductor fails to compile)
-        kernel(p.view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,
+        # (a new view, detached: handed the leaf itself, Inductor fails to compile, and a view
+        # of a BF16 parameter with an FP32 gradient, Dynamo refuses the gradient)
+        kernel(p.detach().view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,
                *compiled._key_tensors(lo, hi), storage=storage, math=opt._math,
                flags=flags, **extra)
     except _COMPILE_ERRORS as e:  # compilation failed before anything was written

@@ -24,11 +24,9 @@ import torch
 from lowprec.numerics import (
     _nearest_bf16_upper,
     _pack_16_pairs,
-    _pack_f32_pairs,
     _pack_nearest_bf16_pairs,
     _pack_rounded_bf16_pairs,
     _unpack_bf16_pairs,
-    _unpack_f32_pairs,
     join,
     round_stochastic_with_bits,
     split,
@@ -69,11 +67,13 @@ class MasterStorage:
         raise NotImplementedError
 
     # The same two operations on pairs of elements (see "Pairs" in ``lowprec.numerics``), for
-    # the compiled CPU step: int16 tensors would keep it from vectorizing, and the pairs make
-    # LAMB's norms' pass faster on bfloat16 parameters. Only bfloat16 parameters; every 16-bit
-    # tensor (param, buffers) is an int32 view holding elements 2j (low half) and 2j+1 (high
-    # half), every 32-bit buffer an int64 view. They must give the bits ``load``/``store`` give,
-    # element for element; the fused-vs-eager tests check it.
+    # the compiled CPU step of the strategies that work on the bits (split's trail, stochastic
+    # rounding's random bits), where int16 tensors would keep it from vectorizing, and of Kahan
+    # on a torch whose Inductor drops its round trip elsewhere (``compiled._pairs_pay``; "none"
+    # and "fp32" have none: their elementwise kernel is the faster). Only bfloat16 parameters;
+    # every 16-bit tensor (param, buffers) is an int32 view holding elements 2j (low half) and
+    # 2j+1 (high half), every 32-bit buffer an int64 view. They must give the bits
+    # ``load``/``store`` give, element for element; the fused-vs-eager tests check it.
 
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``."""
@@ -111,15 +111,6 @@ class NoMaster(MasterStorage):
     def store(self, w, param, bufs, bits=None):
         return w.to(param.dtype), {}
 
-    def pairs_ok(self, dtype):
-        return dtype == torch.bfloat16
-
-    def load_pairs(self, param, bufs):
-        return _unpack_bf16_pairs(param)
-
-    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
-        return _pack_nearest_bf16_pairs(w_even, w_odd), {}
-
 
 class FP32Copy(MasterStorage):
     """An FP32 copy in optimizer state (classic mixed precision); the parameter is its rounding."""
@@ -137,17 +128,6 @@ class FP32Copy(MasterStorage):
 
     def store(self, w, param, bufs, bits=None):
         return w.to(param.dtype), {"master_weight": w}
-
-    def pairs_ok(self, dtype):
-        return dtype == torch.bfloat16
-
-    def load_pairs(self, param, bufs):
-        return _unpack_f32_pairs(bufs["master_weight"])  # (int64 words)
-
-    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
-        return _pack_nearest_bf16_pairs(w_even, w_odd), {
-            "master_weight": _pack_f32_pairs(w_even, w_odd)
-        }
 
 
 class Split(MasterStorage):
