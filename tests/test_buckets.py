@@ -22,6 +22,7 @@ from lowprec.optim import (
     Lion,
     StableAdamW,
     buckets,
+    compiled,
     loss_scale,
     replay,
 )
@@ -149,6 +150,29 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
     (bucket,) = ob._buckets.buckets
     pieces = bucket._pieces(0, len(bucket.params))
     assert sorted(b - a for a, b in pieces) == [1, 1, 2, 3], pieces
+
+
+def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
+    """LAMB with 8-bit state: its small parameters (FP32 state) go into a bucket, its 8-bit one
+    stays out of it; from the buckets' second step under each loss-scaler mode on, that one
+    redoes the compiled step prepared at the first (whose kernels are the mode's), where it was
+    prepared anew at every step; the bits are the step's without buckets."""
+    shapes = [(32, 256), (64,), (8, 8), (128,), (16, 8), (30,)]  # (the first: 8-bit state)
+    make = lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True)  # noqa: E731
+    pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch,
+                     scaled=_every_other_step, shapes=shapes)
+    prepared = []
+    real = compiled.prepare_fused
+    monkeypatch.setattr(compiled, "prepare_fused",
+                        lambda opt, storage, flags, p, *a, **k:
+                        prepared.append(p.numel()) or real(opt, storage, flags, p, *a, **k))
+    pb, ob, taken = _run(make, CHANGES["a_grad_missing"], use_buckets=True,
+                         monkeypatch=monkeypatch, scaled=_every_other_step, shapes=shapes)
+    assert_same(pa, oa, pb, ob)
+    assert taken == STEPS - 1, taken
+    assert len(ob._buckets.buckets) == 1 and len(ob._buckets.rest) == 1
+    # Steps 0 (the full step, scaled), 1 (plain) and 2 (scaled) prepare it; 3-5 redo.
+    assert prepared.count(32 * 256) == 3, prepared
 
 
 def test_rows_of_fp32_parameters_equal_the_step_without_them(device):

@@ -65,9 +65,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import batches, compiled, loss_scale, param_step, qstate
+from lowprec.optim import batches, compiled, loss_scale, param_step, qstate, replay
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
-from lowprec.optim.loss_scale import _mode, _Scaling
+from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
+from lowprec.optim.plan import _Entry, _Recorder
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
@@ -455,13 +456,15 @@ class _Layout:
     """An optimizer's buckets, and what they were made for: its groups, their parameters, options
     and flags, and the parameters stepped on their own (``rest``: group, position, index)."""
 
-    __slots__ = ("buckets", "groups", "rest")
+    __slots__ = ("buckets", "entries", "groups", "rest")
 
     def __init__(self, opt) -> None:
         self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
         self.rest: list[tuple[int, int, int]] = []
+        self.entries: dict[Any, dict[int, _Entry]] = {}  # (the rest's prepared steps per
+        # loss-scaler mode, whose kernels differ: _step_rest)
 
     def same_groups(self, opt) -> bool:
         groups = opt.param_groups
@@ -578,6 +581,29 @@ def step_buckets(opt, ctx: StepContext) -> bool:
             param_step.scaled_numbers_many(opt, counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         bucket.step(opt, g, memo, scaling)
-    for group, p, index, storage in rest:
-        param_step.step_param(opt, group, p, index, storage, scaling, memo)
+    _step_rest(opt, layout, rest, memo, scaling)
     return True
+
+
+def _step_rest(opt, layout: _Layout, rest: list, memo: dict, scaling: _Scaling | None) -> None:
+    """The parameters outside buckets, each by its compiled step as prepared at its last step
+    (``layout.entries``, redone as ``replay.redo_run`` redoes a recorded one) where nothing it
+    relied on changed, else by its full step, which prepares it anew. Without the entries each
+    step prepared every such call again: LAMB with 8-bit state, whose 8-bit parameters stay out
+    of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
+    buckets (``benchmarks/fast_path.py``)."""
+    entries = layout.entries.setdefault(_mode(scaling), {})  # (kernels per scaler mode)
+    memo["plan"] = _Recorder(entries)
+    fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
+    try:
+        for group, p, index, storage in rest:
+            e = entries.get(id(p))
+            if e is None or e.fused is None or not e.current(opt.state):
+                param_step.step_param(opt, group, p, index, storage, scaling, memo)
+                continue
+            if scaling is None or loss_scale._host_counts(p.device):
+                e.step = int(e.count.item())  # (elsewhere: param_step.scaled_numbers)
+            replay.redo_run(opt, e, memo, scaling, fused)
+    finally:
+        if fused:  # (also when a later parameter raised: these were stepped)
+            _advance_counts([e.state["step"] for e in fused], scaling)

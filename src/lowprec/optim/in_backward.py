@@ -49,7 +49,7 @@ from torch import nn
 from lowprec.optim import driver, param_step, replay
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.batches import _by_size
-from lowprec.optim.plan import _Entry
+from lowprec.optim.plan import _Entry, _Recorder
 from lowprec.optim.shards import is_dtensor
 
 __all__ = ["StepInBackward", "step_in_backward"]
@@ -67,18 +67,6 @@ class _Item:
         self.group, self.p, self.index, self.storage, self.where = group, p, index, storage, where
         self.dtype = p.dtype
         self.small = not _by_size([(group, p, index, storage)])[0]
-
-
-class _Recorder:
-    """``memo["plan"]`` for ``param_step.step_param``: keeps each parameter's ``_Entry`` (its
-    prepared compiled step), for the next step's hook to redo."""
-
-    def __init__(self, entries: dict[int, _Entry]) -> None:
-        self.entries = entries
-
-    def add(self, entry: Any) -> None:
-        if isinstance(entry, _Entry):
-            self.entries[id(entry.p)] = entry
 
 
 class StepInBackward:

@@ -68,6 +68,20 @@ class _Entry:
         )
 
 
+class _Recorder:
+    """``memo["plan"]`` for ``param_step.step_param``: keeps each parameter's ``_Entry`` (its
+    prepared compiled step) in ``entries`` by the parameter's id, for the next step to redo
+    (``replay.redo_run``): the update inside backward's hooks, and the buckets' stage for the
+    parameters outside buckets."""
+
+    def __init__(self, entries: dict[int, _Entry]) -> None:
+        self.entries = entries
+
+    def add(self, entry: Any) -> None:
+        if isinstance(entry, _Entry):
+            self.entries[id(entry.p)] = entry
+
+
 class _Batch:
     """Small parameters stepped together by one compiled call (``batches.step_small``): their
     flattened views, to concatenate and copy back, and per state buffer name the one flat tensor
