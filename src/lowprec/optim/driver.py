@@ -13,7 +13,7 @@ which hands it to three stages in turn; the first that takes the step ends it:
    for the next one.
 
 A stage that declines has written nothing. Each stage is a function of the optimizer and the
-context, in a module of its own; below them, ``param_step`` (one parameter's step and the step's
+context (``full_step`` here, the others in their modules); below them, ``param_step`` (one parameter's step and the step's
 numbers), ``compiled`` (the kernels), ``update`` (the arithmetic), ``loss_scale`` (the scaler's
 check). The update inside backward (``in_backward``) ends its step here too, and a DTensor's
 parameters are stepped as their local shards (``shards.local_shards``).
