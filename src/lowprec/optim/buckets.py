@@ -587,7 +587,7 @@ def step_buckets(opt, ctx: StepContext) -> bool:
 
 def _step_rest(opt, layout: _Layout, rest: list, memo: dict, scaling: _Scaling | None) -> None:
     """The parameters outside buckets, each by its compiled step as prepared at its last step
-    (``layout.entries``, redone as ``replay.redo_run`` redoes a recorded one) where nothing it
+    (``layout.entries``, redone by ``replay.redo_entry``) where nothing it
     relied on changed, else by its full step, which prepares it anew. Without the entries each
     step prepared every such call again: LAMB with 8-bit state, whose 8-bit parameters stay out
     of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
@@ -597,13 +597,8 @@ def _step_rest(opt, layout: _Layout, rest: list, memo: dict, scaling: _Scaling |
     fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
     try:
         for group, p, index, storage in rest:
-            e = entries.get(id(p))
-            if e is None or e.fused is None or not e.current(opt.state):
+            if not replay.redo_entry(opt, entries.get(id(p)), memo, scaling, fused):
                 param_step.step_param(opt, group, p, index, storage, scaling, memo)
-                continue
-            if scaling is None or loss_scale._host_counts(p.device):
-                e.step = int(e.count.item())  # (elsewhere: param_step.scaled_numbers)
-            replay.redo_run(opt, e, memo, scaling, fused)
     finally:
         if fused:  # (also when a later parameter raised: these were stepped)
             _advance_counts([e.state["step"] for e in fused], scaling)

@@ -160,17 +160,15 @@ class StepInBackward:
 
     def _redo(self, p: torch.Tensor, memo: dict[Any, Any]) -> bool:
         """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
-        ``step()`` redoes a recorded one (``replay.redo_run``), if nothing it relied on changed;
+        ``step()`` redoes a recorded one (``replay.redo_entry``), if nothing it relied on changed;
         False, having written nothing, otherwise."""
         opt = self.optimizer
         if getattr(opt, "_fused_broken", False):  # (compilation failed: eager from now on)
             self._entries.clear()
         e = self._entries.get(id(p))
-        if e is None or e.fused is None or not e.current(opt.state):
-            return False
-        e.step = int(e.count.item())
         fused: list[_Entry] = []
-        replay.redo_run(opt, e, memo, None, fused)  # (one that fails to compile: step_param)
+        if not replay.redo_entry(opt, e, memo, None, fused):
+            return False
         if fused:
             e.count.fill_(e.step + 1)
         return True

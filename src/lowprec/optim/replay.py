@@ -99,6 +99,18 @@ def redo(opt, ctx: StepContext) -> bool:
     return True
 
 
+def redo_entry(opt, e: _Entry | None, memo, scaling, fused: list[_Entry]) -> bool:
+    """A parameter's compiled step as prepared at its last step (its ``_Entry``, kept by a
+    ``plan._Recorder``), redone by ``redo_run`` if nothing it relied on changed; False, having
+    written nothing, otherwise. ``fused`` collects it where its count is the caller's to advance."""
+    if e is None or e.fused is None or not e.current(opt.state):
+        return False
+    if scaling is None or loss_scale._host_counts(e.p.device):
+        e.step = int(e.count.item())  # (elsewhere: param_step.scaled_numbers)
+    redo_run(opt, e, memo, scaling, fused)
+    return True
+
+
 def redo_run(opt, run, memo, scaling, fused: list[_Entry]) -> None:
     """Redo one recorded run (a batch or a parameter); ``fused`` collects the entries whose
     counts ``redo`` advances."""
