@@ -114,6 +114,7 @@ class ParamUpdates:
         return "needs compensation (kahan/split/stochastic) or FP32"
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 
@@ -153,6 +154,7 @@ class UpdateReport:
     flagged: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 
@@ -192,7 +194,7 @@ def _ratio(err_sq: float | None, ref_sq: float | None) -> float | None:
 class UpdateMonitor:
     """Count the updates that rounding loses, per parameter, around the user's optimizer steps.
 
-    ::
+    In a training loop:
 
         monitor = UpdateMonitor(model, optimizer)
         for x, y in data:

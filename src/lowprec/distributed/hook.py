@@ -516,10 +516,14 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         TypeError: ``state`` is not a ``OneBitState``, or the bucket's dtype is not FP32, FP16 or
             BF16.
 
-    Example::
+    Example:
+        On every rank, after ``torch.distributed.init_process_group``:
 
-        >>> state = OneBitState(model, warmup_steps=100)
-        >>> ddp_model.register_comm_hook(state, onebit_hook)
+        ```python
+        ddp_model = DistributedDataParallel(model)
+        state = OneBitState(model, warmup_steps=100)
+        ddp_model.register_comm_hook(state, onebit_hook)
+        ```
     """
     if not isinstance(state, OneBitState):
         raise TypeError(
