@@ -160,7 +160,7 @@ def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> 
             parameter stepped inside backward (``step_in_backward``).
         TypeError: Something other than a module or tensors.
 
-    Example:
+    Examples:
         A gradient of 1 and then 16 of 1e-3: autograd's BF16 sum rounds each 1e-3 away, the
         accumulator's is the exact sum rounded once.
 

@@ -80,7 +80,7 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         TypeError: ``x`` is not float32.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lowprec.numerics import join, split
         >>> x = torch.tensor([1.0 + 2**-20, -3.14159])
@@ -601,7 +601,7 @@ def format_info(dtype: torch.dtype) -> FormatInfo:
     Returns:
         Its ``FormatInfo``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lowprec.numerics import format_info
         >>> info = format_info(torch.bfloat16)

@@ -159,8 +159,8 @@ class Recipe:
         name: The recipe's name.
         param_dtype: dtype of the converted model's weights.
         master: The lowprec optimizer's ``master`` strategy.
-        autocast_dtype: dtype for ``torch.autocast``, or None.
-        loss_scaling: ``"dynamic"``, ``"static"`` or None.
+        autocast_dtype: dtype for ``torch.autocast``, or None (default: None).
+        loss_scaling: ``"dynamic"``, ``"static"`` or None (default: None).
         keep_fp32: Layer types left in FP32 by ``convert`` (default: ``NORM_LAYERS``).
         scaler_options: Options passed to ``LossScaler`` (default: none).
         dfp_rounding: When set, ``convert`` swaps Linear/Conv2d layers for DFP-16 ones with this
@@ -170,7 +170,7 @@ class Recipe:
             ``"8bit"``/``"4bit"`` for 8-bit/4-bit moments).
         step_in_backward: Step each parameter during backward and free its gradient at once
             (``lowprec.step_in_backward``; ``optimizer`` then needs the model) (default: False).
-        description: One line for tables.
+        description: One line for tables (default: empty).
     """
 
     name: str
@@ -489,7 +489,7 @@ def get(name: str, **overrides: Any) -> Recipe:
         ValueError: An unknown name, or a ``dfp_rounding`` that does not apply.
         TypeError: An unknown override.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import lowprec
         >>> recipe = lowprec.recipes.get("bf16-kahan")

@@ -107,7 +107,7 @@ class LossScaler:
             accelerator it reads the counter only every ``max(1, max_consecutive_skips // 4)``
             updates, to keep host syncs rare.
 
-    Example:
+    Examples:
         An overflowing step is skipped and the scale backs off:
 
         >>> import torch

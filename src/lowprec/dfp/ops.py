@@ -82,7 +82,7 @@ def multiply(a: DFPTensor, b: DFPTensor) -> DFPTensor:
     Returns:
         The DFP-32 product.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lowprec.dfp import multiply, quantize
         >>> a = quantize(torch.tensor([0.5, -1.5]))

@@ -264,7 +264,7 @@ def shared_exponent(max_abs: float, bits: int = 16) -> int:
     Raises:
         ValueError: ``max_abs`` is negative or not finite, or ``bits`` is not 16 or 32.
 
-    Example:
+    Examples:
         >>> from lowprec.dfp import shared_exponent
         >>> shared_exponent(1.5)  # 1.5 = 2**0 * 1.5: E_s = 0 - 14
         -14

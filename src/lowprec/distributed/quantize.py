@@ -254,7 +254,7 @@ def packed_size(numel: int, bits: int) -> int:
         numel: The number of codes.
         bits: Bits per code (1, 2, 4 or 8).
 
-    Example:
+    Examples:
         >>> from lowprec.distributed import packed_size
         >>> packed_size(1000, 1), packed_size(1000, 4)
         (125, 500)

@@ -154,7 +154,7 @@ class AdamW(LowPrecisionOptimizer):
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
 
-    Example:
+    Examples:
         >>> import torch
         >>> import lowprec
         >>> model = torch.nn.Linear(64, 64).bfloat16()

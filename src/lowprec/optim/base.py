@@ -668,7 +668,7 @@ def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) 
     Raises:
         TypeError: ``optimizer`` is not a lowprec optimizer nor a wrapper of one.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import lowprec
         >>> model = torch.nn.Linear(4, 4).bfloat16()

@@ -318,7 +318,7 @@ def step_in_backward(model: nn.Module, optimizer: LowPrecisionOptimizer) -> Step
         ValueError: What cannot be stepped inside backward (above), or a parameter already
             holding a gradient.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import lowprec
         >>> model = torch.nn.Linear(64, 64).bfloat16()

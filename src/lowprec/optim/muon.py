@@ -133,7 +133,7 @@ def muon_param_groups(
     Returns:
         The groups that have parameters, each with the parameters as ``(name, tensor)`` pairs.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import lowprec
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),

@@ -147,7 +147,7 @@ class SGD(LowPrecisionOptimizer):
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
 
-    Example:
+    Examples:
         An update below half a BF16 unit in the last place is lost when rounded to nearest, and
         kept by a compensated master:
 

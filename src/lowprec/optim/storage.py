@@ -346,7 +346,7 @@ def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
     Raises:
         ValueError: An unknown ``master``, or ``"split"`` for a float16 parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lowprec.optim import resolve_master
         >>> resolve_master("auto", torch.bfloat16).name, resolve_master("auto", torch.float32).name
