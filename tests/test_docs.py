@@ -250,7 +250,10 @@ def library_modules() -> list[str]:
 
 
 @pytest.mark.parametrize("name", library_modules())
-def test_docstring_examples_run(name):
+def test_docstring_examples_run(name, monkeypatch):
+    # The eager step (conftest sets it for the suite; here also under a LOWPREC_FUSED=1 run):
+    # the examples show results, which the compiled step gives bit for bit, in milliseconds.
+    monkeypatch.setenv("LOWPREC_FUSED", "0")
     try:
         mod = importlib.import_module(name)
     except ImportError as error:  # (lowprec.integrations.lightning without Lightning)
@@ -291,12 +294,6 @@ def test_getting_started_examples_run():
 
 
 # ------------------------------------------------------------------ README and links
-
-
-def test_the_readme_is_a_landing_page():
-    text = README.read_text()
-    assert len(text.splitlines()) <= 200, "README.md: at most 200 lines, the details in docs/"
-    assert 'pip install -e ".[docs]" && mkdocs serve' in text
 
 
 def slug(heading: str) -> str:
