@@ -26,8 +26,9 @@ from lowprec.task import CharTransformer, ModelConfig
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
         "--batch-size", "4", "--eval-batches", "1", "--monitor-every", "2", "--no-progress"]
 TINY_MODEL = ModelConfig(d_model=32, n_layer=1, n_head=2, context=16)
-# (whitespace folded: the README wraps its lines)
-README = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+# The page that documents `lowprec compare`'s options (whitespace folded: it wraps its lines).
+README = " ".join(
+    (Path(__file__).resolve().parents[1] / "docs" / "choosing-a-recipe.md").read_text().split())
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -234,7 +235,7 @@ def test_size_presets_have_the_documented_parameter_counts(name):
     count = sum(p.numel() for p in model.parameters())
     assert count == size.model.num_parameters
     documented = f"`{name}` ({count / 1e6:.1f}M parameters"
-    assert documented in README, f"README's --size line should say {documented}"
+    assert documented in README, f"docs/choosing-a-recipe.md's --size line should say {documented}"
     assert f"{name} ({count / 1e6:.1f}M parameters" in cli_parser._sizes_help()
 
 

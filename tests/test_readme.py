@@ -24,6 +24,13 @@ def test_usage_example_runs():
     assert torch.isfinite(scope["loss"])
 
 
+def test_the_readme_is_a_landing_page():
+    # The details live on the docs site's pages (docs/, mkdocs.yml), which it links to.
+    assert len(README.splitlines()) <= 200, "README.md: at most 200 lines; details go to docs/"
+    assert 'pip install -e ".[docs]" && mkdocs serve' in README
+    assert "(docs/getting-started.md)" in README and "(docs/fidelity.md)" in README
+
+
 def test_setup_commands_match_the_project():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'lowprec = "lowprec.cli:entry_point"' in pyproject

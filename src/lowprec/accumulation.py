@@ -55,6 +55,12 @@ class _Sum:
 class Accumulator:
     """The hooks ``accumulate`` installed, and their buffers; ``remove()`` takes them away.
 
+    Made by ``accumulate(model, how)``, which chooses the parameters and checks ``how``.
+
+    Args:
+        params: The BF16/FP16 parameters whose gradients it accumulates.
+        how: ``"fp32"`` or ``"kahan"``.
+
     Attributes:
         how: ``"fp32"`` or ``"kahan"``.
         params: The parameters whose gradients it accumulates.
@@ -143,11 +149,36 @@ def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> 
 
     Args:
         model: A module, or its parameters.
-        how: ``"fp32"`` (an FP32 accumulator, 4 bytes per element; the default) or ``"kahan"``
-            (a compensation in the parameter's dtype, 2 bytes per element).
+        how: ``"fp32"`` (an FP32 accumulator, 4 bytes per element) or ``"kahan"`` (a
+            compensation in the parameter's dtype, 2 bytes per element) (default: ``"fp32"``).
 
     Returns:
         The ``Accumulator``; ``remove()`` undoes it.
+
+    Raises:
+        ValueError: An unknown ``how``, no BF16/FP16 parameter that requires a gradient, or a
+            parameter stepped inside backward (``step_in_backward``).
+        TypeError: Something other than a module or tensors.
+
+    Examples:
+        A gradient of 1 and then 16 of 1e-3: autograd's BF16 sum rounds each 1e-3 away, the
+        accumulator's is the exact sum rounded once.
+
+        >>> import torch
+        >>> import lowprec
+        >>> w = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+        >>> def micro_batches():
+        ...     w.grad = None
+        ...     (w * 1.0).sum().backward()
+        ...     for _ in range(16):
+        ...         (w * 1e-3).sum().backward()
+        ...     return w.grad.item()
+        >>> micro_batches()
+        1.0
+        >>> acc = lowprec.accumulate([w])
+        >>> micro_batches()
+        1.015625
+        >>> acc.remove()
     """
     if how not in _HOW:
         raise ValueError(f"how must be one of {', '.join(map(repr, _HOW))}, got {how!r}.")

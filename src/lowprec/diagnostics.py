@@ -71,6 +71,7 @@ class GradientRange:
     recommended_scale: float
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 

@@ -2,20 +2,16 @@
 
 ``measure`` counts the bytes of the tensors a model and its optimizer actually hold, by category:
 
-=================  ==========================================================================
-category           tensors
-=================  ==========================================================================
-weights            the model's parameters
-grads              their ``.grad`` (or, with ``assume_grads=True``, one per trainable
-                   parameter in its dtype where none exists yet)
-optimizer_state    the update rule's buffers: momentum, moments, Adagrad's ``sum``
-master             the master-weight strategy's buffers: ``master_weight`` (FP32 copy),
-                   ``trail`` (split) or ``compensation`` (Kahan)
-accumulation       the buffers of ``lowprec.accumulate`` (an FP32 sum or a compensation per
-                   BF16/FP16 parameter), when it is given one
-other              everything else in optimizer state, in practice the 0-d ``step`` counters
-                   (4 bytes per parameter tensor, not per element)
-=================  ==========================================================================
+- ``weights``: the model's parameters;
+- ``grads``: their ``.grad`` (or, with ``assume_grads=True``, one per trainable parameter in its
+  dtype where none exists yet);
+- ``optimizer_state``: the update rule's buffers: momentum, moments, Adagrad's ``sum``;
+- ``master``: the master-weight strategy's buffers: ``master_weight`` (FP32 copy), ``trail``
+  (split) or ``compensation`` (Kahan);
+- ``accumulation``: the buffers of ``lowprec.accumulate`` (an FP32 sum or a compensation per
+  BF16/FP16 parameter), when it is given one;
+- ``other``: everything else in optimizer state, in practice the 0-d ``step`` counters (4 bytes
+  per parameter tensor, not per element).
 
 Each tensor is counted once by its storage (``untyped_storage()``: its data pointer and size), so
 tied weights and views are not counted twice, and a tensor is charged for the whole storage it
@@ -109,6 +105,7 @@ class MemoryReport:
     bytes_per_param: dict[str, float]
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 
@@ -174,8 +171,8 @@ def measure(
             count as master, 0-d tensors and ``step`` as other, and the rest as optimizer state.
         assume_grads: Count a gradient in the parameter's dtype for each trainable parameter
             whose ``.grad`` is None (default: False, meaning count only existing gradients).
-        accumulator: The ``lowprec.Accumulator`` of ``lowprec.accumulate(model)`` (default:
-            None), whose buffers count as ``"accumulation"``.
+        accumulator: The ``lowprec.Accumulator`` of ``lowprec.accumulate(model)``, whose
+            buffers count as ``"accumulation"`` (default: None).
 
     Returns:
         A ``MemoryReport``.
@@ -271,10 +268,7 @@ def expected(
     update-rule buffers (``state_dtype``, by default FP32 under ``"fp32"``/``"split"`` and the
     weight dtype otherwise; 8-bit or 4-bit codes and one FP32 scale per block of
     ``qstate.BLOCK``, FP32 for parameters too small for them) and the buffers the rule keeps
-    with these hyperparameters. ``numels``: the sizes of the model's parameters, which decide which of
-    them get 8-bit state (default: None, one parameter large enough for it). ``accumulate``:
-    ``lowprec.accumulate``'s ``how`` (``"fp32"``, ``"kahan"``), whose buffers a BF16 or FP16
-    parameter then has (default: None, none).
+    with these hyperparameters.
 
     Args:
         optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
@@ -282,6 +276,10 @@ def expected(
         hyperparameters: The optimizer's hyperparameters (default: None, meaning
             ``DEFAULT_HYPERPARAMETERS``: SGD with momentum 0.9, the others at their defaults).
             They matter where they add buffers (``momentum``, ``amsgrad``, ``state_dtype``).
+        numels: The sizes of the model's parameters, which decide which of them get 8-bit state
+            (default: None, one parameter large enough for it).
+        accumulate: ``lowprec.accumulate``'s ``how`` (``"fp32"``, ``"kahan"``), whose buffers a
+            BF16 or FP16 parameter then has (default: None, none).
 
     Returns:
         Bytes per element for each of ``CATEGORIES`` and ``"total"``; ``"other"`` is 0.0 (the

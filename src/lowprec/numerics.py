@@ -79,6 +79,16 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises:
         TypeError: ``x`` is not float32.
+
+    Examples:
+        >>> import torch
+        >>> from lowprec.numerics import join, split
+        >>> x = torch.tensor([1.0 + 2**-20, -3.14159])
+        >>> top, trail = split(x)
+        >>> top.dtype, trail.dtype
+        (torch.bfloat16, torch.int16)
+        >>> torch.equal(join(top, trail), x)  # bit for bit
+        True
     """
     if x.dtype != torch.float32:
         raise TypeError(f"split() takes a float32 tensor, got {x.dtype}; convert with x.float().")
@@ -134,6 +144,12 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     root of an FP32 value rounds to the correctly rounded FP32 root), so the eager and the fused
     optimizer steps agree bit for bit. Compiled CPU and CUDA code take the FP32 root directly,
     which is correctly rounded there; the fused-vs-eager tests check that the two agree.
+
+    Args:
+        x: A float32 tensor.
+
+    Returns:
+        Its square root, float32, correctly rounded.
     """
     if torch.compiler.is_compiling() and x.device.type in ("cpu", "cuda"):
         # Compiled code takes a correctly rounded FP32 root: Inductor's CPU code the IEEE vector
@@ -146,7 +162,14 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_nearest_split(x: torch.Tensor) -> torch.Tensor:
-    """Round FP32 to bfloat16 with the split rule (nearest, ties away from zero)."""
+    """Round FP32 to bfloat16 with the split rule (nearest, ties away from zero).
+
+    Args:
+        x: A float32 tensor.
+
+    Returns:
+        The bfloat16 tensor that ``split(x)`` gives as its top half.
+    """
     return split(x)[0]
 
 
@@ -219,6 +242,13 @@ def stream_key(seed: int, *counters: int) -> int:
     """Fold a seed and counters (step, parameter index, ...) into a 64-bit key for ``counter_bits``.
 
     Pure Python integer arithmetic, so every process computes the same key.
+
+    Args:
+        seed: The stream's seed, an int.
+        *counters: Ints that select the stream (step, parameter index, ...).
+
+    Returns:
+        The key, an int below ``2**64``.
     """
     lo, hi = stream_key_halves(seed, *counters)
     return (hi << 32) | lo
@@ -230,6 +260,13 @@ def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
     With a 0-d int64 tensor counter (a step count kept on the device) the halves are 0-d int64
     tensors equal to what the integers would give, computed without reading the tensor on the
     host.
+
+    Args:
+        seed: The stream's seed, an int.
+        *counters: Ints, or 0-d int64 tensors.
+
+    Returns:
+        ``(low, high)``: ints, or 0-d int64 tensors where a counter is a tensor.
     """
 
     def mix(x: Any) -> Any:
@@ -479,12 +516,26 @@ def sum_squares(x: torch.Tensor) -> torch.Tensor:
     order in which eager ATen, a chunked loop, compiled code or pairs of elements add them
     changes the result only in its last FP64 bits, which the FP32 norm built from it does not
     see (LAMB's fused and eager steps agree bit for bit on that).
+
+    Args:
+        x: A float32 tensor.
+
+    Returns:
+        A 0-d float64 tensor.
     """
     return x.double().square().sum()
 
 
 def sum_squares_pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
-    """``sum_squares`` of a tensor given as its even and odd elements (FP32)."""
+    """``sum_squares`` of a tensor given as its even and odd elements (FP32).
+
+    Args:
+        even: The tensor's even elements, float32.
+        odd: Its odd elements, float32.
+
+    Returns:
+        A 0-d float64 tensor.
+    """
     return sum_squares(even) + sum_squares(odd)
 
 
@@ -542,7 +593,21 @@ class FormatInfo:
 
 
 def format_info(dtype: torch.dtype) -> FormatInfo:
-    """Facts about ``dtype`` (float16, bfloat16, float32 or float64)."""
+    """Facts about ``dtype`` (float16, bfloat16, float32 or float64).
+
+    Args:
+        dtype: The floating-point format.
+
+    Returns:
+        Its ``FormatInfo``.
+
+    Examples:
+        >>> import torch
+        >>> from lowprec.numerics import format_info
+        >>> info = format_info(torch.bfloat16)
+        >>> info.mantissa_bits, info.eps
+        (7, 0.0078125)
+    """
     if not dtype.is_floating_point or dtype.is_complex:
         raise ValueError(f"format_info() needs a real floating-point dtype, got {dtype}.")
     fi = torch.finfo(dtype)

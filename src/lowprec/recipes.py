@@ -1,6 +1,6 @@
 """Named ways to train: a recipe converts a model, builds its optimizer and runs its steps.
 
-A recipe is small and explicit, in the manner of Lightning's precision plugins::
+A recipe is small and explicit, in the manner of Lightning's precision plugins:
 
     recipe = lowprec.recipes.get("bf16-kahan")
     model = recipe.convert(model)                   # BF16 weights, norm layers kept in FP32
@@ -15,21 +15,22 @@ A recipe is small and explicit, in the manner of Lightning's precision plugins::
 
 The recipes (``RECIPES``):
 
-===============  ==============  =================  =========  ===============================
-name             weights         optimizer master   autocast   loss scaling
-===============  ==============  =================  =========  ===============================
-fp32             FP32            none               no         no
-amp-bf16         FP32            none               BF16       no (BF16 has FP32's range)
-amp-fp16         FP32            none               FP16       dynamic
-bf16             BF16            none               no         no
-bf16-kahan       BF16            kahan              no         no
-bf16-split       BF16            split              no         no
-bf16-sr          BF16            stochastic         no         no
-bf16-kahan-8bit  BF16            kahan, 8-bit state no         no
-bf16-split-8bit  BF16            split, 8-bit state no         no
-fp16-master      FP16            fp32               no         dynamic (Micikevicius et al.)
-dfp16            FP32 (master)   none               no         no (shared exponents, Das et al.)
-===============  ==============  =================  =========  ===============================
+| name | weights | optimizer master | autocast | loss scaling |
+|---|---|---|---|---|
+| ``fp32`` | FP32 | none | no | no |
+| ``amp-bf16`` | FP32 | none | BF16 | no (BF16 has FP32's range) |
+| ``amp-fp16`` | FP32 | none | FP16 | dynamic |
+| ``bf16`` | BF16 | none | no | no |
+| ``bf16-kahan`` | BF16 | kahan | no | no |
+| ``bf16-split`` | BF16 | split | no | no |
+| ``bf16-sr`` | BF16 | stochastic | no | no |
+| ``bf16-kahan-8bit`` | BF16 | kahan, 8-bit state | no | no |
+| ``bf16-split-8bit`` | BF16 | split, 8-bit state | no | no |
+| ``bf16-kahan-8bit-release`` | BF16 | kahan, 8-bit state, stepped in backward | no | no |
+| ``bf16-kahan-4bit`` | BF16 | kahan, 4-bit state | no | no |
+| ``bf16-kahan-4bit-release`` | BF16 | kahan, 4-bit state, stepped in backward | no | no |
+| ``fp16-master`` | FP16 | fp32 | no | dynamic (Micikevicius et al.) |
+| ``dfp16`` | FP32 (master) | none | no | no (shared exponents, Das et al.) |
 
 Converting a model to a low-precision dtype keeps chosen layer types in FP32 (by default the
 normalization layers, whose statistics are fragile in 8 or 11 bits): their inputs are cast to
@@ -158,8 +159,8 @@ class Recipe:
         name: The recipe's name.
         param_dtype: dtype of the converted model's weights.
         master: The lowprec optimizer's ``master`` strategy.
-        autocast_dtype: dtype for ``torch.autocast``, or None.
-        loss_scaling: ``"dynamic"``, ``"static"`` or None.
+        autocast_dtype: dtype for ``torch.autocast``, or None (default: None).
+        loss_scaling: ``"dynamic"``, ``"static"`` or None (default: None).
         keep_fp32: Layer types left in FP32 by ``convert`` (default: ``NORM_LAYERS``).
         scaler_options: Options passed to ``LossScaler`` (default: none).
         dfp_rounding: When set, ``convert`` swaps Linear/Conv2d layers for DFP-16 ones with this
@@ -169,7 +170,7 @@ class Recipe:
             ``"8bit"``/``"4bit"`` for 8-bit/4-bit moments).
         step_in_backward: Step each parameter during backward and free its gradient at once
             (``lowprec.step_in_backward``; ``optimizer`` then needs the model) (default: False).
-        description: One line for tables.
+        description: One line for tables (default: empty).
     """
 
     name: str
@@ -228,6 +229,16 @@ class Recipe:
         DFP-16 ones (sharing their parameters), except those inside ``keep_fp32`` layers; when
         ``model`` is itself such a layer the new module is returned, so use the return value.
         Calling ``convert`` twice is an error.
+
+        Args:
+            model: The model to convert, in place.
+
+        Returns:
+            The converted model (a new module only where ``model`` itself is replaced).
+
+        Raises:
+            TypeError: Not an ``nn.Module``.
+            ValueError: The model was already converted.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
@@ -275,6 +286,21 @@ class Recipe:
         ``params`` may be the model itself: its parameters, and for ``"muon"`` its two groups
         (``optim.muon_param_groups``: Muon for the hidden layers' matrices, AdamW for the rest,
         whose options are the keyword ``adamw``, a dict).
+
+        Args:
+            name: The optimizer's name (case does not matter).
+            params: The parameters or parameter groups, or the model (which a ``-release``
+                recipe needs, to install ``step_in_backward``).
+            **hyperparameters: The optimizer's options (``lr``, ``weight_decay``, ...; for
+                ``"muon"`` also ``adamw``); the recipe sets ``master`` and ``state_dtype``.
+
+        Returns:
+            The optimizer.
+
+        Raises:
+            ValueError: An unknown optimizer name, ``master`` or ``state_dtype`` that the
+                recipe sets, or parameters where the model is needed (``adamw=``, a
+                ``-release`` recipe).
         """
         key = name.lower() if isinstance(name, str) else name
         if key not in _OPTIMIZERS:
@@ -347,13 +373,20 @@ class Recipe:
         return first.device.type
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled where the recipe scales."""
+        """``loss.backward()``, scaled where the recipe scales.
+
+        Args:
+            loss: The loss (a scalar tensor).
+        """
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (skipping on inf/NaN where the recipe scales) and update the scale.
+
+        Args:
+            optimizer: The optimizer the recipe built.
 
         Returns:
             Whether the optimizer stepped.
@@ -366,14 +399,27 @@ class Recipe:
         return bool(stepped)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale gradients in place before clipping (a no-op without loss scaling)."""
+        """Unscale gradients in place before clipping (a no-op without loss scaling).
+
+        Args:
+            optimizer: The optimizer whose gradients to unscale.
+        """
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
+        """The recipe's name and its loss scaler's state (None without one), for checkpoints."""
         return {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loss scaler's state from ``state_dict()``.
+
+        Args:
+            state: What ``state_dict()`` returned.
+
+        Raises:
+            ValueError: The checkpoint is of another recipe.
+        """
         if state.get("name") != self.name:
             raise ValueError(
                 f"this checkpoint is for recipe {state.get('name')!r}, not {self.name!r}."
@@ -429,7 +475,32 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str, **overrides: Any) -> Recipe:
-    """A new ``Recipe`` by name; ``overrides`` replace its fields (e.g. ``keep_fp32=()``)."""
+    """A new ``Recipe`` by name; ``overrides`` replace its fields (e.g. ``keep_fp32=()``).
+
+    Args:
+        name: One of ``RECIPES``.
+        **overrides: New values of the fields ``keep_fp32``, ``scaler_options``,
+            ``loss_scaling`` and ``dfp_rounding`` (the last for DFP recipes only).
+
+    Returns:
+        A new recipe (each holds its own loss scaler: use one per training run).
+
+    Raises:
+        ValueError: An unknown name, or a ``dfp_rounding`` that does not apply.
+        TypeError: An unknown override.
+
+    Examples:
+        >>> import torch
+        >>> import lowprec
+        >>> recipe = lowprec.recipes.get("bf16-kahan")
+        >>> model = recipe.convert(torch.nn.Sequential(torch.nn.Linear(8, 8),
+        ...                                            torch.nn.LayerNorm(8)))
+        >>> model[0].weight.dtype, model[1].weight.dtype  # norm layers kept in FP32
+        (torch.bfloat16, torch.float32)
+        >>> opt = recipe.optimizer("adamw", model.parameters(), lr=1e-3)
+        >>> opt.param_groups[0]["master"]
+        'kahan'
+    """
     if name not in _SPECS:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}.")
     valid = ("keep_fp32", "scaler_options", "loss_scaling", "dfp_rounding")

@@ -41,7 +41,12 @@ _FP32_MAX = torch.finfo(torch.float32).max
 
 
 class NonFiniteLossError(RuntimeError):
-    """Every recent step overflowed, whatever the scale: the forward pass itself is not finite."""
+    """Every recent step overflowed, whatever the scale: the forward pass itself is not finite.
+
+    ``LossScaler.update`` raises it once ``max_consecutive_skips`` steps in a row were skipped,
+    with the likely causes in its message, instead of shrinking the scale toward zero in
+    silence. A ``RuntimeError``.
+    """
 
 
 class _Stage(enum.Enum):
@@ -66,7 +71,7 @@ def _check_positive(
 class LossScaler:
     """Static or dynamic loss scaling for FP16, BF16 and FP32 gradients.
 
-    Use it exactly like ``torch.amp.GradScaler``::
+    Use it exactly like ``torch.amp.GradScaler``:
 
         scaler = lowprec.LossScaler()
         for x, y in data:
@@ -101,6 +106,21 @@ class LossScaler:
             been skipped (default: 50). On CPU the check happens at every ``update``; on an
             accelerator it reads the counter only every ``max(1, max_consecutive_skips // 4)``
             updates, to keep host syncs rare.
+
+    Examples:
+        An overflowing step is skipped and the scale backs off:
+
+        >>> import torch
+        >>> import lowprec
+        >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        >>> opt = lowprec.AdamW([w], lr=1e-3, master="fp32")
+        >>> scaler = lowprec.LossScaler()
+        >>> scaler.scale((w.float() * float("inf")).sum()).backward()
+        >>> bool(scaler.step(opt))  # inf gradients: the step is skipped, w is unchanged
+        False
+        >>> scaler.update()
+        >>> scaler.get_scale()
+        32768.0
     """
 
     def __init__(
@@ -187,18 +207,31 @@ class LossScaler:
         return float(self._scale.item())
 
     def get_growth_factor(self) -> float:
+        """The factor the scale grows by (``growth_factor``)."""
         return self._growth_factor
 
     def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by (``backoff_factor``)."""
         return self._backoff_factor
 
     def get_growth_interval(self) -> int:
+        """Clean steps in a row before the scale grows (``growth_interval``)."""
         return self._growth_interval
 
     # ------------------------------------------------------------------ scale
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply a loss (or a tensor, or an iterable of them) by the scale."""
+        """Multiply a loss (or a tensor, or an iterable of them) by the scale.
+
+        Args:
+            outputs: A tensor, or a list, tuple or other iterable of tensors.
+
+        Returns:
+            ``outputs`` times the scale, in the same structure (unchanged when disabled).
+
+        Raises:
+            TypeError: Neither a tensor nor an iterable of tensors.
+        """
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
@@ -255,6 +288,13 @@ class LossScaler:
 
         FP16 gradients are unscaled in FP16, so values that only the scale kept above 2**-24
         flush to zero here; unscale only when you need true gradients (clipping, logging).
+
+        Args:
+            optimizer: The optimizer whose parameters' gradients are unscaled.
+
+        Raises:
+            RuntimeError: Called twice for an optimizer in one iteration, after ``step``, or
+                before ``scale``.
         """
         if not self._enabled:
             return
@@ -285,6 +325,13 @@ class LossScaler:
 
         A ``closure`` keyword is evaluated once first (it should compute the loss and call
         ``scaler.scale(loss).backward()``), then the step proceeds without it.
+
+        Args:
+            optimizer: The optimizer to step: a lowprec optimizer takes the scale and the
+                found-inf flag into its own step (no host sync); any other is stepped only when
+                its gradients are finite, as GradScaler steps it.
+            *args: Passed to ``optimizer.step``.
+            **kwargs: Passed to ``optimizer.step`` (but ``closure``, evaluated first).
 
         Returns:
             A 0-d bool tensor, True when the optimizer stepped. Reading it on the host
@@ -428,6 +475,13 @@ class LossScaler:
 
         Every value is checked before any is applied: a bad state dict raises and leaves the
         scaler unchanged.
+
+        Args:
+            state_dict: What ``state_dict()`` returned, here or from GradScaler.
+
+        Raises:
+            RuntimeError: An empty state dict (from a disabled scaler) for an enabled one.
+            ValueError: A missing key or a value out of range.
         """
         if not self._enabled:
             return

@@ -69,7 +69,7 @@ class ParamUpdates:
             (``state_dtype="8bit"``): ``||stored state - FP32 state|| / ||FP32 state||``, the
             FP32 state being what the update rule computed from the stored state of the step
             before, over its buffers and the monitored steps: what one rounding to 8 bits per
-            step costs. None otherwise.
+            step costs. None otherwise (default: None).
     """
 
     name: str
@@ -114,6 +114,7 @@ class ParamUpdates:
         return "needs compensation (kahan/split/stochastic) or FP32"
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 
@@ -136,7 +137,7 @@ class UpdateReport:
         relative_error: The relative error of the stored changes over all parameters where it is
             known (norms over everything), or None.
         threshold: The lost fraction above which a parameter is flagged.
-        flagged: Names of the parameters that need action, with the advice.
+        flagged: Names of the parameters that need action, with the advice (default: none).
     """
 
     params: list[ParamUpdates]
@@ -153,6 +154,7 @@ class UpdateReport:
     flagged: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``dataclasses.asdict``), for JSON."""
         return asdict(self)
 
 
@@ -192,7 +194,7 @@ def _ratio(err_sq: float | None, ref_sq: float | None) -> float | None:
 class UpdateMonitor:
     """Count the updates that rounding loses, per parameter, around the user's optimizer steps.
 
-    ::
+    In a training loop:
 
         monitor = UpdateMonitor(model, optimizer)
         for x, y in data:

@@ -116,7 +116,13 @@ class DFPLinear(nn.Linear):
         grad_rounding: Rounding | None = None,
     ) -> DFPLinear:
         """A ``DFPLinear`` that shares ``linear``'s parameter objects (so an optimizer built on
-        ``linear`` keeps updating it) and its training mode."""
+        ``linear`` keeps updating it) and its training mode.
+
+        Args:
+            linear: The layer to compute in DFP-16.
+            rounding: Rounding of inputs and weights (default: ``"nearest"``).
+            grad_rounding: Rounding of output gradients (default: None, same as ``rounding``).
+        """
         new = cls(
             linear.in_features,
             linear.out_features,
@@ -130,11 +136,17 @@ class DFPLinear(nn.Linear):
         return new.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` from DFP-16 operands with INT32 sums.
+
+        Args:
+            x: Input of shape ``(..., in_features)``: float32, float16 or bfloat16, finite.
+        """
         return _DFPLinearFunction.apply(
             x, self.weight, self.bias, self.rounding, self.grad_rounding
         )
 
     def extra_repr(self) -> str:
+        """The layer's settings, roundings included, for ``repr``."""
         return (
             f"{super().extra_repr()}, rounding={self.rounding!r}, "
             f"grad_rounding={self.grad_rounding!r}"
@@ -239,9 +251,21 @@ class DFPConv2d(nn.Conv2d):
     """``nn.Conv2d`` computed in DFP-16 with INT32 accumulation, with an FP32 master weight.
 
     Takes ``nn.Conv2d``'s arguments (every padding, padding mode, stride, dilation and group count),
-    plus:
+    plus the roundings.
 
     Args:
+        in_channels: Channels of the input.
+        out_channels: Channels of the output.
+        kernel_size: Size of the kernel, an int or a pair.
+        stride: Stride, an int or a pair (default: 1).
+        padding: Padding: an int, a pair, ``"valid"`` or ``"same"`` (default: 0).
+        dilation: Spacing between kernel elements, an int or a pair (default: 1).
+        groups: Blocked connections from input to output channels (default: 1).
+        bias: Learn an additive bias, kept and applied in FP32 (default: True).
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``
+            (default: ``"zeros"``).
+        device: Where to create the parameters (default: PyTorch's default device).
+        dtype: Parameter dtype (default: PyTorch's default, float32).
         rounding: Rounding of inputs and weights to DFP-16 (default: ``"nearest"``).
         grad_rounding: Rounding of output gradients to DFP-16 (default: None, same as
             ``rounding``).
@@ -290,7 +314,13 @@ class DFPConv2d(nn.Conv2d):
         rounding: Rounding = "nearest",
         grad_rounding: Rounding | None = None,
     ) -> DFPConv2d:
-        """A ``DFPConv2d`` that shares ``conv``'s parameter objects and its training mode."""
+        """A ``DFPConv2d`` that shares ``conv``'s parameter objects and its training mode.
+
+        Args:
+            conv: The layer to compute in DFP-16.
+            rounding: Rounding of inputs and weights (default: ``"nearest"``).
+            grad_rounding: Rounding of output gradients (default: None, same as ``rounding``).
+        """
         new = cls(
             conv.in_channels,
             conv.out_channels,
@@ -325,6 +355,12 @@ class DFPConv2d(nn.Conv2d):
         return (pw, pw, ph, ph)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolution of ``x`` from DFP-16 operands with INT32 sums.
+
+        Args:
+            x: Input of shape ``(N, C, H, W)`` or ``(C, H, W)``: float32, float16 or bfloat16,
+                finite.
+        """
         if x.dim() not in (3, 4):
             raise ValueError(
                 f"DFPConv2d takes (N, C, H, W) or (C, H, W) input, got shape {tuple(x.shape)}."
@@ -349,6 +385,7 @@ class DFPConv2d(nn.Conv2d):
         return y.squeeze(0) if unbatched else y
 
     def extra_repr(self) -> str:
+        """The layer's settings, roundings included, for ``repr``."""
         return (
             f"{super().extra_repr()}, rounding={self.rounding!r}, "
             f"grad_rounding={self.grad_rounding!r}"

@@ -48,6 +48,7 @@ from lowprec.dfp.tensor import (
 
 __all__ = ["INT32_MAX", "add", "add_fp32", "matmul", "multiply", "safe_chunk"]
 
+#: The largest INT32 value, ``2**31 - 1``: the bound every partial sum of ``matmul`` keeps.
 INT32_MAX = (1 << 31) - 1
 # Fixed chunks must keep exact FP64 chunk sums: chunk * 2**30 <= 2**53.
 _MAX_CHUNK = 1 << 23
@@ -73,6 +74,21 @@ def multiply(a: DFPTensor, b: DFPTensor) -> DFPTensor:
     """Elementwise product of two DFP-16 tensors, as DFP-32: ``i_a * i_b`` at ``E_a + E_b``.
 
     Exact: ``|i_a * i_b| <= 2**30`` fits INT32. Shapes broadcast.
+
+    Args:
+        a: A DFP-16 tensor.
+        b: A DFP-16 tensor.
+
+    Returns:
+        The DFP-32 product.
+
+    Examples:
+        >>> import torch
+        >>> from lowprec.dfp import multiply, quantize
+        >>> a = quantize(torch.tensor([0.5, -1.5]))
+        >>> p = multiply(a, a)
+        >>> p.bits, p.dequantize().tolist()
+        (32, [0.25, 2.25])
     """
     a = _require(a, 16, "multiply", "a")
     b = _require(b, 16, "multiply", "b")
@@ -120,6 +136,13 @@ def add_fp32(a: DFPTensor, b: DFPTensor) -> torch.Tensor:
 
     Each operand is converted to FP32 (one rounding, to nearest even) and the two are added in FP32
     (a second rounding): the conversion-then-add a processor does. Shapes broadcast.
+
+    Args:
+        a: A DFP tensor.
+        b: A DFP tensor.
+
+    Returns:
+        The FP32 sum.
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, DFPTensor):
@@ -139,6 +162,13 @@ def safe_chunk(max_abs_a: int, max_abs_b: int) -> int:
 
     Returns ``INT32_MAX`` when either bound is 0 (the products are all zero). See the module
     docstring for the proof.
+
+    Args:
+        max_abs_a: The largest ``|a_k|``, an int >= 0.
+        max_abs_b: The largest ``|b_k|``, an int >= 0.
+
+    Raises:
+        ValueError: A negative bound.
     """
     if max_abs_a < 0 or max_abs_b < 0:
         raise ValueError(f"safe_chunk(): bounds must be >= 0, got {max_abs_a}, {max_abs_b}.")

@@ -59,7 +59,9 @@ __all__ = [
     "shift_right",
 ]
 
+#: The rounding modes of every conversion to fewer bits, as a type (see the module docstring).
 Rounding = Literal["nearest", "stochastic", "biased", "floor"]
+#: The rounding modes, as a tuple of names (see the module docstring).
 ROUNDING_MODES: tuple[str, ...] = ("nearest", "stochastic", "biased", "floor")
 
 #: The exponent of an all-zero or empty DFP tensor (see the module docstring).
@@ -254,6 +256,18 @@ def shared_exponent(max_abs: float, bits: int = 16) -> int:
 
     ``E_fmax`` is the exponent of ``max_abs`` as a binary float, ``2**E_fmax <= max_abs <
     2**(E_fmax + 1)``, taken exactly with ``math.frexp`` (subnormals included).
+
+    Args:
+        max_abs: The tensor's largest magnitude, finite and >= 0.
+        bits: Mantissa width: 16 or 32 (default: 16).
+
+    Raises:
+        ValueError: ``max_abs`` is negative or not finite, or ``bits`` is not 16 or 32.
+
+    Examples:
+        >>> from lowprec.dfp import shared_exponent
+        >>> shared_exponent(1.5)  # 1.5 = 2**0 * 1.5: E_s = 0 - 14
+        -14
     """
     _check_bits(bits, "shared_exponent")
     if not math.isfinite(max_abs) or max_abs < 0:

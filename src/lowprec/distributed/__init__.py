@@ -2,7 +2,7 @@
 
 Each rank sends about 1 bit per gradient value plus two floats per column instead of 32 bits, and
 carries each step's quantization error into the next (error feedback), so the average gradient
-stays unbiased over time. Usage::
+stays unbiased over time. Usage:
 
     from lowprec.distributed import OneBitState, onebit_hook
 

@@ -120,8 +120,8 @@ class OneBitState:
             unless the environment sets ``LOWPREC_FUSED=0``, eager otherwise). The first
             compressed step compiles (seconds to a minute; cached on disk for later runs).
             ``state.compiled`` says which path runs.
-        loss_scaler: The loss scaler the training scales its loss with (``lowprec.LossScaler``
-            or ``torch.amp.GradScaler``; default: None, no scaling). Residuals are in units of
+        loss_scaler: The loss scaler the training scales its loss with, ``lowprec.LossScaler``
+            or ``torch.amp.GradScaler`` (default: None, no scaling). Residuals are in units of
             the gradient the hook sees, the scaled one: when the scale changes (dynamic scaling
             grows or backs off, or a run resumes with another scale or none) the hook multiplies
             them by new scale / old scale at the next compressed iteration, exactly for the
@@ -516,10 +516,14 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
         TypeError: ``state`` is not a ``OneBitState``, or the bucket's dtype is not FP32, FP16 or
             BF16.
 
-    Example::
+    Examples:
+        On every rank, after ``torch.distributed.init_process_group``:
 
-        >>> state = OneBitState(model, warmup_steps=100)
-        >>> ddp_model.register_comm_hook(state, onebit_hook)
+        ```python
+        ddp_model = DistributedDataParallel(model)
+        state = OneBitState(model, warmup_steps=100)
+        ddp_model.register_comm_hook(state, onebit_hook)
+        ```
     """
     if not isinstance(state, OneBitState):
         raise TypeError(

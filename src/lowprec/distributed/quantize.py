@@ -248,7 +248,17 @@ def columns_finite(stats: torch.Tensor, *, rule: str = DEFAULT_RULE) -> torch.Te
 
 
 def packed_size(numel: int, bits: int) -> int:
-    """Bytes that ``numel`` codes of ``bits`` bits take once packed: ``ceil(numel * bits / 8)``."""
+    """Bytes that ``numel`` codes of ``bits`` bits take once packed: ``ceil(numel * bits / 8)``.
+
+    Args:
+        numel: The number of codes.
+        bits: Bits per code (1, 2, 4 or 8).
+
+    Examples:
+        >>> from lowprec.distributed import packed_size
+        >>> packed_size(1000, 1), packed_size(1000, 4)
+        (125, 500)
+    """
     return -(-numel * bits // 8)
 
 

@@ -100,7 +100,7 @@ def _device_type(device: Any) -> str:
 class MixedPrecision(_LightningMixedPrecision):
     """Lightning's ``MixedPrecision`` that clips gradients for optimizers that unscale in their step.
 
-    Pass it to the trainer instead of a ``precision=`` flag::
+    Pass it to the trainer instead of a ``precision=`` flag:
 
         from lowprec.integrations.lightning import MixedPrecision
 
@@ -182,6 +182,15 @@ class MixedPrecision(_LightningMixedPrecision):
 
         Lightning's step with one addition: for an optimizer that unscales in its step, the
         gradients are unscaled right after the backward when ``gradient_clip_val > 0``.
+
+        Args:
+            optimizer: The optimizer to step.
+            model: The ``LightningModule`` being trained.
+            closure: Lightning's closure: the forward, the scaled backward, and its hooks.
+            **kwargs: Passed on to the optimizer's step.
+
+        Returns:
+            The closure's result, as Lightning returns it.
         """
         if self.scaler is None or not _handles_unscaling(optimizer):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)

@@ -2,16 +2,17 @@
 
 Every optimizer takes ``master=``, how the FP32 master weight is kept:
 
-============== ================================================================ =================
-``master``     what is stored beside the parameter                              extra bytes/param
-============== ================================================================ =================
-``"auto"``     FP32 params: ``"none"``; BF16/FP16 params: ``"kahan"``             -
-``"none"``     nothing: round to nearest in the parameter's dtype (baseline)      0
-``"fp32"``     an FP32 copy (classic mixed precision)                             4
-``"split"``    BF16 params only: the param is the top half, an int16 trail        2
-``"kahan"``    a compensation buffer in the parameter's dtype                     2
-``"stochastic"`` nothing: stochastic rounding from a counter-based hash           0
-============== ================================================================ =================
+| ``master`` | what is stored beside the parameter | extra bytes/param |
+|---|---|---|
+| ``"auto"`` | FP32 params: ``"none"``; BF16/FP16 params: ``"kahan"`` | - |
+| ``"none"`` | nothing: round to nearest in the parameter's dtype (baseline) | 0 |
+| ``"fp32"`` | an FP32 copy (classic mixed precision) | 4 |
+| ``"split"`` | BF16 params only: the param is the top half, an int16 trail | 2 |
+| ``"kahan"`` | a compensation buffer in the parameter's dtype | 2 |
+| ``"stochastic"`` | nothing: stochastic rounding from a counter-based hash | 0 |
+
+``state_dtype=`` keeps the update rule's buffers (moments, momentum, Adagrad's sum) in a dtype of
+its choice, or as ``"8bit"`` or ``"4bit"`` codes with an FP32 scale per block of 256 elements.
 
 ``fused=True`` compiles each parameter's whole step (load, update, store) into one pass with
 ``torch.compile``; the default ``fused=None`` does so wherever torch.compile has a compiler (a C++

@@ -127,8 +127,15 @@ def adafactor_update(
         g: The FP32 gradient.
         state: ``row_var`` and ``col_var`` for a tensor of 2 or more dimensions, else
             ``variance`` (zeros before the first step).
+        lr: The cap of the relative step size (default: 1e-2).
+        beta2_decay: The second moment's new squares weigh ``step ** beta2_decay``
+            (default: -0.8).
+        eps: ``(eps1, eps2)``, as ``Adafactor``'s; ``eps1=None`` is FP32's machine epsilon
+            (default: (None, 1e-3)).
+        d: The update's RMS is clipped to ``d`` (default: 1.0).
+        weight_decay: Decoupled weight decay (default: 0.0).
         step: The step number, from 1.
-        (the rest: as ``Adafactor``)
+        maximize: Maximize the objective (default: False).
 
     Returns:
         ``(new_w, new_state)``.
@@ -154,11 +161,18 @@ class Adafactor(LowPrecisionOptimizer):
         d: The update's RMS is clipped to ``d`` (default: 1.0).
         weight_decay: Decoupled weight decay: ``w *= 1 - lr * weight_decay`` (default: 0.0).
         maximize: Maximize the objective (default: False).
-        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
-            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
-        state_dtype: dtype of a vector's ``variance`` (default: None, meaning float32 for
-            ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise); the factored
-            statistics stay FP32.
+        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
+            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
+            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
+            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
+            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
+            parameters are always their own master (default: ``"auto"``).
+        state_dtype: How a vector's ``variance`` (a matrix's row and column statistics stay FP32) is
+            kept: a dtype or its name (``torch.bfloat16`` or ``"bfloat16"``), ``"8bit"`` (one byte
+            per element and an FP32 scale per block of 256) or ``"4bit"`` (half a byte per element);
+            under ``"8bit"`` and ``"4bit"`` a parameter below 4096 elements, or not a multiple of
+            256 of them, keeps FP32 state (default: None, meaning float32 for ``"fp32"`` and
+            ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run each parameter's step as one compiled graph in its shape (``torch.compile``),
             with the same results as the eager step (default: None, meaning compiled wherever

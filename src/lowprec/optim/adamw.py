@@ -129,10 +129,18 @@ class AdamW(LowPrecisionOptimizer):
         weight_decay: Decoupled weight decay (default: 1e-2).
         amsgrad: Use the running maximum of the second moment (default: False).
         maximize: Maximize the objective (default: False).
-        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
-            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
-        state_dtype: dtype of the moments (default: None, meaning float32 for ``"fp32"`` and
-            ``"split"`` and the parameter's dtype otherwise).
+        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
+            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
+            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
+            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
+            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
+            parameters are always their own master (default: ``"auto"``).
+        state_dtype: How the moments (``exp_avg``, ``exp_avg_sq``) are kept: a dtype or its name
+            (``torch.bfloat16`` or ``"bfloat16"``), ``"8bit"`` (one byte per element and an FP32
+            scale per block of 256) or ``"4bit"`` (half a byte per element); under ``"8bit"`` and
+            ``"4bit"`` a parameter below 4096 elements, or not a multiple of 256 of them, keeps FP32
+            state (default: None, meaning float32 for ``"fp32"`` and ``"split"`` and the parameter's
+            dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
             with the same results as the eager step; from the second step on, a group's
@@ -145,6 +153,20 @@ class AdamW(LowPrecisionOptimizer):
             captured in a CUDA graph (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
+
+    Examples:
+        >>> import torch
+        >>> import lowprec
+        >>> model = torch.nn.Linear(64, 64).bfloat16()
+        >>> opt = lowprec.AdamW(model.parameters(), lr=1e-3, master="kahan", state_dtype="8bit")
+        >>> model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        >>> opt.step()
+        >>> opt.state[model.weight]["exp_avg"].dtype  # 4096 elements: one-byte codes
+        torch.uint8
+        >>> opt.state[model.bias]["exp_avg"].dtype  # 64 elements: FP32
+        torch.float32
+        >>> opt.master_weight(model.weight).dtype
+        torch.float32
     """
 
     def __init__(

@@ -81,6 +81,26 @@ class LowPrecisionOptimizer(Optimizer):
     Subclasses implement ``_validate_hparams``, ``_math_buffers``, ``_init_math_buffer`` and
     ``_update``. They pass their hyperparameter defaults; ``master``, ``state_dtype`` and ``seed`` are
     added here.
+
+    Every lowprec optimizer (``SGD``, ``AdamW``, ...) inherits its public methods from here:
+    ``step`` (with the loss-scaler contract's ``grad_scale`` and ``found_inf``),
+    ``state_dict``/``load_state_dict`` (every state tensor keeps its dtype), ``add_param_group``
+    and ``master_weight``; ``zero_grad`` is ``torch.optim.Optimizer``'s.
+
+    Args:
+        params: Parameters or parameter groups, as ``torch.optim.Optimizer`` takes them (an
+            ordered collection: a set is refused); ``(name, tensor)`` pairs keep the names as
+            the group's ``param_names``.
+        defaults: The subclass's hyperparameter defaults; ``master``, ``state_dtype``, ``seed``
+            and ``fused`` are added to them.
+        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
+        capturable: Must be False: the step decides on the host what to run (default: False).
+        differentiable: Must be False: the step writes the weights in place, outside autograd
+            (default: False).
+
+    Raises:
+        TypeError: ``params`` is a set, or an option has the wrong type.
+        ValueError: An invalid option, hyperparameter or parameter (naming its group).
     """
 
     def __init__(
@@ -178,6 +198,19 @@ class LowPrecisionOptimizer(Optimizer):
     # ------------------------------------------------------------------ groups and validation
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, as ``torch.optim.Optimizer.add_param_group`` does, and check it.
+
+        Options the group leaves out take the optimizer's defaults; ``seed=None`` becomes
+        ``torch.initial_seed()``. A group that fails its checks is not added.
+
+        Args:
+            param_group: A dict with ``"params"`` (tensors, or ``(name, tensor)`` pairs) and
+                any options to set for this group (``lr``, ``master``, ``state_dtype``, ...).
+
+        Raises:
+            TypeError: Not a dict, parameters in a set, or a parameter that is not a tensor.
+            ValueError: A parameter given twice, or an invalid option (naming the group).
+        """
         if not isinstance(param_group, dict):
             raise TypeError(f"a parameter group must be a dict, got {type(param_group).__name__}.")
         params = param_group.get("params")
@@ -545,7 +578,16 @@ class LowPrecisionOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping every state tensor's dtype (``checkpoint``): an FP32
-        master, FP32 moments or a trail kept for a BF16 parameter are not rounded."""
+        master, FP32 moments or a trail kept for a BF16 parameter are not rounded.
+
+        A checkpoint saved under another ``master=`` strategy or ``state_dtype`` is converted
+        (load the model's weights first: the master is rebuilt from them and the saved state),
+        and a checkpoint of the ``torch.optim`` namesake (same buffer names) is adopted to go on
+        with a torch run.
+
+        Args:
+            state_dict: What ``state_dict()`` returned (this class's, or torch.optim's).
+        """
         checkpoint.load_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ master values
@@ -562,6 +604,15 @@ class LowPrecisionOptimizer(Optimizer):
 
         For ``"split"`` this is ``join(top, trail)``, for ``"kahan"`` the compensated value, for
         ``"fp32"`` the FP32 copy, otherwise the parameter itself in FP32.
+
+        Args:
+            p: A parameter of this optimizer (a DTensor gives a DTensor placed as ``p``).
+
+        Returns:
+            A new FP32 tensor shaped as ``p``.
+
+        Raises:
+            ValueError: ``p`` is not a parameter of this optimizer.
         """
         group = self._group_of(p)
         storage = self._storage(group, p)
@@ -604,6 +655,29 @@ def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) 
     ``optimizer`` may be a framework's wrapper of a lowprec optimizer that keeps it as
     ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, which Hugging Face Trainer's
     ``trainer.optimizer`` is, or Lightning's ``LightningOptimizer``).
+
+    Args:
+        model: The model whose ``state_dict()`` is exported; every name of a tied weight gets
+            the master.
+        optimizer: The lowprec optimizer that steps the model's parameters, or a framework's
+            wrapper of one.
+
+    Returns:
+        ``model.state_dict()`` with FP32 values: what ``model.float().load_state_dict`` takes.
+
+    Raises:
+        TypeError: ``optimizer`` is not a lowprec optimizer nor a wrapper of one.
+
+    Examples:
+        >>> import torch
+        >>> import lowprec
+        >>> model = torch.nn.Linear(4, 4).bfloat16()
+        >>> opt = lowprec.SGD(model.parameters(), lr=1e-4, master="split")
+        >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+        >>> opt.step()
+        >>> fp32 = lowprec.master_state_dict(model, opt)
+        >>> fp32["weight"].dtype, torch.equal(fp32["weight"], opt.master_weight(model.weight))
+        (torch.float32, True)
     """
     inner = optimizer
     for _ in range(4):  # (a wrapper of a wrapper at most, in practice)

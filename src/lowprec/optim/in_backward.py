@@ -72,6 +72,12 @@ class _Item:
 class StepInBackward:
     """The hooks ``step_in_backward`` installed; ``remove()`` restores the normal step.
 
+    Made by ``step_in_backward(model, optimizer)``, which is the way to create one.
+
+    Args:
+        model: The module whose parameters ``optimizer`` steps.
+        optimizer: A lowprec optimizer.
+
     Attributes:
         optimizer: The optimizer whose step runs in the hooks.
         params: The parameters stepped inside backward.
@@ -311,5 +317,17 @@ def step_in_backward(model: nn.Module, optimizer: LowPrecisionOptimizer) -> Step
         TypeError: Not a lowprec optimizer, or not a module.
         ValueError: What cannot be stepped inside backward (above), or a parameter already
             holding a gradient.
+
+    Examples:
+        >>> import torch
+        >>> import lowprec
+        >>> model = torch.nn.Linear(64, 64).bfloat16()
+        >>> opt = lowprec.AdamW(model.parameters(), lr=1e-3, master="kahan", state_dtype="8bit")
+        >>> handle = lowprec.step_in_backward(model, opt)
+        >>> model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        >>> model.weight.grad is None  # stepped during backward, its gradient freed
+        True
+        >>> opt.step()  # still called after each backward: it ends the step
+        >>> handle.remove()  # the normal step again
     """
     return StepInBackward(model, optimizer)

@@ -122,18 +122,26 @@ def muon_param_groups(
     layers (the hidden matrices) with ``use_muon=True``, and the rest (embeddings, the output
     head, norms, biases, other layers' weights) with ``use_muon=False``, stepped by AdamW.
 
-    ``lowprec.Muon(lowprec.muon_param_groups(model, adamw={"lr": 3e-4}), lr=0.02)``
-
     Args:
         model: The model; each parameter is taken once (a tied weight by its first name).
         muon: Options of the Muon group (default: None, the optimizer's).
         adamw: Options of the AdamW group (default: None: torch.optim.AdamW's ``betas``, ``eps``
             and ``weight_decay``, the optimizer's ``lr``).
-        exclude: A Linear weight whose name contains one of these goes to AdamW (default:
-            ``("embed", "head")``: a model's output head, and input projections named so).
+        exclude: A Linear weight whose name contains one of these goes to AdamW: a model's
+            output head, and input projections named so (default: ``("embed", "head")``).
 
     Returns:
         The groups that have parameters, each with the parameters as ``(name, tensor)`` pairs.
+
+    Examples:
+        >>> import torch
+        >>> import lowprec
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(16, 4))
+        >>> groups = lowprec.muon_param_groups(model, adamw={"lr": 3e-4})
+        >>> [(g["use_muon"], [name for name, _ in g["params"]]) for g in groups]
+        [(True, ['0.weight', '2.weight']), (False, ['0.bias', '2.bias'])]
+        >>> opt = lowprec.Muon(groups, lr=0.02)
     """
     linear = {id(m.weight) for m in model.modules()
               if isinstance(m, nn.Linear) and not isinstance(m.weight, nn.UninitializedParameter)}
@@ -168,11 +176,18 @@ class Muon(LowPrecisionOptimizer):
         ns_steps: Newton-Schulz steps (default: 5).
         adjust_lr_fn: ``None`` or ``"original"`` (lr times ``sqrt(max(1, rows / cols))``) or
             ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``) (default: None).
-        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
-            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
-        state_dtype: dtype of the momentum (and an AdamW group's moments), ``"8bit"`` included
-            (default: None, meaning float32 for ``"fp32"`` and ``"split"`` and the parameter's
-            dtype otherwise).
+        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
+            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
+            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
+            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
+            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
+            parameters are always their own master (default: ``"auto"``).
+        state_dtype: How the momentum (and a ``use_muon=False`` group's moments) is kept: a dtype or
+            its name (``torch.bfloat16`` or ``"bfloat16"``), ``"8bit"`` (one byte per element and an
+            FP32 scale per block of 256) or ``"4bit"`` (half a byte per element); under ``"8bit"``
+            and ``"4bit"`` a parameter below 4096 elements, or not a multiple of 256 of them, keeps
+            FP32 state (default: None, meaning float32 for ``"fp32"`` and ``"split"`` and the
+            parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: For ``use_muon=False`` groups, as ``lowprec.AdamW``'s; a Muon group's step is
             matmuls, run as ATen calls per parameter (default: None).
@@ -211,6 +226,12 @@ class Muon(LowPrecisionOptimizer):
                          differentiable=differentiable)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group; one with ``use_muon=False`` takes AdamW's defaults.
+
+        Args:
+            param_group: A dict with ``"params"`` and the group's options, as
+                ``LowPrecisionOptimizer.add_param_group`` takes it.
+        """
         if isinstance(param_group, dict) and param_group.get("use_muon", True) is False:
             # (an AdamW group: AdamW's defaults, not Muon's, for what it leaves out)
             param_group = {**ADAMW_DEFAULTS, "amsgrad": False, "maximize": False, **param_group}

@@ -123,10 +123,17 @@ class SGD(LowPrecisionOptimizer):
             when ``lr * weight_decay * w`` is below half an ulp of the stored weight.
         nesterov: Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0`` (default: False).
         maximize: Maximize the objective (default: False).
-        master: How the master weight is kept: ``"auto"``, ``"none"``, ``"fp32"``, ``"split"``,
-            ``"kahan"`` or ``"stochastic"`` (default: ``"auto"``; see ``lowprec.optim``).
-        state_dtype: dtype of the momentum buffer (default: None, meaning float32 for ``"fp32"``
-            and ``"split"`` and the parameter's dtype otherwise).
+        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
+            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
+            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
+            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
+            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
+            parameters are always their own master (default: ``"auto"``).
+        state_dtype: How the momentum buffer is kept: a dtype or its name (``torch.bfloat16`` or
+            ``"bfloat16"``), ``"8bit"`` (one byte per element and an FP32 scale per block of 256) or
+            ``"4bit"`` (half a byte per element); under ``"8bit"`` and ``"4bit"`` a parameter below
+            4096 elements, or not a multiple of 256 of them, keeps FP32 state (default: None,
+            meaning float32 for ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise).
         seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
         fused: Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU),
             with the same results as the eager step; from the second step on, a group's
@@ -139,6 +146,22 @@ class SGD(LowPrecisionOptimizer):
             captured in a CUDA graph (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
+
+    Examples:
+        An update below half a BF16 unit in the last place is lost when rounded to nearest, and
+        kept by a compensated master:
+
+        >>> import torch
+        >>> import lowprec
+        >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        >>> opt = lowprec.SGD([w], lr=1e-4, master="split")
+        >>> for _ in range(10):
+        ...     w.grad = torch.ones_like(w)
+        ...     opt.step()
+        >>> w[0].item()  # the stored BF16 weight has not moved
+        1.0
+        >>> round(opt.master_weight(w)[0].item(), 6)  # the FP32 master has
+        0.999
     """
 
     def __init__(

@@ -39,22 +39,47 @@ _LOW = (torch.bfloat16, torch.float16)
 
 
 class MasterStorage:
-    """Base class of the master-weight strategies (see the module docstring)."""
+    """Base class of the master-weight strategies (see the module docstring).
+
+    A subclass sets ``name``, implements ``buffers``, ``init``, ``load`` and ``store`` (and
+    ``check`` where a dtype is refused), and is registered in ``STORAGES``; ``load`` and
+    ``store`` are pure tensor functions that the eager and the compiled step both run.
+    """
 
     name: ClassVar[str]
     #: Whether ``store`` needs random bits (``bits`` argument).
     needs_random_bits: ClassVar[bool] = False
 
     def check(self, dtype: torch.dtype) -> None:
-        """Raise ``ValueError`` if parameters of ``dtype`` cannot use this strategy."""
+        """Raise ``ValueError`` if parameters of ``dtype`` cannot use this strategy.
+
+        Args:
+            dtype: The parameter's dtype.
+        """
 
     def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
+        """The state tensors this strategy keeps for ``param``, by name, with their dtypes.
+
+        Args:
+            param: The parameter.
+        """
         return {}
 
     def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The buffers of ``buffers(param)``, made from the parameter's current value.
+
+        Args:
+            param: The parameter.
+        """
         return {}
 
     def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The FP32 master value that ``param`` and its buffers hold (pure: writes nothing).
+
+        Args:
+            param: The stored parameter.
+            bufs: Its buffers, by the names of ``buffers``.
+        """
         raise NotImplementedError
 
     def store(
@@ -64,6 +89,18 @@ class MasterStorage:
         bufs: dict[str, torch.Tensor],
         bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A new FP32 value ``w`` stored this strategy's way (pure: writes nothing).
+
+        Args:
+            w: The new FP32 master value.
+            param: The stored parameter before the step.
+            bufs: Its buffers before the step.
+            bits: 32 random bits per element, for a strategy with ``needs_random_bits``
+                (default: None).
+
+        Returns:
+            ``(new_param, new_bufs)``.
+        """
         raise NotImplementedError
 
     # The same two operations on pairs of elements (see "Pairs" in ``lowprec.numerics``), for
@@ -76,13 +113,22 @@ class MasterStorage:
     # ``load``/``store`` give, element for element; the fused-vs-eager tests check it.
 
     def pairs_ok(self, dtype: torch.dtype) -> bool:
-        """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``."""
+        """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``.
+
+        Args:
+            dtype: The parameter's dtype.
+        """
         return False
 
     def load_pairs(
         self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The FP32 masters of the even and of the odd elements."""
+        """The FP32 masters of the even and of the odd elements.
+
+        Args:
+            param: The parameter as an int32 view, two 16-bit elements per word.
+            bufs: Its buffers, viewed likewise (32-bit buffers as int64).
+        """
         raise NotImplementedError
 
     def store_pairs(
@@ -93,7 +139,16 @@ class MasterStorage:
         bufs: dict[str, torch.Tensor],
         bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """New (param, buffers) words; ``bits`` holds each pair's 32 random bits (even: low half)."""
+        """New (param, buffers) words; ``bits`` holds each pair's 32 random bits (even: low half).
+
+        Args:
+            w_even: The new FP32 masters of the even elements.
+            w_odd: Those of the odd elements.
+            param: The parameter as an int32 view, two 16-bit elements per word.
+            bufs: Its buffers, viewed likewise.
+            bits: Each pair's 32 random bits, for a strategy with ``needs_random_bits``
+                (default: None).
+        """
         raise NotImplementedError
 
 
@@ -261,6 +316,7 @@ class Stochastic(MasterStorage):
         return _pack_rounded_bf16_pairs(w_even, w_odd, bits & 0xFFFF, (bits >> 16) & 0xFFFF), {}
 
 
+#: The master-weight strategies by name (the values of ``master=`` but ``"auto"``).
 STORAGES: dict[str, MasterStorage] = {
     s.name: s for s in (NoMaster(), FP32Copy(), Split(), Kahan(), Stochastic())
 }
@@ -279,6 +335,22 @@ def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
     its BF16 layers (as frameworks build them: Hugging Face Trainer's decay and no-decay groups).
     ``"split"`` does the same for FP32/FP64 parameters and raises for float16, since its memory
     layout (the parameter is the top half of an FP32 value) holds for bfloat16 alone.
+
+    Args:
+        master: One of ``MASTER_CHOICES``.
+        dtype: The parameter's dtype.
+
+    Returns:
+        The strategy, one of ``STORAGES``' values.
+
+    Raises:
+        ValueError: An unknown ``master``, or ``"split"`` for a float16 parameter.
+
+    Examples:
+        >>> import torch
+        >>> from lowprec.optim import resolve_master
+        >>> resolve_master("auto", torch.bfloat16).name, resolve_master("auto", torch.float32).name
+        ('kahan', 'none')
     """
     if master not in MASTER_CHOICES:
         raise ValueError(f"unknown master={master!r}; choose one of {', '.join(MASTER_CHOICES)}.")
