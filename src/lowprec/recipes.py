@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lowprec import config, optim
+from lowprec import optim
+from lowprec.cli import config
 from lowprec.dfp import ROUNDING_MODES, convert_to_dfp
 from lowprec.scaling import LossScaler
 
@@ -419,7 +420,7 @@ _SPECS: dict[str, dict[str, Any]] = {
 #: The recipe names, in display order.
 RECIPES: tuple[str, ...] = tuple(_SPECS)
 if RECIPES != config.RECIPES:  # (the command lists and checks names without importing torch)
-    raise ImportError(f"lowprec.config.RECIPES {config.RECIPES} must name the recipes defined "
+    raise ImportError(f"lowprec.cli.config.RECIPES {config.RECIPES} must name the recipes defined "
                       f"here, {RECIPES}, in the same order.")
 
 

@@ -6,13 +6,13 @@ FP32 and share of FP32's loss drop, median step time and speed-up over FP32 (wit
 interquartile ranges), bytes per parameter by buffer (measured from the tensors), the fraction
 of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. The recipes take
 their steps in turn, so a machine whose load changes during the run slows them alike, and the
-background load is measured. ``lowprec.summary`` turns the records into one row per recipe
+background load is measured. ``lowprec.cli.summary`` turns the records into one row per recipe
 over the seeds, the noise floor and the recommendation. The CLI (``lowprec compare``) prints,
 plots and saves them; nothing here prints.
 
 Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
 standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
-in FP32 (``lowprec.pretrained``, cached on disk) and rounded to BF16, and trains it on the prose
+in FP32 (``lowprec.cli.pretrained``, cached on disk) and rounded to BF16, and trains it on the prose
 of ``pydoc_data.topics`` at a fine-tuning rate.
 
 Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lowprec import recipes as recipes_mod
-from lowprec.config import (
+from lowprec.cli.config import (
     DEFAULT_RECIPES,
     DEFAULT_TOLERANCE,
     OPTIMIZERS,
@@ -47,7 +47,7 @@ from lowprec.config import (
     ModelConfig,
     check_device,
 )
-from lowprec.summary import (
+from lowprec.cli.summary import (
     WARMUP_STEPS,
     _quartiles,
     _steady,
@@ -56,7 +56,7 @@ from lowprec.summary import (
     recommend,
     summarize,
 )
-from lowprec.task import Batches, CharTransformer, load_prose, load_text
+from lowprec.cli.task import Batches, CharTransformer, load_prose, load_text
 
 __all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "add_relative",
            "compare", "device_info", "noise_floor", "recommend", "resolve_device", "run_recipe",
@@ -143,12 +143,12 @@ def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
 
     ``pretrain``: windows of the standard library's sources and seeded random weights.
     ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
-    ``lowprec.pretrained.pretrained`` returns, the same for every seed).
+    ``lowprec.cli.pretrained.pretrained`` returns, the same for every seed).
     """
     if cfg.task == "finetune":
         if pretrained is None:
             raise ValueError("the finetune task starts from pretrained weights: pass "
-                             "pretrained=lowprec.pretrained.pretrained(cfg, device)[0].")
+                             "pretrained=lowprec.cli.pretrained.pretrained(cfg, device)[0].")
         text, initial = load_prose(), pretrained
     else:
         text = load_text(cfg.text_bytes)
@@ -342,7 +342,7 @@ def compare(
     (cores that other processes kept busy, from ``/proc/stat``) is measured per round and
     summarised in ``load`` (if given): see ``_Load``.
 
-    The ``finetune`` task first gets its pretrained model (``lowprec.pretrained.pretrained``:
+    The ``finetune`` task first gets its pretrained model (``lowprec.cli.pretrained.pretrained``:
     from ``cache_dir`` where a valid one is there, else trained, calling ``on_pretrain(step,
     total, loss)``, and saved there); ``on_note(text)`` hears what the cache did, and ``info``
     (if given) gets ``{"pretrained": ...}``, where it came from and what it cost.
@@ -360,7 +360,7 @@ def compare(
     out = records if records is not None else []
     weights = None
     if cfg.task == "finetune":
-        from lowprec.pretrained import pretrained
+        from lowprec.cli.pretrained import pretrained
 
         weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
                                     on_note=on_note)

@@ -1,10 +1,10 @@
 """The ``lowprec`` command: ``compare``, ``memory`` and ``numerics``.
 
-The numbers come from ``lowprec.compare``, ``lowprec.memory`` and ``lowprec.demos``, which print
-nothing; ``lowprec.cli_parser`` holds the options (argparse, torch-free), ``lowprec.cli_compare``
-the compare command's progress, table and notes, and this module the rest: the shared output
-helpers, ``memory``, ``numerics`` and ``main`` (rich for tables; ``lowprec.plot`` draws the
-picture, matplotlib, headless). A user mistake (an unknown recipe, a
+The numbers come from ``lowprec.cli.compare``, ``lowprec.memory`` and ``lowprec.cli.demos``,
+which print nothing; ``lowprec.cli.parser`` holds the options (argparse, torch-free),
+``lowprec.cli.compare_cmd`` the compare command's progress, table and notes, and this module the
+rest: the shared output helpers, ``memory``, ``numerics`` and ``main`` (rich for tables;
+``lowprec.cli.plot`` draws the picture, matplotlib, headless). A user mistake (an unknown recipe, a
 negative step count) ends with one ``lowprec: error: ...`` line and exit status 2, never a
 traceback; Ctrl-C during ``compare`` prints the recipes measured so far, saves them, and exits
 with status 130.
@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lowprec import __version__, config
-from lowprec.cli_parser import build_parser
+from lowprec import __version__
+from lowprec.cli import config
+from lowprec.cli.parser import build_parser
 
 # torch, and every lowprec module that needs it, is imported inside the commands: `--help`, the
 # version and a mistyped option answer without the seconds an import of torch takes.
@@ -126,7 +127,7 @@ def _environment() -> dict[str, Any]:
 def _resolve_device(name: str) -> dict[str, Any]:
     """``compare.device_info`` of the device ``name`` names here; a ``UsageError`` where there
     is none (``--device cuda`` without CUDA), before any work."""
-    from lowprec.compare import device_info, resolve_device
+    from lowprec.cli.compare import device_info, resolve_device
 
     try:
         return device_info(resolve_device(name))
@@ -150,8 +151,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from lowprec import memory
-    from lowprec.compare import task_loss
-    from lowprec.task import CharTransformer
+    from lowprec.cli.compare import task_loss
+    from lowprec.cli.task import CharTransformer
 
     _, Table = _import_rich()
     console = _console()
@@ -221,7 +222,7 @@ def _yes(flag: bool) -> str:
 def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> dict[str, Any]:
     """``--measure-peak``: every recipe's step, without and with step_in_backward, measured in
     fresh processes (``memory_peak.peak_table``), its table and the issue's targets."""
-    from lowprec import memory_peak
+    from lowprec.cli import memory_peak
 
     _, Table = _import_rich()
     probe = {"depth": args.probe_depth, "width": args.probe_width, "batch": args.probe_batch}
@@ -291,7 +292,8 @@ def _fit(gib: float, card: int) -> str:
 
 def _memory_plan(args: argparse.Namespace) -> int:
     """``--params``: the GiB each recipe needs for a model of that size (``memory_plan``)."""
-    from lowprec import memory, memory_plan
+    from lowprec import memory
+    from lowprec.cli import memory_plan
 
     _, Table = _import_rich()
     console = _console()
@@ -348,7 +350,7 @@ def _memory_plan(args: argparse.Namespace) -> int:
 def _cmd_numerics(args: argparse.Namespace) -> int:
     if args.json is not None:
         _check_output(args.json, "--json")
-    from lowprec import demos
+    from lowprec.cli import demos
 
     _, Table = _import_rich()
     console = _console()
@@ -406,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "compare":
-        from lowprec.cli_compare import _cmd_compare as run
+        from lowprec.cli.compare_cmd import _cmd_compare as run
     else:
         run = _cmd_memory if args.command == "memory" else _cmd_numerics
     try:
