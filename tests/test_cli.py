@@ -13,7 +13,8 @@ import torch
 
 from lowprec import memory, recipes
 from lowprec.cli import compare, compare_cmd, plot
-from lowprec.cli.main import _console, main
+from lowprec.cli.common import _console
+from lowprec.cli.main import main
 from lowprec.cli.task import Batches, CharTransformer, ModelConfig, load_text
 
 # A model and run small enough for a test: the whole comparison takes seconds.

@@ -21,7 +21,8 @@ import torch
 
 from lowprec import memory, recipes
 from lowprec.cli import compare, compare_cmd, config, parser
-from lowprec.cli.main import _console, main
+from lowprec.cli.common import _console
+from lowprec.cli.main import main
 from lowprec.cli.task import CharTransformer, ModelConfig
 
 # A model and run small enough for a test (as tests/test_cli.py's).

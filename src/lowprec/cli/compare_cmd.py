@@ -1,6 +1,7 @@
 """``lowprec compare`` as a command: options into a ``CompareConfig``, progress, the table, the
 recommendation, the notes under it, JSON and the plot (``lowprec.cli.compare`` measures and prints
-nothing; ``lowprec.cli`` dispatches here).
+nothing; ``lowprec.cli.main`` dispatches here; ``lowprec.cli.common`` holds what the commands
+share).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowprec.cli import config
-from lowprec.cli.main import (
+from lowprec.cli.common import (
     _EXTRA_HINT,
     UsageError,
     _check_output,
