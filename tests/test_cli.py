@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lowprec import memory, recipes
-from lowprec.cli import compare, compare_cmd, plot
+from lowprec.cli import compare, compare_cmd, plot, run
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
 from lowprec.cli.task import Batches, CharTransformer, ModelConfig, load_text
@@ -89,14 +89,14 @@ def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
 
 
 def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
-    real = compare._Run.step
+    real = run._Run.step
 
     def interrupted_at_bf16s_third_step(self, x, y):
         if self.name == "bf16" and len(self.losses) == 2:
             raise KeyboardInterrupt
         return real(self, x, y)
 
-    monkeypatch.setattr(compare._Run, "step", interrupted_at_bf16s_third_step)
+    monkeypatch.setattr(run._Run, "step", interrupted_at_bf16s_third_step)
     code = main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
                      "--out", str(tmp_path)])
     assert code == 130
@@ -117,13 +117,13 @@ def test_recipes_take_their_steps_in_turn_with_the_same_results_as_alone(monkeyp
                                 batch_size=4, eval_batches=1, monitor_every=2,
                                 text_bytes=200_000)
     order = []
-    real = compare._Run.step
+    real = run._Run.step
 
     def spy(self, x, y):
         order.append(self.name)
         return real(self, x, y)
 
-    monkeypatch.setattr(compare._Run, "step", spy)
+    monkeypatch.setattr(run._Run, "step", spy)
     load: dict = {}
     records = compare.compare(cfg, load=load)
     # One step of each recipe per round, the round's first recipe rotating.

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lowprec import memory, recipes
-from lowprec.cli import compare, compare_cmd, config, parser
+from lowprec.cli import compare, compare_cmd, config, parser, run
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
 from lowprec.cli.task import CharTransformer, ModelConfig
@@ -319,7 +319,7 @@ def test_compare_trains_on_cuda(monkeypatch, autocast_types):
                                 eval_batches=1, monitor_every=0, text_bytes=200_000,
                                 threads=1, device="cuda", fused=False)
     seen: dict[str, set] = {"x": set(), "params": set(), "scaler": set()}
-    real_step = compare._Run.step
+    real_step = run._Run.step
 
     def spy(self, x, y):
         loss = real_step(self, x, y)
@@ -331,7 +331,7 @@ def test_compare_trains_on_cuda(monkeypatch, autocast_types):
 
     syncs = []
     real_sync = torch.cuda.synchronize
-    monkeypatch.setattr(compare._Run, "step", spy)
+    monkeypatch.setattr(run._Run, "step", spy)
     monkeypatch.setattr(torch.cuda, "synchronize",
                         lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1])
     threads = torch.get_num_threads()

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from lowprec.cli import compare, pretrained, summary
+from lowprec.cli import compare, pretrained, run, summary
 from lowprec.cli.config import FINETUNE_LR, LOST_UPDATES_LIMIT, CompareConfig, ModelConfig
 from lowprec.cli.main import main
 from lowprec.cli.task import Batches, load_prose, load_text
@@ -73,8 +73,8 @@ def test_config_defaults_and_checks_for_the_tasks():
 
 
 def test_schedules_warm_up_then_hold_or_decay():
-    const = compare._schedule(CompareConfig(steps=100, warmup=0.1, schedule="constant"))
-    cos = compare._schedule(CompareConfig(steps=100, warmup=0.1, schedule="cosine"))
+    const = run._schedule(CompareConfig(steps=100, warmup=0.1, schedule="constant"))
+    cos = run._schedule(CompareConfig(steps=100, warmup=0.1, schedule="cosine"))
     assert [const(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert [cos(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert const(50) == const(99) == 1.0

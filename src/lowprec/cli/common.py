@@ -111,9 +111,9 @@ def _environment() -> dict[str, Any]:
 
 
 def _resolve_device(name: str) -> dict[str, Any]:
-    """``compare.device_info`` of the device ``name`` names here; a ``UsageError`` where there
+    """``run.device_info`` of the device ``name`` names here; a ``UsageError`` where there
     is none (``--device cuda`` without CUDA), before any work."""
-    from lowprec.cli.compare import device_info, resolve_device
+    from lowprec.cli.run import device_info, resolve_device
 
     try:
         return device_info(resolve_device(name))

@@ -12,22 +12,13 @@ plots and saves them; nothing here prints.
 
 Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
 standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
-in FP32 (``lowprec.cli.pretrained``, cached on disk) and rounded to BF16, and trains it on the prose
-of ``pydoc_data.topics`` at a fine-tuning rate.
-
-Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
-the models (built on the CPU from one seeded FP32 state, so every device starts from the same
-weights, then moved), the batches and the eval batches; each recipe's autocast is entered for
-that device's type, and its loss scaler lives where its loss does. On CUDA a step's time is read
-after ``torch.cuda.synchronize``, so it is the step's run time, not the time its kernels took to
-be queued.
+in FP32 (``lowprec.cli.pretrained``, cached on disk) and rounded to BF16, and trains it on the
+prose of ``pydoc_data.topics`` at a fine-tuning rate. A recipe's run, its data and its device are
+``lowprec.cli.run``'s (re-exported here: ``task_data``, ``run_recipe``, ``resolve_device``, ...).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
 import os
 import statistics
 import time
@@ -36,286 +27,15 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from lowprec import recipes as recipes_mod
-from lowprec.cli.config import (
-    DEFAULT_RECIPES,
-    DEFAULT_TOLERANCE,
-    OPTIMIZERS,
-    CompareConfig,
-    ModelConfig,
-    check_device,
-)
-from lowprec.cli.summary import (
-    WARMUP_STEPS,
-    _quartiles,
-    _steady,
-    add_relative,
-    noise_floor,
-    recommend,
-    summarize,
-)
-from lowprec.cli.task import Batches, CharTransformer, load_prose, load_text
+from lowprec.cli.config import DEFAULT_RECIPES, DEFAULT_TOLERANCE, OPTIMIZERS, CompareConfig
+from lowprec.cli.pretrained import pretrained
+from lowprec.cli.run import _Run, device_info, resolve_device, run_recipe, task_data, task_loss
+from lowprec.cli.summary import add_relative, noise_floor, recommend, summarize
 
 __all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "add_relative",
            "compare", "device_info", "noise_floor", "recommend", "resolve_device", "run_recipe",
            "summarize", "task_data", "task_loss"]
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """The ``torch.device`` that ``device`` (``CompareConfig.device``) names on this machine.
-
-    ``"auto"`` is the current CUDA device where ``torch.cuda.is_available()``, else the CPU.
-
-    Raises:
-        ValueError: A spelling ``config.check_device`` refuses, CUDA asked for where torch finds
-            none, or a GPU index this machine does not have.
-    """
-    check_device(device)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return dev
-    if not torch.cuda.is_available():
-        why = ("this torch is a CPU-only build" if torch.version.cuda is None
-               else "torch finds no CUDA GPU")
-        raise ValueError(f"no CUDA device: {why} (torch {torch.__version__}); train on the CPU "
-                         "(--device cpu, or auto, which picks CUDA only where there is one), "
-                         "or on a machine with a GPU and a CUDA build of torch.")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ValueError(f"no CUDA device {dev.index}: this machine has {count} CUDA "
-                         f"device(s): choose cuda:0 to cuda:{count - 1}.")
-    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-
-
-def device_info(device: torch.device) -> dict[str, Any]:
-    """What ran the steps, for the JSON and the header: ``{"device": "cuda:0", "type": "cuda",
-    "name": the GPU's name (``torch.cuda.get_device_name``) or the CPU's model}``, and for a GPU
-    its memory, compute capability and torch's CUDA version."""
-    info: dict[str, Any] = {"device": str(device), "type": device.type}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(name=torch.cuda.get_device_name(device), total_memory=props.total_memory,
-                    capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
-    else:
-        info["name"] = _cpu_name()
-    return info
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), or "CPU"."""
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
-
-
-def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
-    """The learning rate's factor at each step: a linear warm-up over ``cfg.warmup`` of the
-    steps, then ``cfg.lr_schedule``: cosine decay to 10% of the peak, or the peak throughout."""
-    warm = max(1, int(cfg.warmup * cfg.steps))
-    cosine = cfg.lr_schedule == "cosine"
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if not cosine:
-            return 1.0
-        progress = (step - warm) / max(1, cfg.steps - warm)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
-              pretrained: dict[str, torch.Tensor] | None = None,
-              ) -> tuple[Batches, dict[str, torch.Tensor]]:
-    """The batches and initial FP32 weights of one seed's runs of ``cfg.task``.
-
-    ``pretrain``: windows of the standard library's sources and seeded random weights.
-    ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
-    ``lowprec.cli.pretrained.pretrained`` returns, the same for every seed).
-    """
-    if cfg.task == "finetune":
-        if pretrained is None:
-            raise ValueError("the finetune task starts from pretrained weights: pass "
-                             "pretrained=lowprec.cli.pretrained.pretrained(cfg, device)[0].")
-        text, initial = load_prose(), pretrained
-    else:
-        text = load_text(cfg.text_bytes)
-        torch.manual_seed(seed)
-        initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
-    # (every seed is measured on the first seed's held-out windows: the spread over seeds is the
-    # training's, not the sampling of the eval set's)
-    batches = Batches(text, context=cfg.model.context, batch_size=cfg.batch_size, seed=seed,
-                      eval_seed=cfg.seed + 1, device=device)
-    return batches, initial
-
-
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x).float()
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
-              seed: int = 0) -> Callable[[torch.nn.Module], torch.Tensor]:
-    """``loss_fn(model)``: the built-in task's loss on one fixed batch of random bytes on
-    ``device``, for ``memory.cuda_peak`` (a step's memory does not depend on which bytes)."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, 256, (batch_size, model.context + 1), generator=gen).to(device)
-    x, y = idx[:, :-1], idx[:, 1:]
-    return lambda m: _loss(m, x, y)
-
-
-@torch.no_grad()
-def _evaluate(model, recipe, batches, device: torch.device) -> float:
-    model.eval()
-    try:
-        with recipe.autocast(device.type):
-            return statistics.fmean(float(_loss(model, x.to(device), y.to(device)))
-                                    for x, y in batches)
-    finally:
-        model.train()
-
-
-class _Run:
-    """One recipe's training run, stepped one batch at a time (``compare`` takes the recipes'
-    steps in turn; ``run_recipe`` runs one alone). Its eval loss before training is measured
-    when it is built (``eval_before``), on ``batches``' held-out windows."""
-
-    def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor],
-                 batches: Batches, seed: int | None = None) -> None:
-        from lowprec import diagnostics
-
-        self.name, self.cfg, self.batches = name, cfg, batches
-        self.seed = cfg.seed if seed is None else seed
-        self.device = resolve_device(cfg.device)
-        self.recipe = recipe = recipes_mod.get(name)
-        model = CharTransformer(cfg.model)
-        model.load_state_dict(initial)
-        self.model = model = recipe.convert(model.to(self.device))
-        self.eval_before = _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches),
-                                     self.device)
-        hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
-        if cfg.optimizer == "sgd":
-            hp["momentum"] = 0.9
-        if cfg.optimizer in ("adamw", "lamb"):
-            hp["weight_decay"] = 0.01
-        if cfg.optimizer == "muon":  # (AdamW for the embeddings, head, norms and biases)
-            hp["adamw"] = {"lr": cfg.adamw_lr, "weight_decay": 0.01}
-        self.opt = recipe.optimizer(cfg.optimizer, model, seed=self.seed, **hp)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
-        self.monitor = None
-        # (a step inside backward has moved the weights before the monitor could preview it; its
-        # updates are those of the same recipe stepped normally, bit for bit)
-        if cfg.monitor_every and not recipe.step_in_backward:
-            self.monitor = diagnostics.UpdateMonitor(
-                model, self.opt, every=cfg.monitor_every, scaler=recipe.scaler
-            )
-        self.losses: list[float] = []
-        self.times: list[float] = []
-        self.skipped = 0
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One training step on batch ``(x, y)``; returns its loss (NaN for inf or NaN)."""
-        recipe, model, opt, monitor = self.recipe, self.model, self.opt, self.monitor
-        x, y = x.to(self.device), y.to(self.device)  # (no copy where they are there already)
-        start = self._clock()
-        opt.zero_grad(set_to_none=True)
-        with recipe.autocast(self.device.type):
-            loss = _loss(model, x, y)
-        recipe.backward(loss)
-        with monitor.step() if monitor is not None else contextlib.nullcontext():
-            stepped = recipe.step(opt)
-        if stepped:
-            self.sched.step()
-        else:
-            self.skipped += 1
-        self.times.append(self._clock() - start)
-        value = float(loss.detach())
-        value = value if math.isfinite(value) else float("nan")
-        self.losses.append(value)
-        return value
-
-    def _clock(self) -> float:
-        """``time.perf_counter()`` once the device has finished the work queued on it (on CUDA
-        the calls return when the kernels are queued, not run)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def record(self) -> dict[str, Any]:
-        """The run's record (the steps taken so far), with its eval loss and memory."""
-        from lowprec import memory
-
-        cfg, monitor, batches = self.cfg, self.monitor, self.batches
-        losses, times = self.losses, self.times
-        tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
-        mem = memory.measure(self.model, self.opt)
-        lost = None
-        if monitor is not None:
-            # What the training trajectory loses: updates that left the master value unchanged
-            # (for Kahan, split and an FP32 copy the stored BF16/FP16 weight may lag while the
-            # master keeps the update).
-            lost = monitor.master_lost_fraction
-            if lost is None:
-                lost = monitor.lost_update_fraction
-            monitor.close()
-        steady = _steady(times)
-        median = statistics.median(steady)
-        recipe = self.recipe
-        return {
-            "recipe": self.name,
-            "seed": self.seed,
-            "eval_before": self.eval_before,
-            "final_loss": statistics.fmean(tail) if tail else float("nan"),
-            "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches),
-                                   self.device),
-            "step_time_s": median,
-            "step_time_iqr_s": _quartiles(steady),
-            # What the first steps took beyond two steady ones: the fused step's compilation.
-            "warmup_s": max(0.0, sum(times[:WARMUP_STEPS]) - median * len(times[:WARMUP_STEPS])),
-            "step_times_s": times,
-            "bytes_per_param": mem.bytes_per_param,
-            "lost_update_fraction": lost,
-            "stored_unchanged_fraction": (
-                monitor.lost_update_fraction if monitor is not None else None
-            ),
-            "skipped_steps": self.skipped,
-            "losses": losses,
-            "description": recipe.description,
-            # What the recommendation's lost-update rule reads (``summary.recommend``).
-            "weights": str(recipe.param_dtype).removeprefix("torch."),
-            "master": recipe.master,
-            "rounding": "stochastic" if recipe.master == "stochastic" else "nearest",
-        }
-
-
-def run_recipe(
-    name: str,
-    cfg: CompareConfig,
-    batches: Batches,
-    initial: dict[str, torch.Tensor],
-    *,
-    on_step: Callable[[int, float], None] | None = None,
-) -> dict[str, Any]:
-    """Train one recipe alone from the ``initial`` FP32 weights and return its record (its
-    seed: ``batches.seed``)."""
-    run = _Run(name, cfg, initial, batches, batches.seed)
-    for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
-        loss = run.step(x, y)
-        if on_step is not None:
-            on_step(step, loss)
-    return run.record()
 
 
 def compare(
@@ -360,8 +80,6 @@ def compare(
     out = records if records is not None else []
     weights = None
     if cfg.task == "finetune":
-        from lowprec.cli.pretrained import pretrained
-
         weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
                                     on_note=on_note)
         if info is not None:

@@ -121,7 +121,7 @@ _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 def check_device(device: str) -> str:
     """``device`` if it names where ``compare`` can run: ``"auto"`` (CUDA where torch finds it,
     else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Only the spelling is checked here
-    (without torch); ``lowprec.cli.compare.resolve_device`` checks that the device exists.
+    (without torch); ``lowprec.cli.run.resolve_device`` checks that the device exists.
 
     Raises:
         ValueError: Any other value.

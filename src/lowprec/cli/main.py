@@ -53,7 +53,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from lowprec import memory
-    from lowprec.cli.compare import task_loss
+    from lowprec.cli.run import task_loss
     from lowprec.cli.task import CharTransformer
 
     _, Table = _import_rich()
