@@ -3,8 +3,8 @@ checks.
 
 Imports nothing heavier than the standard library (no torch), so that ``lowprec --help`` and a
 mistyped option answer at once: the command imports torch only once a command runs.
-``lowprec.cli.compare`` and ``lowprec.cli.task`` re-export these names; ``lowprec.recipes`` checks
-that its recipes are the ones named here.
+``lowprec.cli.compare`` and ``lowprec.cli.task`` re-export these names; ``lowprec.cli.run`` checks
+that ``lowprec.recipes`` defines the recipes named here.
 """
 
 from __future__ import annotations

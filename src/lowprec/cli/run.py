@@ -26,11 +26,19 @@ import torch.nn.functional as F
 
 from lowprec import diagnostics, memory
 from lowprec import recipes as recipes_mod
+from lowprec.cli import config
 from lowprec.cli.config import CompareConfig, ModelConfig, check_device
 from lowprec.cli.summary import WARMUP_STEPS, _quartiles, _steady
 from lowprec.cli.task import Batches, CharTransformer, load_prose, load_text
 
 __all__ = ["device_info", "resolve_device", "run_recipe", "task_data", "task_loss"]
+
+# The command lists and checks recipe names without importing torch (config.RECIPES); the
+# library's recipes must be those (the library imports nothing of the command, so the check is
+# here, where compare and memory's table first build recipes).
+if recipes_mod.RECIPES != config.RECIPES:
+    raise ImportError(f"lowprec.cli.config.RECIPES {config.RECIPES} must name the recipes defined "
+                      f"in lowprec.recipes, {recipes_mod.RECIPES}, in the same order.")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
