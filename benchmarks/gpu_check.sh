@@ -447,7 +447,7 @@ import torch
 
 from lowprec import memory
 from lowprec.cli import config
-from lowprec.cli.compare import task_loss
+from lowprec.cli.run import task_loss
 from lowprec.cli.task import CharTransformer
 
 model_cfg, batch = config.sized("medium")
