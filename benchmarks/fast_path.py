@@ -52,8 +52,8 @@ from unittest import mock
 import torch
 
 import lowprec
+from lowprec.cli.task import CharTransformer, ModelConfig
 from lowprec.optim import batches, buckets, compiled, replay
-from lowprec.task import CharTransformer, ModelConfig
 
 CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-kahan": (lowprec.AdamW, {"lr": 1e-3, "master": "kahan"}),

@@ -11,8 +11,11 @@ import sys
 import pytest
 import torch
 
-from lowprec import cli, cli_compare, compare, memory, plot, recipes
-from lowprec.task import Batches, CharTransformer, ModelConfig, load_text
+from lowprec import memory, recipes
+from lowprec.cli import compare, compare_cmd, plot, run
+from lowprec.cli.common import _console
+from lowprec.cli.main import main
+from lowprec.cli.task import Batches, CharTransformer, ModelConfig, load_text
 
 # A model and run small enough for a test: the whole comparison takes seconds.
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
@@ -78,7 +81,7 @@ def test_compare_same_start_and_data_for_every_recipe():
 
 def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
     json_path = tmp_path / "deep" / "r.json"
-    code = cli.main(["compare", "--recipes", "fp32", *TINY, "--json", str(json_path),
+    code = main(["compare", "--recipes", "fp32", *TINY, "--json", str(json_path),
                      "--no-plot", "--out", str(tmp_path / "unused")])
     assert code == 0
     assert json.loads(json_path.read_text())["records"][0]["recipe"] == "fp32"
@@ -86,15 +89,15 @@ def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
 
 
 def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
-    real = compare._Run.step
+    real = run._Run.step
 
     def interrupted_at_bf16s_third_step(self, x, y):
         if self.name == "bf16" and len(self.losses) == 2:
             raise KeyboardInterrupt
         return real(self, x, y)
 
-    monkeypatch.setattr(compare._Run, "step", interrupted_at_bf16s_third_step)
-    code = cli.main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
+    monkeypatch.setattr(run._Run, "step", interrupted_at_bf16s_third_step)
+    code = main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
                      "--out", str(tmp_path)])
     assert code == 130
     out = capsys.readouterr().out
@@ -114,13 +117,13 @@ def test_recipes_take_their_steps_in_turn_with_the_same_results_as_alone(monkeyp
                                 batch_size=4, eval_batches=1, monitor_every=2,
                                 text_bytes=200_000)
     order = []
-    real = compare._Run.step
+    real = run._Run.step
 
     def spy(self, x, y):
         order.append(self.name)
         return real(self, x, y)
 
-    monkeypatch.setattr(compare._Run, "step", spy)
+    monkeypatch.setattr(run._Run, "step", spy)
     load: dict = {}
     records = compare.compare(cfg, load=load)
     # One step of each recipe per round, the round's first recipe rotating.
@@ -161,10 +164,10 @@ def test_background_load_is_measured_and_reported(capsys):
     assert summary["rounds"] == 1
     if summary["background_cores"] is not None:
         assert 0 <= summary["background_cores"] < 4
-    console = cli._console()
-    cli_compare._load_note(console, {"background_cores": 0.9, "max_cores": 1.0,
+    console = _console()
+    compare_cmd._load_note(console, {"background_cores": 0.9, "max_cores": 1.0,
                              "contended_fraction": 0.4}, threads=2)
-    cli_compare._load_note(console, {"background_cores": 0.0, "max_cores": 0.1,
+    compare_cmd._load_note(console, {"background_cores": 0.0, "max_cores": 0.1,
                              "contended_fraction": 0.0}, threads=2)
     out = capsys.readouterr().out
     assert "The machine was contended" in out and "40% of the rounds" in out
@@ -190,7 +193,7 @@ def test_background_load_is_measured_and_reported(capsys):
 )
 def test_user_mistakes_give_a_message_not_a_traceback(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        code = cli.main(args)
+        code = main(args)
         raise SystemExit(code)
     assert exc.value.code == 2
     err = capsys.readouterr().err
@@ -223,8 +226,8 @@ def test_output_paths_are_checked_before_training(mistake, tmp_path, capsys, mon
                                "cannot write /proc/lowprec-x/compare.json (--json)"),
     }[mistake]
     trained = []
-    monkeypatch.setattr("lowprec.compare.compare", lambda *a, **k: trained.append(1))
-    assert cli.main(["compare", "--recipes", "fp32", *TINY, *args]) == 2
+    monkeypatch.setattr("lowprec.cli.compare.compare", lambda *a, **k: trained.append(1))
+    assert main(["compare", "--recipes", "fp32", *TINY, *args]) == 2
     captured = capsys.readouterr()
     assert "lowprec: error: " in captured.err and expected in captured.err, captured.err
     assert not trained and "lowprec compare" not in captured.out
@@ -237,7 +240,7 @@ def test_progress_is_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys)
     prints plain progress lines instead: recipe, step, the step's own loss, elapsed, time left;
     the table's loss column says what it is."""
     tiny = [a for a in TINY if a != "--no-progress"]
-    assert cli.main(["compare", "--recipes", "fp32,bf16", *tiny, "--no-plot",
+    assert main(["compare", "--recipes", "fp32,bf16", *tiny, "--no-plot",
                      "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = re.findall(r"^(\S+) +step (\d)/4  loss \d+\.\d{4} \(this step\)  elapsed \d+ s, "
@@ -292,7 +295,7 @@ def test_plot_draws_every_panel_for_diverged_and_missing_references(tmp_path, wi
 
 
 def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):
-    code = cli.main(["compare", "--recipes", "fp32", "--optimizer", "sgd", "--lr", "1e12", *TINY,
+    code = main(["compare", "--recipes", "fp32", "--optimizer", "sgd", "--lr", "1e12", *TINY,
                      "--no-plot", "--out", str(tmp_path)])
     assert code == 0
     assert "fp32 diverged" in capsys.readouterr().out
@@ -303,13 +306,13 @@ def test_a_diverged_run_is_reported_not_a_crash(tmp_path, capsys):
 
 
 def test_no_command_prints_help(capsys):
-    assert cli.main([]) == 2
+    assert main([]) == 2
     assert "compare" in capsys.readouterr().out
 
 
 def test_memory_table_agrees_with_the_tensors(tmp_path, capsys):
     path = tmp_path / "m.json"
-    assert cli.main(["memory", "--optimizer", "adamw", "--json", str(path)]) == 0
+    assert main(["memory", "--optimizer", "adamw", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "NO" not in out
     rows = {r["recipe"]: r for r in json.loads(path.read_text())["rows"]}
@@ -331,18 +334,18 @@ def test_memory_of_optimizers_whose_model_state_is_mixed(optimizer, capsys, monk
     # The accounting is the subject, not the size: a one-block model of width 64 (each recipe's
     # Muon step on the built-in model orthogonalizes its matrices with BF16 matmuls, a minute
     # in all where torch has no fast BF16 kernel, as on AVX2-only CPUs).
-    from lowprec import config
+    from lowprec.cli import config
 
     monkeypatch.setitem(config.SIZES, "default", config.Size(
         ModelConfig(d_model=64, n_layer=1, n_head=2, context=32), 4, "a test's"))
-    assert cli.main(["memory", "--optimizer", optimizer]) == 0
+    assert main(["memory", "--optimizer", optimizer]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "NO" not in out and "agrees compares the other columns" in out
 
 
 def test_memory_with_accumulation_buffers(tmp_path, capsys):
     path = tmp_path / "m.json"
-    assert cli.main(["memory", "--accumulate", "kahan", "--json", str(path)]) == 0
+    assert main(["memory", "--accumulate", "kahan", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "accumulation" in out and "NO" not in out
     rows = {r["recipe"]: r for r in json.loads(path.read_text())["rows"]}
@@ -353,7 +356,7 @@ def test_memory_with_accumulation_buffers(tmp_path, capsys):
 
 def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
     path = tmp_path / "n.json"
-    assert cli.main(["numerics", "--steps", "500", "--json", str(path)]) == 0
+    assert main(["numerics", "--steps", "500", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     methods = data["swamping"]["methods"]
     assert methods["bf16"]["final"] == 1.0  # every 1e-4 below half a BF16 ulp of 1.0: lost
@@ -373,8 +376,8 @@ def test_numerics_shows_the_swamping_problem(tmp_path, capsys):
 def test_help_and_mistakes_answer_without_importing_torch(args):
     # torch takes seconds to import: the command's help, version and argument errors do not
     # wait for it (issue 22, point 9); they answer as before.
-    code = ("import sys\nfrom lowprec import cli\n"
-            f"try:\n    status = cli.main({args!r})\nexcept SystemExit as e:\n    status = e.code\n"
+    code = ("import sys\nfrom lowprec.cli.main import main\n"
+            f"try:\n    status = main({args!r})\nexcept SystemExit as e:\n    status = e.code\n"
             "print('torch imported:', 'torch' in sys.modules, 'status:', status)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -400,4 +403,4 @@ def test_the_package_names_import_on_first_use():
     assert proc.stdout.split() == ["convert_to_dfp", "lowprec.scaling"], proc.stderr
     with pytest.raises(AttributeError, match="no attribute 'Adamax'"):
         _ = lowprec.Adamax
-    assert recipes.RECIPES == lowprec.config.RECIPES
+    assert recipes.RECIPES == lowprec.cli.config.RECIPES

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from lowprec import demos
+from lowprec.cli import demos
 
 
 def f32(x: float) -> float:

@@ -19,8 +19,11 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lowprec import cli, cli_compare, cli_parser, compare, config, memory, recipes
-from lowprec.task import CharTransformer, ModelConfig
+from lowprec import memory, recipes
+from lowprec.cli import compare, compare_cmd, config, parser, run
+from lowprec.cli.common import _console
+from lowprec.cli.main import main
+from lowprec.cli.task import CharTransformer, ModelConfig
 
 # A model and run small enough for a test (as tests/test_cli.py's).
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
@@ -69,7 +72,7 @@ def test_compare_on_the_cpu_records_the_device(tmp_path, capsys, monkeypatch, au
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     path = tmp_path / "c.json"
-    assert cli.main(["compare", "--device", "cpu", "--recipes", "fp32,amp-bf16,fp16-master",
+    assert main(["compare", "--device", "cpu", "--recipes", "fp32,amp-bf16,fp16-master",
                      *TINY, "--json", str(path), "--no-plot", "--no-fused"]) == 0
     out = capsys.readouterr().out
     data = json.loads(path.read_text())
@@ -109,7 +112,7 @@ def test_cuda_without_cuda_is_one_clear_line_and_no_training(command, tmp_path, 
     monkeypatch.setattr(compare, "compare", lambda *a, **k: trained.append(1))
     monkeypatch.setattr(memory, "table", lambda *a, **k: trained.append(1))
     args = [*TINY, "--out", str(tmp_path)] if command == "compare" else []
-    assert cli.main([command, "--device", "cuda", *args]) == 2
+    assert main([command, "--device", "cuda", *args]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert len(err.splitlines()) == 1, err
@@ -145,7 +148,7 @@ def test_cuda_on_a_cpu_only_torch_says_so_in_a_subprocess(tmp_path):
 )
 def test_bad_device_or_size_is_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        raise SystemExit(cli.main(args))
+        raise SystemExit(main(args))
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -154,14 +157,14 @@ def test_bad_device_or_size_is_a_message(args, message, capsys):
 def test_the_load_note_on_a_gpu_blames_no_cpu_threads(capsys):
     """The background load is the CPU's: on a GPU run it is reported as such, without the CPU
     run's warning that the step's threads shared busy cores."""
-    console = cli._console()
+    console = _console()
     gpu = {"device": "cuda:0", "type": "cuda", "name": "a GPU"}
     busy = {"background_cores": 0.9, "max_cores": 1.0, "contended_fraction": 0.4}
-    cli_compare._load_note(console, busy, 2, gpu)
+    compare_cmd._load_note(console, busy, 2, gpu)
     out = _words(capsys.readouterr().out)
     assert "Background CPU load: 0.90 cores" in out and "in 40% of them" in out
     assert "The steps ran on cuda:0" in out and "share the cores" not in out
-    cli_compare._load_note(console, busy, 2, {"device": "cpu", "type": "cpu", "name": "a CPU"})
+    compare_cmd._load_note(console, busy, 2, {"device": "cpu", "type": "cpu", "name": "a CPU"})
     assert "2 threads share the cores" in _words(capsys.readouterr().out)
 
 
@@ -236,7 +239,7 @@ def test_size_presets_have_the_documented_parameter_counts(name):
     assert count == size.model.num_parameters
     documented = f"`{name}` ({count / 1e6:.1f}M parameters"
     assert documented in README, f"docs/choosing-a-recipe.md's --size line should say {documented}"
-    assert f"{name} ({count / 1e6:.1f}M parameters" in cli_parser._sizes_help()
+    assert f"{name} ({count / 1e6:.1f}M parameters" in parser._sizes_help()
 
 
 def test_the_default_size_is_the_built_in_model_and_gpt2_small_has_gpt2s_layers():
@@ -254,7 +257,7 @@ def test_size_and_explicit_overrides_reach_the_run(tmp_path, monkeypatch, capsys
     seen = []
     monkeypatch.setattr(compare, "compare", lambda cfg, **_k: seen.append(cfg))
     path = tmp_path / "c.json"
-    assert cli.main(["compare", "--size", "small", "--d-model", "96", "--n-head", "4",
+    assert main(["compare", "--size", "small", "--d-model", "96", "--n-head", "4",
                      "--device", "cpu", "--json", str(path), "--no-plot"]) == 0
     (cfg,) = seen
     small = config.SIZES["small"]
@@ -265,7 +268,7 @@ def test_size_and_explicit_overrides_reach_the_run(tmp_path, monkeypatch, capsys
     assert data["config"]["size"] == "small"
     assert data["config"]["parameters"] == cfg.model.num_parameters
     assert f"({cfg.model.num_parameters:,} parameters)" in capsys.readouterr().out
-    assert cli.main(["compare", "--size", "small", "--batch-size", "3", "--device", "cpu",
+    assert main(["compare", "--size", "small", "--batch-size", "3", "--device", "cpu",
                      "--json", str(path), "--no-plot"]) == 0
     assert seen[1].batch_size == 3 and seen[1].model == small.model
 
@@ -285,7 +288,7 @@ def test_help_lists_the_device_and_the_sizes():
 
 def test_memory_on_the_cpu_has_no_peak(tmp_path, capsys):
     path = tmp_path / "m.json"
-    assert cli.main(["memory", "--device", "cpu", "--json", str(path)]) == 0
+    assert main(["memory", "--device", "cpu", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "peak MiB" not in out and "on cpu (" in out
     data = json.loads(path.read_text())
@@ -317,7 +320,7 @@ def test_compare_trains_on_cuda(monkeypatch, autocast_types):
                                 eval_batches=1, monitor_every=0, text_bytes=200_000,
                                 threads=1, device="cuda", fused=False)
     seen: dict[str, set] = {"x": set(), "params": set(), "scaler": set()}
-    real_step = compare._Run.step
+    real_step = run._Run.step
 
     def spy(self, x, y):
         loss = real_step(self, x, y)
@@ -329,7 +332,7 @@ def test_compare_trains_on_cuda(monkeypatch, autocast_types):
 
     syncs = []
     real_sync = torch.cuda.synchronize
-    monkeypatch.setattr(compare._Run, "step", spy)
+    monkeypatch.setattr(run._Run, "step", spy)
     monkeypatch.setattr(torch.cuda, "synchronize",
                         lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1])
     threads = torch.get_num_threads()
@@ -392,7 +395,7 @@ def test_cuda_peak_of_a_training_step(name):
 def test_memory_device_cuda_adds_the_peak(tmp_path, capsys):
     path = tmp_path / "m.json"
     # (status 0: every recipe's measured bytes agree with the expected ones, as on the CPU)
-    assert cli.main(["memory", "--device", "cuda", "--json", str(path)]) == 0
+    assert main(["memory", "--device", "cuda", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "held MiB" in out and "peak MiB" in out
     data = json.loads(path.read_text())

@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from lowprec import cli, compare, pretrained, summary
-from lowprec.config import FINETUNE_LR, LOST_UPDATES_LIMIT, CompareConfig, ModelConfig
-from lowprec.task import Batches, load_prose, load_text
+from lowprec.cli import compare, pretrained, run, summary
+from lowprec.cli.config import FINETUNE_LR, LOST_UPDATES_LIMIT, CompareConfig, ModelConfig
+from lowprec.cli.main import main
+from lowprec.cli.task import Batches, load_prose, load_text
 
 TINY_MODEL = ModelConfig(d_model=32, n_layer=1, n_head=2, context=16)
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
@@ -72,8 +73,8 @@ def test_config_defaults_and_checks_for_the_tasks():
 
 
 def test_schedules_warm_up_then_hold_or_decay():
-    const = compare._schedule(CompareConfig(steps=100, warmup=0.1, schedule="constant"))
-    cos = compare._schedule(CompareConfig(steps=100, warmup=0.1, schedule="cosine"))
+    const = run._schedule(CompareConfig(steps=100, warmup=0.1, schedule="constant"))
+    cos = run._schedule(CompareConfig(steps=100, warmup=0.1, schedule="cosine"))
     assert [const(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert [cos(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
     assert const(50) == const(99) == 1.0
@@ -217,7 +218,7 @@ def test_finetune_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     args = ["compare", "--task", "finetune", "--pretrain-steps", "5", "--seeds", "2",
             "--recipes", "fp32,bf16,bf16-sr", *TINY, "--out", str(out)]
-    assert cli.main(args) == 0
+    assert main(args) == 0
     text = capsys.readouterr().out
     assert "fine-tuning on pydoc prose from 5 FP32 pretraining steps" in text
     assert "eval before" in text and "share of fp32's drop" in text and "±" in text
@@ -230,7 +231,7 @@ def test_finetune_command_end_to_end(tmp_path, capsys):
     assert data["pretrained"]["cached"] is False and (out / "pretrained").is_dir()
     assert data["recommendation"]["threshold"] == max(0.005, data["noise_floor"])
     # The second run reads the pretrained model instead of training it.
-    assert cli.main(args) == 0
+    assert main(args) == 0
     assert "Pretrained model: read from" in capsys.readouterr().out
     assert json.loads((out / "compare.json").read_text())["pretrained"]["cached"] is True
 
@@ -338,7 +339,7 @@ def test_every_optimizer_fine_tunes_at_its_own_rate(tmp_path, optimizer):
 def test_the_command_says_when_a_run_is_too_short_to_judge_plain_bf16(tmp_path, capsys):
     """At a rate far below BF16's resolution plain bf16 ends level with fp32 after a few steps
     while losing nearly every update: the command does not recommend it, and says why."""
-    assert cli.main(["compare", "--recipes", "fp32,bf16", "--lr", "1e-6", *TINY,
+    assert main(["compare", "--recipes", "fp32,bf16", "--lr", "1e-6", *TINY,
                      "--monitor-every", "1", "--no-plot", "--out", str(tmp_path)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     data = json.loads((tmp_path / "compare.json").read_text())

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from lowprec import memory, memory_peak, memory_plan, memory_probe, recipes
-from lowprec.cli import main
+from lowprec import memory, recipes
+from lowprec.cli import memory_peak, memory_plan, memory_probe
+from lowprec.cli.main import main
 
 # ---------------------------------------------------------------------------------- --params
 

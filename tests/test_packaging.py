@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import lowprec
-from lowprec.cli_parser import build_parser
+from lowprec.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = (ROOT / "pyproject.toml").read_text()

@@ -33,7 +33,7 @@ def test_the_readme_is_a_landing_page():
 
 def test_setup_commands_match_the_project():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'lowprec = "lowprec.cli:entry_point"' in pyproject
+    assert 'lowprec = "lowprec.cli.main:entry_point"' in pyproject
     extras = [e for group in re.findall(r'-e "\.\[([\w,]+)\]"', README) for e in group.split(",")]
     assert "integrations" in extras  # the test command installs the frameworks' tests' needs
     for extra in extras:

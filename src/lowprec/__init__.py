@@ -1,6 +1,6 @@
 """lowprec: train PyTorch models in BF16/FP16 with FP32-quality results.
 
-The names below are imported on first use (PEP 562), so that ``import lowprec.config`` and the
+The names below are imported on first use (PEP 562), so that ``import lowprec.cli.config`` and the
 ``lowprec`` command's ``--help`` do not wait for torch; ``lowprec.AdamW``,
 ``from lowprec import AdamW`` and ``lowprec.optim`` work as plain imports do.
 """

@@ -1,5 +1,5 @@
 """``python -m lowprec``: the same as the ``lowprec`` command."""
 
-from lowprec.cli import entry_point
+from lowprec.cli.main import entry_point
 
 entry_point()

@@ -26,9 +26,9 @@ table; ``table`` lists every recipe, optionally beside a measurement of a real m
 
 On CUDA, ``cuda_peak`` adds what the tensor accounting leaves out: the allocator's peak during a
 real training step (activations, temporaries, the allocator's rounding), from
-``torch.cuda.max_memory_allocated``. ``lowprec.memory_peak`` measures the peak of a whole step
+``torch.cuda.max_memory_allocated``. ``lowprec.cli.memory_peak`` measures the peak of a whole step
 on any device, each configuration in a fresh process, with and without ``step_in_backward``
-(``lowprec memory --measure-peak``), and ``lowprec.memory_plan`` gives what a model of a given
+(``lowprec memory --measure-peak``), and ``lowprec.cli.memory_plan`` gives what a model of a given
 size needs per recipe (``lowprec memory --params 7B``).
 """
 
@@ -271,7 +271,7 @@ def expected(
     with these hyperparameters.
 
     Args:
-        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         hyperparameters: The optimizer's hyperparameters (default: None, meaning
             ``DEFAULT_HYPERPARAMETERS``: SGD with momentum 0.9, the others at their defaults).
@@ -286,7 +286,7 @@ def expected(
         4-byte step counters are per tensor, not per element). ``"grads"`` and
         ``"accumulation"`` are 0.0 for a recipe that steps each parameter in backward
         (``step_in_backward``): it frees each gradient once stepped, so none is held per
-        element (one parameter's at a time: ``lowprec.memory_peak``), and it cannot accumulate.
+        element (one parameter's at a time: ``lowprec.cli.memory_peak``), and it cannot accumulate.
 
     Raises:
         ValueError: An unknown optimizer or recipe name.
@@ -386,7 +386,7 @@ def table(
     """Bytes per parameter element of every recipe with one optimizer, expected and measured.
 
     Args:
-        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         model: A model, or a function returning a fresh one (default: None, meaning no
             measurement). For each recipe a copy (a module is deep-copied, a function called) is
             converted, given random gradients and stepped once, then measured.
@@ -480,7 +480,7 @@ def cuda_peak(
     device held before the copy was made, so the process's other tensors are left out.
 
     Args:
-        optimizer_name: One of ``lowprec.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         model: A model on a CUDA device, or a function returning a fresh one.
         loss_fn: ``loss_fn(model) -> loss``: the forward on a batch of the caller's.

@@ -1,8 +1,8 @@
 """The ``lowprec`` command's options: argparse, its argument types, and ``build_parser``.
 
-Torch-free (it reads ``lowprec.config``), so that ``--help``, ``--version`` and a mistyped option
-answer without the seconds an import of torch takes; each subcommand's parser names its command
-(``command``), which ``lowprec.cli.main`` runs.
+Torch-free (it reads ``lowprec.cli.config``), so that ``--help``, ``--version`` and a mistyped
+option answer without the seconds an import of torch takes; each subcommand's parser names its
+command (``command``), which ``lowprec.cli.main.main`` runs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import argparse
 import math
 from pathlib import Path
 
-from lowprec import __version__, config
+from lowprec import __version__
+from lowprec.cli import config
 
 
 def _whole(minimum: int):
@@ -75,7 +76,7 @@ def _device(text: str) -> str:
 
 def _model_size(text: str):
     """``--params``: a parameter count or a Hugging Face config.json (``memory_plan``)."""
-    from lowprec.memory_plan import parse_params  # (torch-free)
+    from lowprec.cli.memory_plan import parse_params  # (torch-free)
 
     try:
         return parse_params(text)
@@ -100,7 +101,7 @@ def _add_device_and_size(p: argparse.ArgumentParser, overrides: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowprec.config import (
+    from lowprec.cli.config import (
         DEFAULT_LR,
         DEFAULT_RECIPES,
         DEFAULT_TOLERANCE,

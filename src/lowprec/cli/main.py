@@ -1,9 +1,10 @@
 """The ``lowprec`` command: ``compare``, ``memory`` and ``numerics``.
 
-The numbers come from ``lowprec.compare``, ``lowprec.memory`` and ``lowprec.demos``, which print
-nothing; ``lowprec.cli_parser`` holds the options (argparse, torch-free), ``lowprec.cli_compare``
-the compare command's progress, table and notes, and this module the rest: the shared output
-helpers, ``memory``, ``numerics`` and ``main`` (rich for tables; ``lowprec.plot`` draws the
+The numbers come from ``lowprec.cli.compare``, ``lowprec.memory`` and ``lowprec.cli.demos``,
+which print nothing; ``lowprec.cli.parser`` holds the options (argparse, torch-free),
+``lowprec.cli.compare_cmd`` the compare command's progress, table and notes,
+``lowprec.cli.common`` the helpers the commands share (output, errors), and this module the
+rest: ``memory``, ``numerics`` and ``main`` (rich for tables; ``lowprec.cli.plot`` draws the
 picture, matplotlib, headless). A user mistake (an unknown recipe, a
 negative step count) ends with one ``lowprec: error: ...`` line and exit status 2, never a
 traceback; Ctrl-C during ``compare`` prints the recipes measured so far, saves them, and exits
@@ -13,126 +14,28 @@ with status 130.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
-import platform
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from lowprec import __version__, config
-from lowprec.cli_parser import build_parser
+from lowprec.cli import config
+from lowprec.cli.common import (
+    UsageError,
+    _check_output,
+    _console,
+    _environment,
+    _fmt,
+    _import_rich,
+    _resolve_device,
+    _write_json,
+)
+from lowprec.cli.compare_cmd import _cmd_compare
+from lowprec.cli.parser import build_parser
 
 # torch, and every lowprec module that needs it, is imported inside the commands: `--help`, the
 # version and a mistyped option answer without the seconds an import of torch takes.
 
 __all__ = ["main"]
-
-_EXTRA_HINT = 'the lowprec command needs its extras: pip install "lowprec[cli]" ({})'
-
-
-class UsageError(Exception):
-    """A mistake in the command line: printed as one line, exit status 2."""
-
-
-def _import_rich():
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError as exc:  # pragma: no cover - the cli extra installs rich
-        raise UsageError(_EXTRA_HINT.format(exc)) from None
-    return Console, Table
-
-
-def _console():
-    """A rich console; wide enough for the tables (compare's 14 columns, 16 when fine-tuning)
-    when the output is a file or a pipe."""
-    Console, _ = _import_rich()
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=240)
-    return console
-
-
-# ---------------------------------------------------------------------------------- output
-
-
-def _fmt(value: Any, spec: str, *, scale: float = 1.0, unit: str = "") -> str:
-    """``value * scale`` formatted with ``spec`` and ``unit``; "-" for a missing or NaN value."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value * scale, spec) + unit
-
-
-def _json_ready(obj: Any) -> Any:
-    """``obj`` with inf and NaN (a diverged run's losses) as null: strict JSON has neither."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_ready(v) for v in obj]
-    return obj
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_json_ready(payload), indent=2, allow_nan=False) + "\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
-def _check_output(path: Path, option: str) -> None:
-    """Make sure ``path`` can be written before any work is done: its folder is created (as the
-    write would create it) and a scratch file written and removed there. A mistake (a file where a
-    folder must be, a folder where the file goes, no permission, a read-only file system) is a
-    ``UsageError`` naming ``option``, instead of a failure after minutes of training."""
-    import tempfile
-
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a folder: name a file inside it, e.g. "
-                         f"{path / ('compare' + (path.suffix or '.json'))}")
-    for parent in (path.parent, *path.parent.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"cannot write {path} ({option}): {parent} is a file, not a "
-                                 "folder; choose another path")
-            break
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".lowprec-check-"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"cannot write {path} ({option}): {exc.strerror or exc}") from None
-
-
-def _environment() -> dict[str, Any]:
-    import torch
-
-    return {
-        "lowprec": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "bf16_matmul_isa": torch.backends.cpu.get_cpu_capability(),
-    }
-
-
-def _resolve_device(name: str) -> dict[str, Any]:
-    """``compare.device_info`` of the device ``name`` names here; a ``UsageError`` where there
-    is none (``--device cuda`` without CUDA), before any work."""
-    from lowprec.compare import device_info, resolve_device
-
-    try:
-        return device_info(resolve_device(name))
-    except ValueError as exc:
-        raise UsageError(f"--device {name}: {exc}") from None
-
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -150,8 +53,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from lowprec import memory
-    from lowprec.compare import task_loss
-    from lowprec.task import CharTransformer
+    from lowprec.cli.run import task_loss
+    from lowprec.cli.task import CharTransformer
 
     _, Table = _import_rich()
     console = _console()
@@ -221,7 +124,7 @@ def _yes(flag: bool) -> str:
 def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> dict[str, Any]:
     """``--measure-peak``: every recipe's step, without and with step_in_backward, measured in
     fresh processes (``memory_peak.peak_table``), its table and the issue's targets."""
-    from lowprec import memory_peak
+    from lowprec.cli import memory_peak
 
     _, Table = _import_rich()
     probe = {"depth": args.probe_depth, "width": args.probe_width, "batch": args.probe_batch}
@@ -291,7 +194,8 @@ def _fit(gib: float, card: int) -> str:
 
 def _memory_plan(args: argparse.Namespace) -> int:
     """``--params``: the GiB each recipe needs for a model of that size (``memory_plan``)."""
-    from lowprec import memory, memory_plan
+    from lowprec import memory
+    from lowprec.cli import memory_plan
 
     _, Table = _import_rich()
     console = _console()
@@ -348,7 +252,7 @@ def _memory_plan(args: argparse.Namespace) -> int:
 def _cmd_numerics(args: argparse.Namespace) -> int:
     if args.json is not None:
         _check_output(args.json, "--json")
-    from lowprec import demos
+    from lowprec.cli import demos
 
     _, Table = _import_rich()
     console = _console()
@@ -405,10 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "command", None) is None:
         parser.print_help()
         return 2
-    if args.command == "compare":
-        from lowprec.cli_compare import _cmd_compare as run
-    else:
-        run = _cmd_memory if args.command == "memory" else _cmd_numerics
+    run = {"compare": _cmd_compare, "memory": _cmd_memory}.get(args.command, _cmd_numerics)
     try:
         return run(args)
     except UsageError as exc:

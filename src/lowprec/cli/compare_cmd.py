@@ -1,6 +1,7 @@
 """``lowprec compare`` as a command: options into a ``CompareConfig``, progress, the table, the
-recommendation, the notes under it, JSON and the plot (``lowprec.compare`` measures and prints
-nothing; ``lowprec.cli`` dispatches here).
+recommendation, the notes under it, JSON and the plot (``lowprec.cli.compare`` measures and prints
+nothing; ``lowprec.cli.main`` dispatches here; ``lowprec.cli.common`` holds what the commands
+share).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lowprec import config
-from lowprec.cli import (
+from lowprec.cli import config
+from lowprec.cli.common import (
     _EXTRA_HINT,
     UsageError,
     _check_output,
@@ -23,7 +24,7 @@ from lowprec.cli import (
     _resolve_device,
     _write_json,
 )
-from lowprec.plot import plot_losses
+from lowprec.cli.plot import plot_losses
 
 
 def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None,
@@ -87,7 +88,7 @@ def _spread(iqr: Sequence[float] | None) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from lowprec.config import CompareConfig
+    from lowprec.cli.config import CompareConfig
 
     console = _console()
     try:
@@ -113,8 +114,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if cfg.task == "finetune":  # (where the pretrained model is cached)
         _check_output(args.out / "pretrained" / "pretrained.pt", "--out")
     # (torch: after the checks)
-    from lowprec.compare import compare, config_dict, noise_floor, recommend, summarize
-    from lowprec.summary import WARMUP_STEPS
+    from lowprec.cli.compare import compare, config_dict, noise_floor, recommend, summarize
+    from lowprec.cli.summary import WARMUP_STEPS
 
     device = _resolve_device(args.device)
     cfg.device = device["device"]  # (what auto chose: the runs and the JSON say the same)
@@ -311,7 +312,7 @@ def _load_note(console: Any, load: dict[str, Any], threads: int,
     """Say how busy the machine was while the steps were timed, plainly when it was contended.
     The load is the CPU's (``/proc/stat``): on a GPU it slows only the host's share of a step
     (launches, the optimizer's host logic), and the GPU's own load is not measured."""
-    from lowprec.compare import CONTENDED_CORES
+    from lowprec.cli.compare import CONTENDED_CORES
 
     bg, share = load.get("background_cores"), load.get("contended_fraction")
     if bg is None:

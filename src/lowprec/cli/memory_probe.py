@@ -1,6 +1,7 @@
-"""One training step's memory, measured in a process of its own: ``python -m lowprec.memory_probe``.
+"""One training step's memory, measured in a process of its own:
+``python -m lowprec.cli.memory_probe``.
 
-``lowprec.memory_peak`` starts this module in a fresh interpreter per configuration (a recipe,
+``lowprec.cli.memory_peak`` starts this module in a fresh interpreter per configuration (a recipe,
 with or without ``lowprec.step_in_backward``), so that nothing of the caller's (its tensors, its
 allocator's free lists, another configuration's kernels) is in the figures. It builds a deep MLP
 (``depth`` bias-free ``nn.Linear(width, width)`` layers with ReLUs between them: no parameter over
@@ -266,7 +267,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowprec.memory_probe",
+    p = argparse.ArgumentParser(prog="python -m lowprec.cli.memory_probe",
                                 description="Measure one training step's memory; JSON on stdout.")
     p.add_argument("--recipe", required=True)
     p.add_argument("--optimizer", default="adamw")

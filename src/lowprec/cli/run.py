@@ -1,19 +1,7 @@
-"""Train the built-in model under several recipes and measure what each costs.
-
-``compare`` runs every recipe with the same seed, the same initial weights and the same batches,
-and returns one record per recipe and seed: eval loss before and after, final train loss, gap to
-FP32 and share of FP32's loss drop, median step time and speed-up over FP32 (with their
-interquartile ranges), bytes per parameter by buffer (measured from the tensors), the fraction
-of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. The recipes take
-their steps in turn, so a machine whose load changes during the run slows them alike, and the
-background load is measured. ``lowprec.summary`` turns the records into one row per recipe
-over the seeds, the noise floor and the recommendation. The CLI (``lowprec compare``) prints,
-plots and saves them; nothing here prints.
-
-Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
-standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
-in FP32 (``lowprec.pretrained``, cached on disk) and rounded to BF16, and trains it on the prose
-of ``pydoc_data.topics`` at a fine-tuning rate.
+"""One recipe's training run on the built-in task: ``_Run`` steps it batch by batch,
+``run_recipe`` runs one alone; ``task_data`` gives a seed's batches and initial weights,
+``resolve_device`` the device it runs on. ``lowprec.cli.compare`` takes every recipe's steps in
+turn; ``lowprec.cli.pretrained`` pretrains the finetune task's start with one fp32 run.
 
 Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
 the models (built on the CPU from one seeded FP32 state, so every device starts from the same
@@ -28,39 +16,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lowprec import diagnostics, memory
 from lowprec import recipes as recipes_mod
-from lowprec.config import (
-    DEFAULT_RECIPES,
-    DEFAULT_TOLERANCE,
-    OPTIMIZERS,
-    CompareConfig,
-    ModelConfig,
-    check_device,
-)
-from lowprec.summary import (
-    WARMUP_STEPS,
-    _quartiles,
-    _steady,
-    add_relative,
-    noise_floor,
-    recommend,
-    summarize,
-)
-from lowprec.task import Batches, CharTransformer, load_prose, load_text
+from lowprec.cli import config
+from lowprec.cli.config import CompareConfig, ModelConfig, check_device
+from lowprec.cli.summary import WARMUP_STEPS, _quartiles, _steady
+from lowprec.cli.task import Batches, CharTransformer, load_prose, load_text
 
-__all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "add_relative",
-           "compare", "device_info", "noise_floor", "recommend", "resolve_device", "run_recipe",
-           "summarize", "task_data", "task_loss"]
+__all__ = ["device_info", "resolve_device", "run_recipe", "task_data", "task_loss"]
+
+# The command lists and checks recipe names without importing torch (config.RECIPES); the
+# library's recipes must be those (the library imports nothing of the command, so the check is
+# here, where compare and memory's table first build recipes).
+if recipes_mod.RECIPES != config.RECIPES:
+    raise ImportError(f"lowprec.cli.config.RECIPES {config.RECIPES} must name the recipes defined "
+                      f"in lowprec.recipes, {recipes_mod.RECIPES}, in the same order.")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -143,12 +121,12 @@ def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
 
     ``pretrain``: windows of the standard library's sources and seeded random weights.
     ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
-    ``lowprec.pretrained.pretrained`` returns, the same for every seed).
+    ``lowprec.cli.pretrained.pretrained`` returns, the same for every seed).
     """
     if cfg.task == "finetune":
         if pretrained is None:
             raise ValueError("the finetune task starts from pretrained weights: pass "
-                             "pretrained=lowprec.pretrained.pretrained(cfg, device)[0].")
+                             "pretrained=lowprec.cli.pretrained.pretrained(cfg, device)[0].")
         text, initial = load_prose(), pretrained
     else:
         text = load_text(cfg.text_bytes)
@@ -194,8 +172,6 @@ class _Run:
 
     def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor],
                  batches: Batches, seed: int | None = None) -> None:
-        from lowprec import diagnostics
-
         self.name, self.cfg, self.batches = name, cfg, batches
         self.seed = cfg.seed if seed is None else seed
         self.device = resolve_device(cfg.device)
@@ -255,8 +231,6 @@ class _Run:
 
     def record(self) -> dict[str, Any]:
         """The run's record (the steps taken so far), with its eval loss and memory."""
-        from lowprec import memory
-
         cfg, monitor, batches = self.cfg, self.monitor, self.batches
         losses, times = self.losses, self.times
         tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
@@ -316,150 +290,3 @@ def run_recipe(
         if on_step is not None:
             on_step(step, loss)
     return run.record()
-
-
-def compare(
-    cfg: CompareConfig,
-    *,
-    on_start: Callable[[str], None] | None = None,
-    on_step: Callable[[str, int, float], None] | None = None,
-    on_done: Callable[[dict[str, Any]], None] | None = None,
-    records: list[dict[str, Any]] | None = None,
-    load: dict[str, Any] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    on_pretrain: Callable[[int, int, float], None] | None = None,
-    on_note: Callable[[str], None] | None = None,
-    info: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """Train every recipe of ``cfg`` over ``cfg.seed_list`` and return their records (one per
-    recipe and seed, seed by seed), with gaps and speed-ups vs FP32 of the same seed.
-
-    Within a seed the recipes take their steps in turn, one step each per round, on the round's
-    batch (the round's first recipe rotates), so that a load which comes and goes on the machine
-    slows every recipe alike instead of the ones that happened to run meanwhile; a recipe's
-    speed-up is the median over the rounds of FP32's step time over its own in the same round.
-    The seeds run one after another (one seed's models at a time in memory). The background load
-    (cores that other processes kept busy, from ``/proc/stat``) is measured per round and
-    summarised in ``load`` (if given): see ``_Load``.
-
-    The ``finetune`` task first gets its pretrained model (``lowprec.pretrained.pretrained``:
-    from ``cache_dir`` where a valid one is there, else trained, calling ``on_pretrain(step,
-    total, loss)``, and saved there); ``on_note(text)`` hears what the cache did, and ``info``
-    (if given) gets ``{"pretrained": ...}``, where it came from and what it cost.
-
-    ``on_start(name)`` is called for every recipe before the first step, ``on_step(name, step,
-    loss)`` after each step (``step`` counts on over the seeds: ``seeds * steps`` in all),
-    ``on_done(record)`` for each record at the end. On Ctrl-C (``KeyboardInterrupt``) the
-    records of the steps taken so far are put in ``records`` (if given), then the interrupt is
-    raised again.
-    """
-    cfg.validate()
-    device = resolve_device(cfg.device)
-    if device.type == "cpu":  # (the CPU kernels' threads: a GPU run leaves torch's own)
-        torch.set_num_threads(cfg.threads)
-    out = records if records is not None else []
-    weights = None
-    if cfg.task == "finetune":
-        from lowprec.pretrained import pretrained
-
-        weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
-                                    on_note=on_note)
-        if info is not None:
-            info["pretrained"] = about
-    meter = _Load()
-    for index, seed in enumerate(cfg.seed_list):
-        batches, initial = task_data(cfg, device, seed, pretrained=weights)
-        runs = []
-        for name in cfg.recipes:
-            if on_start is not None and index == 0:
-                on_start(name)
-            runs.append(_Run(name, cfg, initial, batches, seed))
-        try:
-            for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
-                first = step % len(runs)
-                meter.start()
-                for run in runs[first:] + runs[:first]:
-                    loss = run.step(x, y)
-                    if on_step is not None:
-                        on_step(run.name, index * cfg.steps + step, loss)
-                meter.stop()
-        except KeyboardInterrupt:
-            out.extend(run.record() for run in runs if run.losses)
-            add_relative(out)
-            if load is not None:
-                load.update(meter.summary())
-            raise
-        out.extend(run.record() for run in runs)
-        del runs
-    add_relative(out)
-    if load is not None:
-        load.update(meter.summary())
-    if on_done is not None:
-        for record in out:
-            on_done(record)
-    return out
-
-
-#: Background load (cores other processes kept busy) above which a round counts as contended:
-#: with 2 threads on 2 cores, another process on one core slows a step by several times.
-CONTENDED_CORES = 0.5
-
-
-def machine_busy_s() -> float | None:
-    """Seconds of CPU time the whole machine has been busy (every process), from ``/proc/stat``;
-    None where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
-    ticks = [int(v) for v in fields[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-class _Load:
-    """The machine's background load per round: cores that other processes kept busy (the
-    machine's busy time from ``/proc/stat`` minus this process's CPU time, over the wall time).
-    None where ``/proc/stat`` cannot be read (not Linux)."""
-
-    def __init__(self) -> None:
-        self.rounds: list[float | None] = []
-        self._mark: tuple[float | None, float, float] | None = None
-
-    def start(self) -> None:
-        self._mark = (machine_busy_s(), time.process_time(), time.perf_counter())
-
-    def stop(self) -> None:
-        busy0, cpu0, wall0 = self._mark
-        busy1, cpu1, wall1 = machine_busy_s(), time.process_time(), time.perf_counter()
-        if busy0 is None or busy1 is None or wall1 <= wall0:
-            self.rounds.append(None)
-        else:
-            self.rounds.append(max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / (wall1 - wall0))
-
-    def summary(self) -> dict[str, Any]:
-        """``background_cores``: the median over the rounds; ``contended_fraction``: the share
-        of rounds above ``CONTENDED_CORES``; ``max_cores``; None where it was not measured."""
-        known = [b for b in self.rounds if b is not None]
-        if not known:
-            return {"background_cores": None, "max_cores": None, "contended_fraction": None,
-                    "rounds": len(self.rounds)}
-        return {
-            "background_cores": statistics.median(known),
-            "max_cores": max(known),
-            "contended_fraction": sum(b > CONTENDED_CORES for b in known) / len(known),
-            "rounds": len(self.rounds),
-        }
-
-
-def config_dict(cfg: CompareConfig) -> dict[str, Any]:
-    """``cfg`` as plain JSON-ready values."""
-    d = asdict(cfg)
-    d["recipes"] = list(cfg.recipes)
-    d["lr"] = cfg.peak_lr
-    d["schedule"] = cfg.lr_schedule
-    d["seed_list"] = cfg.seed_list
-    return d

@@ -4,7 +4,7 @@
 measures what a step needs at its peak, with and without ``lowprec.step_in_backward`` (which
 steps each parameter in its post-accumulate-grad hook and frees its gradient at once, so no full
 set of gradients ever exists). Each configuration runs in a process of its own
-(``python -m lowprec.memory_probe``, which says how it measures), started with
+(``python -m lowprec.cli.memory_probe``, which says how it measures), started with
 ``MALLOC_MMAP_THRESHOLD_`` set so that glibc gives a freed tensor's pages back at once, and
 answers in JSON.
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from lowprec.memory_plan import in_backward_refusal
-from lowprec.memory_probe import DEFAULTS
+from lowprec.cli.memory_plan import in_backward_refusal
+from lowprec.cli.memory_probe import DEFAULTS
 
 __all__ = ["MMAP_THRESHOLD", "SAVING_TOLERANCE", "TARGET_BYTES_PER_PARAM", "TARGET_RECIPE", "in_backward_available", "peak_table",
            "probe", "targets"]
@@ -64,14 +64,14 @@ def probe(
     device: str = "cpu",
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """One configuration measured in a fresh process (``lowprec.memory_probe.run``'s dict).
+    """One configuration measured in a fresh process (``lowprec.cli.memory_probe.run``'s dict).
 
     Returns:
         The probe's dict, or ``{"recipe", "optimizer", "in_backward", "error"}`` where the
         process failed, timed out or answered no JSON.
     """
     flag = {None: "recipe", True: "yes", False: "no"}[in_backward]
-    cmd = [sys.executable, "-m", "lowprec.memory_probe", "--recipe", recipe_name,
+    cmd = [sys.executable, "-m", "lowprec.cli.memory_probe", "--recipe", recipe_name,
            "--optimizer", optimizer_name, "--in-backward", flag, "--depth", str(depth),
            "--width", str(width), "--batch", str(batch), "--warmup", str(warmup),
            "--device", device]

@@ -1,9 +1,10 @@
-"""What the ``lowprec`` command and ``lowprec.compare`` run by default, and their option checks.
+"""What the ``lowprec`` command and ``lowprec.cli.compare`` run by default, and their option
+checks.
 
 Imports nothing heavier than the standard library (no torch), so that ``lowprec --help`` and a
 mistyped option answer at once: the command imports torch only once a command runs.
-``lowprec.compare`` and ``lowprec.task`` re-export these names; ``lowprec.recipes`` checks that
-its recipes are the ones named here.
+``lowprec.cli.compare`` and ``lowprec.cli.task`` re-export these names; ``lowprec.cli.run`` checks
+that ``lowprec.recipes`` defines the recipes named here.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ModelConfig:
 
     @property
     def num_parameters(self) -> int:
-        """The model's parameter count, from its shapes (``lowprec.task.CharTransformer``: byte
+        """The model's parameter count, from its shapes (``lowprec.cli.task.CharTransformer``: byte
         and position embeddings, ``n_layer`` blocks of 12 d^2 + 13 d, a final norm, a 256-way
         head); torch-free, so that ``--help`` can print it."""
         d, vocab = self.d_model, 256
@@ -120,7 +121,7 @@ _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 def check_device(device: str) -> str:
     """``device`` if it names where ``compare`` can run: ``"auto"`` (CUDA where torch finds it,
     else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Only the spelling is checked here
-    (without torch); ``lowprec.compare.resolve_device`` checks that the device exists.
+    (without torch); ``lowprec.cli.run.resolve_device`` checks that the device exists.
 
     Raises:
         ValueError: Any other value.

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from lowprec.config import DEFAULT_LR, CompareConfig
+from lowprec.cli.config import DEFAULT_LR, CompareConfig
+from lowprec.cli.run import _evaluate, _Run, task_data
+from lowprec.cli.task import CharTransformer, load_text
 
 __all__ = ["FORMAT", "cache_key", "cache_path", "pretrained", "round_to_bf16"]
 
@@ -125,8 +127,6 @@ def _write(path: Path, payload: dict[str, Any]) -> None:
 def _train(cfg: CompareConfig, device: torch.device,
            on_step: Callable[[int, int, float], None] | None) -> tuple[dict[str, Any], float]:
     """Pretrain in FP32; returns the CPU state dict and the eval loss on held-out sources."""
-    from lowprec.compare import _evaluate, _Run, task_data
-
     p = _pretrain_config(cfg)
     batches, initial = task_data(p, device, p.seed)
     run = _Run("fp32", p, initial, batches, p.seed)
@@ -158,8 +158,6 @@ def pretrained(
         from the file), ``seconds`` (what training took; 0 when read), ``eval_loss`` (the FP32
         model's on held-out sources) and ``key``.
     """
-    from lowprec.task import CharTransformer, load_text
-
     text = load_text(cfg.text_bytes)
     key = cache_key(cfg, device, text)
     expected = CharTransformer(cfg.model).state_dict()

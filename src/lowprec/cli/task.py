@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.config import ModelConfig
+from lowprec.cli.config import ModelConfig
 
 __all__ = ["Batches", "CharTransformer", "ModelConfig", "load_prose", "load_text"]
 
@@ -139,7 +139,7 @@ class _Block(nn.Module):
 class CharTransformer(nn.Module):
     """A GPT-style byte-level language model: embeddings, pre-norm blocks, a linear head.
 
-    It has ``cfg.num_parameters`` parameters (``lowprec.config.SIZES`` lists the presets').
+    It has ``cfg.num_parameters`` parameters (``lowprec.cli.config.SIZES`` lists the presets').
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -1,0 +1,141 @@
+"""The package's layout: no import circles among lowprec's modules, the library apart from the
+command (``lowprec.cli``), and the command's startup without torch.
+
+The imports are read from the sources with ``ast``, those inside functions too: an import moved
+into a function still runs, so it cannot hide a circle (a lazy import is there to keep torch out
+of the command's startup, nothing else). Imports under ``if TYPE_CHECKING:`` do not run and are
+left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module under src/lowprec: its dotted name -> (its file, whether it is a package)."""
+    out = {}
+    for path in sorted((SRC / "lowprec").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if package else parts)] = (path, package)
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, name: str, package: bool,
+             modules: dict[str, tuple[Path, bool]]) -> set[str]:
+    """The lowprec modules an import statement of module ``name`` imports."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    base = node.module or ""
+    if node.level:  # (a relative import: from its package, or one above per extra dot)
+        here = name.split(".") if package else name.split(".")[:-1]
+        base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+    out = set()
+    for alias in node.names:  # (from P import m: the submodule P.m where there is one, else P)
+        sub = f"{base}.{alias.name}"
+        if sub in modules:
+            out.add(sub)
+        elif base in modules:
+            out.add(base)
+    return out
+
+
+def _imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module, at any depth, but not under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(ast.Module(body=child.orelse, type_ignores=[]))
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the lowprec modules it imports (itself left out)."""
+    modules = _modules()
+    graph = {}
+    for name, (path, package) in modules.items():
+        graph[name] = set().union(*(_targets(node, name, package, modules)
+                                    for node in _imports(path))) - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_graph_sees_imports_at_every_depth():
+    graph = import_graph()
+    assert "lowprec.cli.parser" in graph["lowprec.cli.main"]  # (module level)
+    assert "lowprec.cli.compare_cmd" in graph["lowprec.cli.main"]
+    assert "lowprec.cli.demos" in graph["lowprec.cli.main"]  # (inside _cmd_numerics)
+    assert "lowprec.optim" not in graph["lowprec"]  # (under TYPE_CHECKING only)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    assert not found, f"modules that import each other, directly or around a circle: {found}"
+
+
+def test_the_library_imports_nothing_of_the_command():
+    # lowprec.cli builds on the library; the library (lowprec.optim, recipes, memory, ...) must
+    # not need the command's modules.
+    wrong = {name: sorted(t for t in targets if t.startswith("lowprec.cli"))
+             for name, targets in import_graph().items()
+             if not name.startswith("lowprec.cli") and name != "lowprec.__main__"}
+    assert not {k: v for k, v in wrong.items() if v}
+
+
+def test_the_command_starts_without_torch():
+    # lowprec --help waits for no torch: the package, its entry point, options and defaults.
+    code = ("import sys\nimport lowprec.cli, lowprec.cli.main, lowprec.cli.parser, "
+            "lowprec.cli.config, lowprec.cli.compare_cmd\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "torch imported: False", proc.stdout + proc.stderr
