@@ -54,6 +54,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowprec.optim import checkpoint, driver, qstate
+from lowprec.optim._typing import compiler_disable
 from lowprec.optim.compiled import _default_mode
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
@@ -81,13 +82,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.in_backward import StepInBackward
     from lowprec.optim.plan import _Plan
     from lowprec.optim.shards import _Shard
-
-    _F = TypeVar("_F", bound=Callable[..., Any])
-
-    # (torch.compiler.disable is unannotated in torch: it returns the function it is given)
-    def _compiler_disable(fn: _F) -> _F: ...
-else:
-    _compiler_disable = torch.compiler.disable
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
 
@@ -188,11 +182,11 @@ class LowPrecisionOptimizer(Optimizer):
         """Initial value of buffer ``name`` (default: 0.0)."""
         return 0.0
 
-    def _coefficients(self, group: dict[str, Any], step: int) -> dict[str, float]:
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         """The update rule's per-step scalars, computed on the host (lr, bias corrections...)."""
         raise NotImplementedError
 
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+    def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
         """Static switches of the update rule (e.g. ``amsgrad``); each combination is a variant."""
         return {}
 
@@ -202,7 +196,8 @@ class LowPrecisionOptimizer(Optimizer):
         g: torch.Tensor,
         bufs: dict[str, torch.Tensor],
         c: dict[str, Any],
-        **flags: bool,
+        *args: Any,
+        **flags: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The update rule: new FP32 weight and buffers from FP32 inputs (pure, plain ops)."""
         raise NotImplementedError
@@ -536,7 +531,9 @@ class LowPrecisionOptimizer(Optimizer):
             return {name: codes, qstate.scale_key(name): scale}
         return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
-    def _first_use_coefficients(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
+    def _first_use_coefficients(
+        self, group: dict[str, Any], step: int | torch.Tensor
+    ) -> dict[str, Any]:
         """The coefficients of a parameter's first step with buffers created late (an option
         turned on after its first step: ``_collect``'s ``late``). Default: the step's own; SGD's
         momentum buffer starts as the step's direction, as torch.optim's does."""
@@ -571,7 +568,7 @@ class LowPrecisionOptimizer(Optimizer):
         found_inf: torch.Tensor | None = None,
     ) -> _T: ...
 
-    @_compiler_disable
+    @compiler_disable
     @torch.no_grad()
     def step(
         self,

@@ -94,8 +94,7 @@ def _blocks(
     role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
     # (Told that the size is a multiple of the block, the compiler indexes the rows without a
     # modulo.)
-    # (torch._check is unannotated in torch)
-    torch._check(p.numel() % qstate_mod.BLOCK == 0)  # type: ignore[no-untyped-call]
+    torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = qstate_mod.rows
     return (rows(p, four), rows(grad, four), {k: rows(v, four) for k, v in sbufs.items()},
             {k: rows(v, four, role.get(k, "values")) for k, v in mbufs.items()})
