@@ -42,7 +42,7 @@ import copy
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -144,7 +144,9 @@ def _param_key(p: torch.Tensor) -> tuple[Any, ...]:
             p.stride())
 
 
-def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) -> dict[str, str]:
+def _state_categories(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]
+) -> dict[str, str]:
     """The category of each state key of ``p`` that the optimizer's own code names."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
@@ -451,8 +453,10 @@ def table(
             row["measured"] = report.bytes_per_param
             row["measured_bytes"] = report.bytes
         if loss_fn is not None:
-            row["cuda_peak"] = cuda_peak(key, name, model, loss_fn, hyperparameters=hp,
-                                         keep_fp32=keep_fp32)
+            # (loss_fn needs a model: checked above)
+            row["cuda_peak"] = cuda_peak(key, name,
+                                         cast("nn.Module | Callable[[], nn.Module]", model),
+                                         loss_fn, hyperparameters=hp, keep_fp32=keep_fp32)
         rows.append(row)
     return rows
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -221,7 +221,7 @@ def stream_key(seed: int, *counters: int) -> int:
     Pure Python integer arithmetic, so every process computes the same key.
     """
     lo, hi = stream_key_halves(seed, *counters)
-    return (hi << 32) | lo
+    return cast(int, (hi << 32) | lo)  # (int counters: int halves)
 
 
 def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
@@ -295,7 +295,7 @@ def counter_bits(
 # ---------------------------------------------------------------------------------------------
 
 
-def _generator_kwargs(generator: torch.Generator | None) -> dict[str, torch.Generator]:
+def _generator_kwargs(generator: torch.Generator | None) -> dict[str, Any]:
     """``{"generator": generator}`` for torch's random functions, or nothing for None.
 
     ``torch.randint(..., generator=None)`` fails inside ``torch.compile`` (Dynamo cannot run it on
