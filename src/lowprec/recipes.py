@@ -77,10 +77,11 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     ) if t is not None
 )
 
-_OPTIMIZERS: dict[str, Callable[..., optim.LowPrecisionOptimizer]] = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb,
-               "adamw": optim.AdamW, "adam": optim.Adam, "radam": optim.RAdam,
-               "lion": optim.Lion, "stableadamw": optim.StableAdamW,
-               "adafactor": optim.Adafactor, "muon": optim.Muon}
+_OPTIMIZERS: dict[str, Callable[..., optim.LowPrecisionOptimizer]] = {
+    "sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb, "adamw": optim.AdamW,
+    "adam": optim.Adam, "radam": optim.RAdam, "lion": optim.Lion,
+    "stableadamw": optim.StableAdamW, "adafactor": optim.Adafactor, "muon": optim.Muon,
+}
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
