@@ -109,7 +109,11 @@ class NoMaster(MasterStorage):
         return param.float()
 
     def store(
-        self, w: torch.Tensor, param: torch.Tensor, bufs: dict[str, torch.Tensor], bits: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return w.to(param.dtype), {}
 
@@ -129,7 +133,11 @@ class FP32Copy(MasterStorage):
         return bufs["master_weight"]
 
     def store(
-        self, w: torch.Tensor, param: torch.Tensor, bufs: dict[str, torch.Tensor], bits: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return w.to(param.dtype), {"master_weight": w}
 
@@ -165,7 +173,11 @@ class Split(MasterStorage):
         return join(param, bufs["trail"])
 
     def store(
-        self, w: torch.Tensor, param: torch.Tensor, bufs: dict[str, torch.Tensor], bits: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         top, trail = split(w)
         return top, {"trail": trail}
@@ -173,7 +185,9 @@ class Split(MasterStorage):
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # join() on each half: top * 2**16 + the sign-extended trail, in wrapping int32. The
         # even top moves up (<< 16) and its trail is sign-extended from the low half
         # (<< 16 >> 16); the odd top is already in place and its trail is the arithmetic >> 16.
@@ -219,7 +233,11 @@ class Kahan(MasterStorage):
         return param.float() + bufs["compensation"].float()
 
     def store(
-        self, w: torch.Tensor, param: torch.Tensor, bufs: dict[str, torch.Tensor], bits: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         new = w.to(param.dtype)
         return new, {"compensation": (w - new.float()).to(param.dtype)}
@@ -227,7 +245,9 @@ class Kahan(MasterStorage):
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         (pe, po), (ce, co) = _unpack_bf16_pairs(param), _unpack_bf16_pairs(bufs["compensation"])
         return pe + ce, po + co
 
@@ -262,7 +282,11 @@ class Stochastic(MasterStorage):
         return param.float()
 
     def store(
-        self, w: torch.Tensor, param: torch.Tensor, bufs: dict[str, torch.Tensor], bits: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
@@ -271,7 +295,9 @@ class Stochastic(MasterStorage):
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _unpack_bf16_pairs(param)
 
     def store_pairs(
