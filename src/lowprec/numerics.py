@@ -58,7 +58,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: 1-bit hook's quantizer) so that they round as the eager code does: Triton otherwise divides
 #: approximately and flushes subnormals to zero, which eager CUDA does not (the C++ backend
 #: rounds as eager either way).
-COMPILED_AS_EAGER = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+COMPILED_AS_EAGER: dict[str, Any] = {
+    "eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+}
 #: Every Inductor option the optimizers' compiled step is built with (``COMPILED_AS_EAGER``, plus
 #: ``emulate_precision_casts`` and ``cpp.dynamic_threads``: ``optim.compiled._compiled_kernel``
 #: says why). Inductor refuses an option it does not know, so the default step compiles only where
