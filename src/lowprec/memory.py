@@ -42,7 +42,7 @@ import copy
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ from lowprec import recipes
 from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.shards import local
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.accumulation import Accumulator
 
 __all__ = [
     "CATEGORIES",
@@ -162,7 +165,7 @@ def measure(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     assume_grads: bool = False,
-    accumulator: Any = None,
+    accumulator: Accumulator | None = None,
 ) -> MemoryReport:
     """Measure the bytes per parameter element that ``model`` and ``optimizer`` hold now.
 

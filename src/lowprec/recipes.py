@@ -185,7 +185,7 @@ class Recipe:
     name: str
     param_dtype: torch.dtype
     master: str
-    state_dtype: Any = None
+    state_dtype: torch.dtype | str | None = None
     autocast_dtype: torch.dtype | None = None
     loss_scaling: str | None = None
     keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS

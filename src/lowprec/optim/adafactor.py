@@ -182,7 +182,7 @@ class Adafactor(LowPrecisionOptimizer):
         foreach: bool | None = None,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         capturable: bool = False,

@@ -152,7 +152,7 @@ class Adam(LowPrecisionOptimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,

@@ -158,7 +158,7 @@ class Lion(LowPrecisionOptimizer):
         max_lr: float | None = None,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,

@@ -199,7 +199,7 @@ class Muon(LowPrecisionOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
