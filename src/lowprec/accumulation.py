@@ -28,8 +28,8 @@ FP32 parameters, and those that do not require a gradient, are left alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -74,9 +74,11 @@ class Accumulator:
         for p, s in zip(params, self._sums, strict=True):
             self._handles.append(p.register_hook(self._incoming(p, s)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(s)))
-            p._lowprec_accumulating = True  # (lowprec.step_in_backward refuses such parameters)
+            # (lowprec.step_in_backward refuses such parameters; an attribute torch.Tensor does
+            # not declare, hence setattr)
+            setattr(p, "_lowprec_accumulating", True)  # noqa: B010
 
-    def _incoming(self, p: torch.Tensor, s: _Sum):
+    def _incoming(self, p: torch.Tensor, s: _Sum) -> Callable[[torch.Tensor], torch.Tensor]:
         """The tensor hook: a micro-batch's gradient ``g``, before autograd adds it."""
 
         def hook(g: torch.Tensor) -> torch.Tensor:
@@ -98,11 +100,11 @@ class Accumulator:
 
         return hook
 
-    def _accumulated(self, s: _Sum):
+    def _accumulated(self, s: _Sum) -> Callable[[torch.Tensor], None]:
         """The post-accumulate hook: ``p.grad`` made the sum, rounded once."""
 
         def hook(p: torch.Tensor) -> None:
-            grad = p.grad
+            grad = cast(torch.Tensor, p.grad)  # (a post-accumulate-grad hook's: present)
             if grad._is_view():
                 raise RuntimeError(
                     "lowprec.accumulate() needs gradients of their own, but this one is a view "
@@ -138,7 +140,7 @@ class Accumulator:
         self._sums.clear()
         for p in self.params:
             if getattr(p, "_lowprec_accumulating", False):
-                del p._lowprec_accumulating
+                delattr(p, "_lowprec_accumulating")
 
 
 def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> Accumulator:
@@ -183,7 +185,8 @@ def accumulate(model: nn.Module | Iterable[torch.Tensor], how: str = "fp32") -> 
     if how not in _HOW:
         raise ValueError(f"how must be one of {', '.join(map(repr, _HOW))}, got {how!r}.")
     params = model.parameters() if isinstance(model, nn.Module) else model
-    chosen, seen = [], set()
+    chosen: list[torch.Tensor] = []
+    seen: set[int] = set()
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"accumulate() takes a module or tensors, got {type(p).__name__}.")

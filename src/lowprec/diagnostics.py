@@ -13,7 +13,7 @@ counts, per parameter, the updates rounding lost.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -143,7 +143,7 @@ def gradient_range(
         counts["under_scaled"] += int((nonzero & (scaled < FP16_MIN_SUBNORMAL)).sum())
         if a.numel():
             max_abs = max(max_abs, float(a.max()))
-    frac = (lambda k: counts[k] / n) if n else (lambda k: 0.0)
+    frac: Callable[[str], float] = (lambda k: counts[k] / n) if n else (lambda k: 0.0)
     if max_abs > 0:
         recommended = 2.0 ** math.floor(math.log2(_FP16.max / headroom / max_abs))
     else:

@@ -38,7 +38,7 @@ import copy
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from lowprec import recipes
 from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.shards import local
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.accumulation import Accumulator
 
 __all__ = [
     "CATEGORIES",
@@ -141,7 +144,9 @@ def _param_key(p: torch.Tensor) -> tuple[Any, ...]:
             p.stride())
 
 
-def _state_categories(optimizer: torch.optim.Optimizer, p: torch.Tensor, group) -> dict[str, str]:
+def _state_categories(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]
+) -> dict[str, str]:
     """The category of each state key of ``p`` that the optimizer's own code names."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
@@ -157,7 +162,7 @@ def measure(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     assume_grads: bool = False,
-    accumulator: Any = None,
+    accumulator: Accumulator | None = None,
 ) -> MemoryReport:
     """Measure the bytes per parameter element that ``model`` and ``optimizer`` hold now.
 
@@ -449,8 +454,10 @@ def table(
             row["measured"] = report.bytes_per_param
             row["measured_bytes"] = report.bytes
         if loss_fn is not None:
-            row["cuda_peak"] = cuda_peak(key, name, model, loss_fn, hyperparameters=hp,
-                                         keep_fp32=keep_fp32)
+            # (loss_fn needs a model: checked above)
+            row["cuda_peak"] = cuda_peak(key, name,
+                                         cast("nn.Module | Callable[[], nn.Module]", model),
+                                         loss_fn, hyperparameters=hp, keep_fp32=keep_fp32)
         rows.append(row)
     return rows
 

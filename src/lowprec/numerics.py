@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -58,7 +58,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: 1-bit hook's quantizer) so that they round as the eager code does: Triton otherwise divides
 #: approximately and flushes subnormals to zero, which eager CUDA does not (the C++ backend
 #: rounds as eager either way).
-COMPILED_AS_EAGER = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+COMPILED_AS_EAGER: dict[str, Any] = {
+    "eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+}
 #: Every Inductor option the optimizers' compiled step is built with (``COMPILED_AS_EAGER``, plus
 #: ``emulate_precision_casts`` and ``cpp.dynamic_threads``: ``optim.compiled._compiled_kernel``
 #: says why). Inductor refuses an option it does not know, so the default step compiles only where
@@ -251,7 +253,7 @@ def stream_key(seed: int, *counters: int) -> int:
         The key, an int below ``2**64``.
     """
     lo, hi = stream_key_halves(seed, *counters)
-    return (hi << 32) | lo
+    return cast(int, (hi << 32) | lo)  # (int counters: int halves)
 
 
 def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
@@ -332,7 +334,7 @@ def counter_bits(
 # ---------------------------------------------------------------------------------------------
 
 
-def _generator_kwargs(generator: torch.Generator | None) -> dict[str, torch.Generator]:
+def _generator_kwargs(generator: torch.Generator | None) -> dict[str, Any]:
     """``{"generator": generator}`` for torch's random functions, or nothing for None.
 
     ``torch.randint(..., generator=None)`` fails inside ``torch.compile`` (Dynamo cannot run it on

@@ -51,9 +51,9 @@ import contextlib
 import copy
 import itertools
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +61,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lowprec import optim
-from lowprec.dfp import ROUNDING_MODES, convert_to_dfp
+from lowprec.dfp import ROUNDING_MODES, Rounding, convert_to_dfp
 from lowprec.scaling import LossScaler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["NORM_LAYERS", "RECIPES", "HalfProductsInFP32", "Recipe", "get", "names"]
 
@@ -75,10 +78,11 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     ) if t is not None
 )
 
-_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb,
-               "adamw": optim.AdamW, "adam": optim.Adam, "radam": optim.RAdam,
-               "lion": optim.Lion, "stableadamw": optim.StableAdamW,
-               "adafactor": optim.Adafactor, "muon": optim.Muon}
+_OPTIMIZERS: dict[str, Callable[..., optim.LowPrecisionOptimizer]] = {
+    "sgd": optim.SGD, "adagrad": optim.Adagrad, "lamb": optim.Lamb, "adamw": optim.AdamW,
+    "adam": optim.Adam, "radam": optim.RAdam, "lion": optim.Lion,
+    "stableadamw": optim.StableAdamW, "adafactor": optim.Adafactor, "muon": optim.Muon,
+}
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -94,7 +98,7 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
         # A mapping of its own type (a Hugging Face ModelOutput, an OrderedDict...) stays one:
         # callers read its attributes (`.loss`, `.past_key_values`). A copy keeps the type and
         # whatever its constructor needs; item assignment updates ModelOutput's attributes too.
-        out = copy.copy(obj)
+        out: Any = copy.copy(obj)  # (a mapping of its own type: item assignment, above)
         for k, v in obj.items():
             cast = _cast_floats(v, dtype)
             if cast is not v:
@@ -137,7 +141,13 @@ class HalfProductsInFP32(TorchFunctionMode):
 
     OPS = _PRODUCT_OPS
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         # (The module's set, not self.OPS: inside torch.compile, Dynamo guards on what this
         # reads, and a guard on an attribute of the active mode failed to build, NameError
@@ -176,12 +186,12 @@ class Recipe:
     name: str
     param_dtype: torch.dtype
     master: str
-    state_dtype: Any = None
+    state_dtype: torch.dtype | str | None = None
     autocast_dtype: torch.dtype | None = None
     loss_scaling: str | None = None
     keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
     scaler_options: dict[str, Any] = field(default_factory=dict)
-    dfp_rounding: str | None = None
+    dfp_rounding: Rounding | None = None
     step_in_backward: bool = False
     description: str = ""
 
@@ -252,7 +262,8 @@ class Recipe:
             kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
             model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
         if dtype == torch.float32:
-            model._lowprec_recipe = self.name
+            # (setattr: an attribute nn.Module's annotations do not allow, a str)
+            setattr(model, "_lowprec_recipe", self.name)  # noqa: B010
             self._converted = weakref.ref(model)
             return model
         kept = [m for m in model.modules() if isinstance(m, self.keep_fp32)]
@@ -269,14 +280,14 @@ class Recipe:
             m.register_forward_hook(lambda _m, _a, out: _cast_floats(out, dtype))
         model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, dtype))
         model.register_forward_hook(lambda _m, _a, out: _cast_floats(out, torch.float32))
-        model._lowprec_recipe = self.name
+        setattr(model, "_lowprec_recipe", self.name)  # noqa: B010
         self._converted = weakref.ref(model)
         return model
 
     # ------------------------------------------------------------------ the optimizer
 
     def optimizer(
-        self, name: str, params: Iterable[Any], **hyperparameters: Any
+        self, name: str, params: ParamsT | nn.Module, **hyperparameters: Any
     ) -> optim.LowPrecisionOptimizer:
         """A lowprec optimizer by name (``"sgd"``, ``"adagrad"``, ``"lamb"``, ``"adamw"``,
         ``"adam"``, ``"radam"``, ``"lion"``, ``"stableadamw"``, ``"adafactor"``, ``"muon"``)
@@ -328,13 +339,13 @@ class Recipe:
                              "installs on the model: pass the model as params.")
         opt = _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
         if self.step_in_backward:  # (the handle lives on the optimizer: opt._in_backward)
-            optim.step_in_backward(model, opt)
+            optim.step_in_backward(cast(nn.Module, model), opt)  # (None raised above)
         return opt
 
     # ------------------------------------------------------------------ the step
 
     def autocast(self, device: str | torch.device | None = None
-                 ) -> contextlib.AbstractContextManager:
+                 ) -> contextlib.AbstractContextManager[Any]:
         """The forward context: ``torch.autocast`` for the amp-* recipes; for FP16 weights on
         CPU, ``HalfProductsInFP32`` (FP16 products summed in FP32, as FP16 hardware does; a GPU
         has FP16 hardware); else a no-op.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 
@@ -220,6 +220,18 @@ class LossScaler:
 
     # ------------------------------------------------------------------ scale
 
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
     def scale(self, outputs: Any) -> Any:
         """Multiply a loss (or a tensor, or an iterable of them) by the scale.
 
@@ -237,7 +249,8 @@ class LossScaler:
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init(outputs.device if self._device is None else self._device)
-            return outputs * self._scale.to(outputs.device, non_blocking=True)
+            scale = cast(torch.Tensor, self._scale)  # (made by _lazy_init)
+            return outputs * scale.to(outputs.device, non_blocking=True)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         if isinstance(outputs, Iterable):
@@ -365,12 +378,14 @@ class LossScaler:
                     self._check_and_unscale(
                         self._grads(optimizer), torch.ones_like(scale), found_inf
                     )
-            optimizer.grad_scale = grad_scale
-            optimizer.found_inf = found_inf
+            # (the contract's attributes, which torch.optim.Optimizer does not declare)
+            contract: Any = optimizer
+            contract.grad_scale = grad_scale
+            contract.found_inf = found_inf
             try:
                 optimizer.step(*args, **kwargs)
             finally:
-                del optimizer.grad_scale, optimizer.found_inf
+                del contract.grad_scale, contract.found_inf
             state["found_inf"] = found_inf
         else:
             if state["stage"] is _Stage.READY:
@@ -405,15 +420,18 @@ class LossScaler:
                 "update() was called without a scaler.step(optimizer) since the last update(); "
                 "call scaler.step(optimizer) for each optimizer first."
             )
+        # (made with the scale: _lazy_init)
+        overflow_run = cast(torch.Tensor, self._overflow_run)
+        growth_tracker = cast(torch.Tensor, self._growth_tracker)
         found = torch.zeros((), dtype=torch.float32, device=scale.device)
         for s in stepped:
             found.add_(s["found_inf"].to(scale.device, non_blocking=True))
         overflow = found > 0
-        run = torch.where(overflow, self._overflow_run + 1, torch.zeros_like(self._overflow_run))
-        self._overflow_run.copy_(run)
+        run = torch.where(overflow, overflow_run + 1, torch.zeros_like(overflow_run))
+        overflow_run.copy_(run)
         if self._dynamic:
             clean = torch.where(
-                overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1
+                overflow, torch.zeros_like(growth_tracker), growth_tracker + 1
             )
             grow = clean >= self._growth_interval
             grown = scale * self._growth_factor
@@ -424,13 +442,13 @@ class LossScaler:
             back_off = overflow & (run >= self._hysteresis)
             new = torch.where(back_off, backed, torch.where(grow, grown, scale))
             scale.copy_(new)
-            self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(clean), clean))
+            growth_tracker.copy_(torch.where(grow, torch.zeros_like(clean), clean))
         self._per_optimizer.clear()
         self._updates_since_check += 1
         every = 1 if scale.device.type == "cpu" else max(1, self._max_skips // 4)
         if self._updates_since_check >= every:
             self._updates_since_check = 0
-            skipped = int(self._overflow_run.item())
+            skipped = int(overflow_run.item())
             if skipped >= self._max_skips:
                 raise NonFiniteLossError(
                     f"the last {skipped} steps all had inf/NaN gradients (scale now "
@@ -454,8 +472,9 @@ class LossScaler:
             run = saved.get("_overflow_run", 0)
         else:
             scale = float(self._scale.item())
-            tracker = int(self._growth_tracker.item())
-            run = int(self._overflow_run.item())
+            # (made with the scale: _lazy_init)
+            tracker = int(cast(torch.Tensor, self._growth_tracker).item())
+            run = int(cast(torch.Tensor, self._overflow_run).item())
         return {
             "scale": scale,
             "growth_factor": self._growth_factor,
@@ -537,6 +556,7 @@ class LossScaler:
             self._pending = values
         else:
             self._scale.fill_(values["scale"])
-            self._growth_tracker.fill_(values["_growth_tracker"])
-            self._overflow_run.fill_(values["_overflow_run"])
+            # (made with the scale: _lazy_init)
+            cast(torch.Tensor, self._growth_tracker).fill_(values["_growth_tracker"])
+            cast(torch.Tensor, self._overflow_run).fill_(values["_overflow_run"])
         self._per_optimizer.clear()

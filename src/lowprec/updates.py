@@ -16,12 +16,16 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lowprec.optim._typing import compiler_disable
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.shards import all_reduce_sums, is_dtensor, local, local_shards
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim.storage import MasterStorage
 
 __all__ = ["LOST_UPDATE_THRESHOLD", "ParamUpdates", "UpdateMonitor", "UpdateReport"]
 
@@ -293,7 +297,7 @@ class UpdateMonitor:
         self._steps_seen = 0
         self._steps_monitored = 0
         self._steps_skipped = 0
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[int, dict[str, Any]] | None = None
         self._in_step = False
         self._step_calls = 0
         self._step_calls_before = 0
@@ -322,7 +326,7 @@ class UpdateMonitor:
     # before_step/after_step stay out of graphs that torch.compile traces around them (a
     # compiled training step): their preview must be the optimizer's own arithmetic, bit for
     # bit, and traced it failed to compile (Dynamo's fake run of the preview raised).
-    @torch.compiler.disable
+    @compiler_disable
     @torch.no_grad()
     def before_step(self) -> None:
         """Snapshot the parameters (and preview the intended update) before the step.
@@ -345,7 +349,7 @@ class UpdateMonitor:
         snaps: dict[int, dict[str, Any]] = {}
         if self._lowprec:
             inv = self._inverse_scale()
-            opt: LowPrecisionOptimizer = self.optimizer  # type: ignore[assignment]
+            opt = cast(LowPrecisionOptimizer, self.optimizer)
             # (DTensor parameters: previewed on this rank's shards, as the step takes them)
             sharded = opt.__dict__.get("_has_dtensors")
             with local_shards(opt) if sharded else contextlib.nullcontext():
@@ -392,7 +396,13 @@ class UpdateMonitor:
         return getattr(stage, "name", None) == "UNSCALED"
 
     @staticmethod
-    def _preview(opt, group, p, storage, inv) -> dict[str, Any]:
+    def _preview(
+        opt: LowPrecisionOptimizer,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        storage: MasterStorage,
+        inv: torch.Tensor | None,
+    ) -> dict[str, Any]:
         state = opt.state.get(p)
         if not state:
             # What the step's lazy initialisation will create; _init_state returns a new dict.
@@ -407,7 +417,8 @@ class UpdateMonitor:
         mbufs = opt._math_state(group, p, state)
         coeffs = (opt._first_use_coefficients if late else opt._coefficients)(group, step)
         w = storage.load(p, sbufs).clone()
-        g = p.grad.float() if inv is None else p.grad.float() * inv.to(p.device)
+        grad = cast(torch.Tensor, p.grad)  # (a parameter the step takes: present)
+        g = grad.float() if inv is None else grad.float() * inv.to(p.device)
         new_w, new_m = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
         eight_bit = {k for k, _ in opt._qstate(group, state, p)}
         return {
@@ -425,7 +436,7 @@ class UpdateMonitor:
             return float(step)
         return float(step) if isinstance(step, (int, float)) else None
 
-    @torch.compiler.disable
+    @compiler_disable
     @torch.no_grad()
     def after_step(self) -> None:
         """Compare the parameters with the snapshot and record the step.
@@ -475,15 +486,15 @@ class UpdateMonitor:
         t.lost += int((attempted & unchanged).sum())
 
     def _record_lowprec(self, pid: int, p: torch.Tensor, snap: dict[str, Any]) -> None:
-        opt = self.optimizer
+        opt = cast(LowPrecisionOptimizer, self.optimizer)  # (the caller's _lowprec)
         old, w, new_w = snap["old"], snap["w"], snap["new_w"]
-        master = opt.master_weight(p)  # type: ignore[attr-defined]
+        master = opt.master_weight(p)
         state = opt.state[p]
         groups = ()
         if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
             p, master = local(p), local(master)
             state = {k: local(v) for k, v in state.items()}
-            groups = opt._shards[pid].groups  # type: ignore[attr-defined]
+            groups = opt._shards[pid].groups
         new = p.detach()
         attempted = new_w != w
         unchanged = _bits(old) == _bits(new)
@@ -519,7 +530,7 @@ class UpdateMonitor:
         """The master strategy of each monitored parameter (None for other optimizers)."""
         if not self._lowprec:
             return dict.fromkeys(self._names)
-        opt: LowPrecisionOptimizer = self.optimizer  # type: ignore[assignment]
+        opt = cast(LowPrecisionOptimizer, self.optimizer)
         return {
             id(p): opt._storage(group, p).name
             for group in opt.param_groups for p in group["params"] if id(p) in self._names
@@ -554,7 +565,8 @@ class UpdateMonitor:
         updated = sum(r.updated for r in params)
         lost = sum(r.lost for r in params)
         known = [t for t in self._tallies.values() if t.err_sq is not None]
-        relative = (_ratio(sum(t.err_sq for t in known), sum(t.intended_sq for t in known))
+        relative = (_ratio(sum(cast(float, t.err_sq) for t in known),
+                           sum(cast(float, t.intended_sq) for t in known))
                     if known else None)
         flagged = {r.name: a for r in params if (a := r.advice(threshold)) is not None}
         return UpdateReport(
@@ -578,7 +590,8 @@ class UpdateMonitor:
         known = [t for t in self._tallies.values() if t.master_lost is not None]
         if not known:
             return None
-        return _fraction(sum(t.master_lost for t in known), sum(t.updated for t in known))
+        return _fraction(sum(cast(int, t.master_lost) for t in known),
+                         sum(t.updated for t in known))
 
     def summary(self, *, threshold: float = LOST_UPDATE_THRESHOLD) -> str:
         """A few lines: how many updates were lost, which layers need what.
@@ -587,7 +600,8 @@ class UpdateMonitor:
             threshold: Lost-update fraction above which a layer needs action (default: 0.01).
         """
         r = self.report(threshold=threshold)
-        pct = lambda x: "n/a" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:.2f}%"
         lines = [
             f"Update monitor: {r.steps_monitored} of {r.steps_seen} steps monitored "
             f"(every {r.every}), {r.steps_skipped} skipped by the optimizer; "

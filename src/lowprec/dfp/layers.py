@@ -19,6 +19,7 @@ it draws from PyTorch's default generator.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,14 @@ from lowprec.dfp.tensor import DFPTensor, Rounding, _check_rounding, quantize
 
 __all__ = ["DFPConv2d", "DFPLinear", "convert_to_dfp"]
 
+# (nn.Conv2d's own argument types)
+_Size2 = int | tuple[int, int]
+_PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 
-def _resolve_roundings(rounding: str, grad_rounding: str | None, fn: str) -> tuple[str, str]:
+
+def _resolve_roundings(
+    rounding: Rounding, grad_rounding: Rounding | None, fn: str
+) -> tuple[Rounding, Rounding]:
     _check_rounding(rounding, fn)
     grad_rounding = rounding if grad_rounding is None else grad_rounding
     _check_rounding(grad_rounding, fn)
@@ -44,7 +51,14 @@ def _resolve_roundings(rounding: str, grad_rounding: str | None, fn: str) -> tup
 
 class _DFPLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, rounding, grad_rounding):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rounding: Rounding,
+        grad_rounding: Rounding,
+    ) -> torch.Tensor:
         out_features, in_features = weight.shape
         qx = quantize(x.reshape(-1, in_features), rounding=rounding)  # (M, K)
         qw = quantize(weight, rounding=rounding)  # (N, K)
@@ -60,7 +74,7 @@ class _DFPLinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], out_features).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         mx, mw = ctx.saved_tensors
         ex, ew = ctx.exponents
         x_shape, x_dtype = ctx.x_meta
@@ -141,7 +155,8 @@ class DFPLinear(nn.Linear):
         Args:
             x: Input of shape ``(..., in_features)``: float32, float16 or bfloat16, finite.
         """
-        return _DFPLinearFunction.apply(
+        # (torch leaves Function.apply unannotated)
+        return _DFPLinearFunction.apply(  # type: ignore[no-any-return,no-untyped-call]
             x, self.weight, self.bias, self.rounding, self.grad_rounding
         )
 
@@ -158,7 +173,9 @@ class DFPLinear(nn.Linear):
 # ---------------------------------------------------------------------------------------------
 
 
-def _patches(mantissa: torch.Tensor, kernel, dilation, stride) -> torch.Tensor:
+def _patches(
+    mantissa: torch.Tensor, kernel: tuple[int, int], dilation: _Size2, stride: _Size2
+) -> torch.Tensor:
     """im2col of an int16 ``(N, C, H, W)`` tensor: ``(N * L, C * kh * kw)`` int16, columns ordered
     channel-major as ``F.unfold`` orders them (so a group's columns are contiguous)."""
     n = mantissa.shape[0]
@@ -169,7 +186,17 @@ def _patches(mantissa: torch.Tensor, kernel, dilation, stride) -> torch.Tensor:
 
 class _DFPConv2dFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xp, weight, bias, stride, dilation, groups, rounding, grad_rounding):
+    def forward(
+        ctx: Any,
+        xp: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        stride: tuple[int, int],
+        dilation: tuple[int, int],
+        groups: int,
+        rounding: Rounding,
+        grad_rounding: Rounding,
+    ) -> torch.Tensor:
         n, _, hp, wp = xp.shape
         out_ch, cg, kh, kw = weight.shape
         og = out_ch // groups
@@ -201,7 +228,7 @@ class _DFPConv2dFunction(torch.autograd.Function):
         return y.contiguous().to(xp.dtype)
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         mx, mw = ctx.saved_tensors
         ex, ew = ctx.exponents
         stride, dilation, groups, grad_rounding = ctx.conf
@@ -278,13 +305,13 @@ class DFPConv2d(nn.Conv2d):
         self,
         in_channels: int,
         out_channels: int,
-        kernel_size,
-        stride=1,
-        padding=0,
-        dilation=1,
+        kernel_size: _Size2,
+        stride: _Size2 = 1,
+        padding: str | _Size2 = 0,
+        dilation: _Size2 = 1,
         groups: int = 1,
         bias: bool = True,
-        padding_mode: str = "zeros",
+        padding_mode: _PaddingMode = "zeros",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
@@ -321,13 +348,14 @@ class DFPConv2d(nn.Conv2d):
             rounding: Rounding of inputs and weights (default: ``"nearest"``).
             grad_rounding: Rounding of output gradients (default: None, same as ``rounding``).
         """
+        # (cast: torch types a Conv2d's sizes as tuples of any length; they are pairs)
         new = cls(
             conv.in_channels,
             conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
+            cast("tuple[int, int]", conv.kernel_size),
+            stride=cast("tuple[int, int]", conv.stride),
+            padding=cast("str | tuple[int, int]", conv.padding),
+            dilation=cast("tuple[int, int]", conv.dilation),
             groups=conv.groups,
             bias=conv.bias is not None,
             padding_mode=conv.padding_mode,
@@ -351,7 +379,7 @@ class DFPConv2d(nn.Conv2d):
                 total = d * (k - 1)
                 pads += [total // 2, total - total // 2]
             return (pads[0], pads[1], pads[2], pads[3])
-        ph, pw = self.padding
+        ph, pw = cast("tuple[int, int]", self.padding)  # (not "valid" or "same": numbers)
         return (pw, pw, ph, ph)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,7 +400,8 @@ class DFPConv2d(nn.Conv2d):
         if any(pads):
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             x = F.pad(x, pads, mode=mode)
-        y = _DFPConv2dFunction.apply(
+        # (torch leaves Function.apply unannotated)
+        y: torch.Tensor = _DFPConv2dFunction.apply(  # type: ignore[no-untyped-call]
             x,
             self.weight,
             self.bias,
@@ -386,8 +415,8 @@ class DFPConv2d(nn.Conv2d):
 
     def extra_repr(self) -> str:
         """The layer's settings, roundings included, for ``repr``."""
-        return (
-            f"{super().extra_repr()}, rounding={self.rounding!r}, "
+        return (  # (torch leaves _ConvNd.extra_repr unannotated)
+            f"{super().extra_repr()}, rounding={self.rounding!r}, "  # type: ignore[no-untyped-call]
             f"grad_rounding={self.grad_rounding!r}"
         )
 
@@ -448,7 +477,8 @@ def convert_to_dfp(
             if type(module) is nn.Linear:
                 new = DFPLinear.from_linear(module, rounding=rounding, grad_rounding=grad_rounding)
             else:
-                new = DFPConv2d.from_conv2d(module, rounding=rounding, grad_rounding=grad_rounding)
+                new = DFPConv2d.from_conv2d(cast(nn.Conv2d, module), rounding=rounding,
+                                            grad_rounding=grad_rounding)
             converted[id(module)] = new
         return converted[id(module)]
 

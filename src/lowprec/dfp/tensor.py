@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, SupportsIndex, cast
 
 import torch
 
@@ -96,7 +96,7 @@ def _as_exponent(value: object, fn: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{fn}: the exponent must be an int, got a bool.")
     try:
-        exponent = operator.index(value)
+        exponent = operator.index(cast(SupportsIndex, value))  # (TypeError if not: below)
     except TypeError:
         raise TypeError(f"{fn}: the exponent must be an int, got {type(value).__name__}.") from None
     if not -(1 << 31) <= exponent < (1 << 31):

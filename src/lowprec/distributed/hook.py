@@ -63,7 +63,7 @@ rank's residuals and counters are gathered into one dict, which any rank may sav
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
 # annotations with the real dist.GradBucket and Future[Tensor] objects, not with strings.
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -221,7 +221,9 @@ class OneBitState:
                 "torch.distributed is not initialized: call dist.init_process_group() before "
                 "training with onebit_hook or calling state_dict()/load_state_dict()."
             )
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+        # (initialized: WORLD is the default group)
+        return (self.process_group if self.process_group is not None
+                else cast(dist.ProcessGroup, dist.group.WORLD))
 
     def config(self) -> dict[str, Any]:
         """The settings, as plain values (also stored in ``state_dict()``)."""
@@ -273,9 +275,12 @@ class OneBitState:
         self.bytes_sent += ring
         self.bytes_received += ring
 
-    def _allreduce(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
+    def _allreduce(
+        self, buffer: torch.Tensor, group: dist.ProcessGroup
+    ) -> torch.futures.Future[torch.Tensor]:
         """DDP's default: divide by the world size, then sum, asynchronously."""
-        fut = self._start_allreduce(buffer, group).get_future()
+        work: dist.Work = self._start_allreduce(buffer, group)
+        fut = work.get_future()
         return fut.then(lambda f: f.value()[0])
 
     def _layout_for(self, bucket: dist.GradBucket, buffer: torch.Tensor,
@@ -311,7 +316,7 @@ class OneBitState:
                 f"a DDP bucket of {buffer.numel()} values holds parameters of {layout.numel} "
                 "values in all; onebit_hook expects DDP's flat bucket layout (no padding)."
             )
-        fp32 = {"dtype": torch.float32, "device": buffer.device}
+        fp32: dict[str, Any] = {"dtype": torch.float32, "device": buffer.device}
         keyset = set(keys)
         # DDP rebuilt its buckets: forget the layouts this one replaces (their residuals stay
         # alive, through _home, until every parameter has moved to its new layout).
@@ -371,7 +376,7 @@ class OneBitState:
     # ------------------------------------------------------------------------------ pipeline
 
     def _compressed(self, bucket: dist.GradBucket, buffer: torch.Tensor,
-                    group: dist.ProcessGroup) -> torch.futures.Future:
+                    group: dist.ProcessGroup) -> torch.futures.Future[torch.Tensor]:
         """Stage 1 of this bucket, then the older buckets moved on (see the module docstring)."""
         if self._fused_active is None:
             self._fused_active = self.rule == "range" and default_compiles(buffer.device.type)
@@ -451,7 +456,8 @@ class OneBitState:
         """A stage raised: fail every future still in flight (so nobody waits for ever)."""
         for item in self._inflight:
             if not item.future.done():
-                item.future.set_exception(error)
+                # (torch annotates set_exception's argument as the future's value type)
+                item.future.set_exception(error)  # type: ignore[arg-type]
         self._inflight = []
 
     # ---------------------------------------------------------------------------- checkpoints

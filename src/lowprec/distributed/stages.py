@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class InFlight:
     layout: _Layout
     buffer: torch.Tensor
     group: dist.ProcessGroup
-    future: torch.futures.Future
+    future: torch.futures.Future[torch.Tensor]
     work: Any  # the collective in flight
     recv: torch.Tensor  # stage 1: the all-to-all's result; stage 2: the all-gather's
     local: torch.Tensor | None  # the new local residual, kept if every rank was finite
@@ -171,7 +171,8 @@ def start(state: OneBitState, layout: _Layout, buffer: torch.Tensor,
     state.bytes_sent += (world - 1) * size
     state.bytes_received += (world - 1) * size
     state.uncompressed_bytes += 2 * (world - 1) * buffer.numel() * buffer.element_size() // world
-    future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[device] if device.type == "cuda" else None)
     return InFlight(layout, buffer, group, future, work, recv, local)
 
 
@@ -184,15 +185,17 @@ def exchange(state: OneBitState, item: InFlight) -> None:
     device = item.buffer.device
     item.work.wait()
     item.stage = 2
+    # (stage 1 made the new local residual)
+    new_local = cast(torch.Tensor, item.local)
     if bool(recv[:, size - 1].any()):  # some rank is not finite: all ranks fall back together
-        state._give_back(item.local)
+        state._give_back(new_local)
         item.local = None
         state.fallback_buckets += 1
         item.fallback = True
         item.work = state._start_allreduce(item.buffer, group)
         return
     state._give_back(layout.local)
-    layout.local = item.local  # gradient + old residual - reconstruction
+    layout.local = new_local  # gradient + old residual - reconstruction
     item.local = None
     own = layout.stripes[rank]
     send2 = torch.zeros(size, dtype=torch.uint8, device=device)

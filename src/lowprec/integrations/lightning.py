@@ -39,7 +39,7 @@ with Lightning's own plugin resumes with this one, and back. Pass
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -58,6 +58,9 @@ except ImportError as error:
     ) from error
 
 from lowprec.scaling import LossScaler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning.fabric.utilities.types import Optimizable
 
 __all__ = ["MixedPrecision"]
 
@@ -156,13 +159,15 @@ class MixedPrecision(_LightningMixedPrecision):
                     f"scaler must be a lowprec.LossScaler or a torch.amp.GradScaler; "
                     f"{type(scaler).__name__} lacks {', '.join(missing)}."
                 )
-        super().__init__(precision, device_type, scaler)
+        # (Lightning annotates the scaler as a torch.amp.GradScaler; it calls GradScaler's
+        # methods, which LossScaler has)
+        super().__init__(precision, device_type, scaler)  # type: ignore[arg-type]
         # id(optimizer) of those unscaled in this iteration, and of those whose backward
         # Lightning skipped (training_step returned None: no step, so no unscaling either).
         self._unscaled: set[int] = set()
         self._no_backward: set[int] = set()
 
-    def _unscale_once(self, optimizer: torch.optim.Optimizer) -> None:
+    def _unscale_once(self, optimizer: Optimizable) -> None:
         # The scaler keeps its per-optimizer stage by id(): unscale the optimizer that
         # optimizer_step steps, not the wrapper that manual optimization clips with.
         optimizer = _unwrap(optimizer)
@@ -171,9 +176,11 @@ class MixedPrecision(_LightningMixedPrecision):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(key)
 
-    def optimizer_step(
+    # (Lightning's MixedPrecision overrides fabric's Precision.optimizer_step with this
+    # signature, and ignores the override error as this does)
+    def optimizer_step(  # type: ignore[override]
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optimizable,
         model: pl.LightningModule,
         closure: Callable[[], Any],
         **kwargs: Any,

@@ -25,14 +25,16 @@ With a BF16 parameter the RMS of the weight is that of the FP32 master.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Adafactor", "adafactor_coefficients", "adafactor_math", "adafactor_update"]
 
@@ -184,7 +186,7 @@ class Adafactor(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-2,
         beta2_decay: float = -0.8,
         eps: tuple[float | None, float] = (None, 1e-3),
@@ -194,7 +196,7 @@ class Adafactor(LowPrecisionOptimizer):
         foreach: bool | None = None,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         capturable: bool = False,
@@ -207,7 +209,7 @@ class Adafactor(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "weight_decay")
         if not group["beta2_decay"] <= 0.0:
             raise ValueError(f"beta2_decay should be <= 0 but is: {group['beta2_decay']}")
@@ -223,30 +225,32 @@ class Adafactor(LowPrecisionOptimizer):
 
     _nonnegative_buffers = ("variance",)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         if p is None:  # (the group's: every name a parameter may have)
             return ("row_var", "col_var", "variance")
         return ("row_var", "col_var") if p.dim() > 1 else ("variance",)
 
-    def _buffer_shape(self, name, p):
+    def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
         if name == "row_var":
             return (*p.shape[:-1], 1)
         if name == "col_var":
             return (*p.shape[:-2], 1, p.shape[-1])
         return None
 
-    def _whole(self, group):
+    def _whole(self, group: dict[str, Any]) -> bool:
         return True
 
     _whole_compiles = True  # (its reductions and elementwise work fuse into a few passes)
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return adafactor_coefficients(
             lr=_as_float(group["lr"], "lr"), beta2_decay=group["beta2_decay"],
             eps=tuple(group["eps"]), d=group["d"], weight_decay=group["weight_decay"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(adafactor_math)

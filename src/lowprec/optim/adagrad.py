@@ -6,8 +6,7 @@ and coefficients computed on the host, shared by the eager and the compiled step
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,12 +14,15 @@ from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
+
 __all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
 
 
 def adagrad_coefficients(
-    *, lr: float, lr_decay: float, weight_decay: float, eps: float, step: int
-) -> dict[str, float]:
+    *, lr: float, lr_decay: float, weight_decay: float, eps: float, step: Any
+) -> dict[str, Any]:
     """The per-step scalars of ``adagrad_math``, computed once on the host."""
     return {"clr": lr / (1 + (step - 1) * lr_decay), "weight_decay": weight_decay, "eps": eps}
 
@@ -120,7 +122,7 @@ class Adagrad(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-2,
         lr_decay: float = 0.0,
         weight_decay: float = 0.0,
@@ -129,7 +131,7 @@ class Adagrad(LowPrecisionOptimizer):
         *,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -144,26 +146,28 @@ class Adagrad(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(
             group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"
         )
 
     _nonnegative_buffers = ("sum",)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("sum",)
 
-    def _init_math_buffer(self, name, param, group):
+    def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
         return float(group["initial_accumulator_value"])
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return adagrad_coefficients(
             lr=_as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
             weight_decay=group["weight_decay"], eps=group["eps"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(adagrad_math)

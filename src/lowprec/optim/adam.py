@@ -9,14 +9,16 @@ the moments then carry; ``decoupled_weight_decay=True`` is AdamW's decay and ste
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.optim.adamw import adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Adam", "adam_coefficients", "adam_math", "adam_update"]
 
@@ -148,7 +150,7 @@ class Adam(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -158,7 +160,7 @@ class Adam(LowPrecisionOptimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -173,24 +175,26 @@ class Adam(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
 
     _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return adam_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         decay = group["weight_decay"] != 0
         # (without decay the two kinds are one rule: one compiled variant)
         return dict(

@@ -8,14 +8,16 @@ compensated ``master`` a decay below half an ulp of the stored weight still take
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 
@@ -171,7 +173,7 @@ class AdamW(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -180,7 +182,7 @@ class AdamW(LowPrecisionOptimizer):
         *,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -194,7 +196,7 @@ class AdamW(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
         # (torch.optim.Adam's groups carry decoupled_weight_decay=False: its decay is L2, added
@@ -208,18 +210,20 @@ class AdamW(LowPrecisionOptimizer):
 
     _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         names = ("exp_avg", "exp_avg_sq")
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return adamw_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(
             amsgrad=group["amsgrad"], weight_decay=group["weight_decay"] != 0,
             maximize=group["maximize"],

@@ -47,13 +47,14 @@ replace (``replay.redo``, ``loss_scale._host_counts``, ``compiled._compiled_kern
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import torch
 from torch.optim import Optimizer
 
 from lowprec.optim import checkpoint, driver, qstate
+from lowprec.optim._typing import compiler_disable
 from lowprec.optim.compiled import _default_mode
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
@@ -72,7 +73,19 @@ from lowprec.optim.shards import (
 )
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+    from torch.optim.optimizer import ParamsT
+
+    from lowprec.optim._typing import WorkItem
+    from lowprec.optim.buckets import _Layout
+    from lowprec.optim.in_backward import StepInBackward
+    from lowprec.optim.plan import _Plan
+    from lowprec.optim.shards import _Shard
+
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
+
+_T = TypeVar("_T")
 
 
 class LowPrecisionOptimizer(Optimizer):
@@ -103,9 +116,22 @@ class LowPrecisionOptimizer(Optimizer):
         ValueError: An invalid option, hyperparameter or parameter (naming its group).
     """
 
+    # What the step's stages keep on the optimizer, set where first needed (and read with
+    # ``__dict__.get`` before that): declared here for type checkers, no class attributes.
+    _has_dtensors: bool
+    _fused_broken: bool
+    _step_plan: _Plan | None
+    _buckets: _Layout | None
+    _in_backward: StepInBackward | None
+    _shards: dict[int, _Shard]
+    _seeds_checked: tuple[Any, ...]
+    _shard_offsets: dict[int, int] | None
+    _shard_reduce: list[ProcessGroup] | None
+    _shard_groups: dict[int, list[ProcessGroup]] | None
+
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         defaults: dict[str, Any],
         *,
         foreach: bool | None = None,
@@ -176,11 +202,11 @@ class LowPrecisionOptimizer(Optimizer):
         """Initial value of buffer ``name`` (default: 0.0)."""
         return 0.0
 
-    def _coefficients(self, group: dict[str, Any], step: int) -> dict[str, float]:
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         """The update rule's per-step scalars, computed on the host (lr, bias corrections...)."""
         raise NotImplementedError
 
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+    def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
         """Static switches of the update rule (e.g. ``amsgrad``); each combination is a variant."""
         return {}
 
@@ -190,7 +216,8 @@ class LowPrecisionOptimizer(Optimizer):
         g: torch.Tensor,
         bufs: dict[str, torch.Tensor],
         c: dict[str, Any],
-        **flags: bool,
+        *args: Any,
+        **flags: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The update rule: new FP32 weight and buffers from FP32 inputs (pure, plain ops)."""
         raise NotImplementedError
@@ -342,27 +369,27 @@ class LowPrecisionOptimizer(Optimizer):
     def _storage(self, group: dict[str, Any], p: torch.Tensor) -> MasterStorage:
         return resolve_master(group["master"], p.dtype)
 
-    def _state_dtype(self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage):
+    def _state_dtype(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> torch.dtype:
         """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
         as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
         the parameters too small for that."""
         if group["state_dtype"] in qstate.BITS:
             return torch.uint8 if qstate.qualifies(p) else torch.float32
         if group["state_dtype"] is not None:
-            return group["state_dtype"]
+            return cast(torch.dtype, group["state_dtype"])
         if storage.name in ("fp32", "split"):
             return torch.float32
         return p.dtype
 
-    def _collect(
-        self, late: list | None = None
-    ) -> list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage]]:
+    def _collect(self, late: list[WorkItem] | None = None) -> list[WorkItem]:
         """Validate every group, gradient and state; return the work list. Writes nothing.
 
         ``late`` collects the work items whose state lacks a buffer the update rule now keeps
         (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
         to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
-        work = []
+        work: list[WorkItem] = []
         index = -1
         expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
         for gi, group in enumerate(self.param_groups):
@@ -382,7 +409,14 @@ class LowPrecisionOptimizer(Optimizer):
                 work.append((group, p, index, storage))
         return work
 
-    def _check_param(self, group, p, storage, where: tuple[int, int], expected: dict) -> bool:
+    def _check_param(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        storage: MasterStorage,
+        where: tuple[int, int],
+        expected: dict[Any, dict[str, torch.dtype]],
+    ) -> bool:
         """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
         its state lacks buffers the rule now keeps (``_collect``'s ``late``). ``expected``
         caches ``_expected_state`` per kind of parameter across calls."""
@@ -396,9 +430,9 @@ class LowPrecisionOptimizer(Optimizer):
         return bool(self._check_state(state, group, p, storage, where, expected[key]))
 
     @staticmethod
-    def _check_grad(p, where: tuple[int, int]) -> None:
+    def _check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
         """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
-        g = p.grad
+        g = cast(torch.Tensor, p.grad)  # (present: _collect steps parameters with gradients)
         gi, pi = where
         if g.is_sparse:
             raise ValueError(
@@ -413,11 +447,13 @@ class LowPrecisionOptimizer(Optimizer):
                 f"{p.dtype} on {p.device}."
             )
 
-    def _expected_state(self, group, p, storage) -> dict[str, torch.dtype]:
+    def _expected_state(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> dict[str, torch.dtype]:
         sd = self._state_dtype(group, p, storage)
         names = self._math_buffers(group, p)
         shaped = [k for k in names if self._buffer_shape(k, p) is None]
-        scales = {}
+        scales: dict[str, torch.dtype] = {}
         if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
             scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
         return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
@@ -443,7 +479,9 @@ class LowPrecisionOptimizer(Optimizer):
         out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
         return out
 
-    def _math_state(self, group, p, state) -> dict[str, torch.Tensor]:
+    def _math_state(
+        self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
         """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
         shaped as ``p``)."""
         fmts = dict(self._qstate(group, state, p))
@@ -451,7 +489,15 @@ class LowPrecisionOptimizer(Optimizer):
                                      qstate.is_signed(fmts[k]), p.shape)
                 if k in fmts else state[k].float() for k in self._math_buffers(group, p)}
 
-    def _check_state(self, state, group, p, storage, where, expected=None) -> tuple[str, ...]:
+    def _check_state(
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        p: torch.Tensor,
+        storage: MasterStorage,
+        where: str | tuple[int, int],
+        expected: dict[str, torch.dtype] | None = None,
+    ) -> tuple[str, ...]:
         """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
         the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
         if isinstance(where, tuple):  # (group, parameter): formatted only for an error
@@ -465,7 +511,7 @@ class LowPrecisionOptimizer(Optimizer):
         if expected is None:
             expected = self._expected_state(group, p, storage)
         missing = tuple(
-            name for name in self._math_buffers(group, p) if state.get(name, None) is None
+            name for name in self._math_buffers(group, p) if state.get(name) is None
         )
         # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
         # flat, two per byte)
@@ -488,7 +534,9 @@ class LowPrecisionOptimizer(Optimizer):
                 )
         return missing
 
-    def _init_state(self, group, p, storage) -> dict[str, Any]:
+    def _init_state(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> dict[str, Any]:
         if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
             return init_state_local(self, group, p, storage)
         sd = self._state_dtype(group, p, storage)
@@ -501,7 +549,9 @@ class LowPrecisionOptimizer(Optimizer):
             state.update(self._new_math_buffer(group, p, name, sd))
         return state
 
-    def _new_math_buffer(self, group, p, name: str, dtype: torch.dtype) -> dict[str, Any]:
+    def _new_math_buffer(
+        self, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
         """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
         codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
         value = self._init_math_buffer(name, p, group)
@@ -514,7 +564,9 @@ class LowPrecisionOptimizer(Optimizer):
             return {name: codes, qstate.scale_key(name): scale}
         return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
-    def _first_use_coefficients(self, group: dict[str, Any], step: Any) -> dict[str, Any]:
+    def _first_use_coefficients(
+        self, group: dict[str, Any], step: int | torch.Tensor
+    ) -> dict[str, Any]:
         """The coefficients of a parameter's first step with buffers created late (an option
         turned on after its first step: ``_collect``'s ``late``). Default: the step's own; SGD's
         momentum buffer starts as the step's direction, as torch.optim's does."""
@@ -531,15 +583,33 @@ class LowPrecisionOptimizer(Optimizer):
     # (emulate_precision_casts keeps Kahan's compensation; without it Inductor folds it to zero)
     # and decides on the host what to run; traced, it failed to compile, recompiled per
     # parameter past Dynamo's limit, or lost the compensation of an eager Kahan step.
-    @torch.compiler.disable
-    @torch.no_grad()
+    @overload
     def step(
         self,
-        closure: Callable[[], Any] | None = None,
+        closure: None = None,
         *,
         grad_scale: torch.Tensor | float | None = None,
         found_inf: torch.Tensor | None = None,
-    ) -> Any:
+    ) -> None: ...
+
+    @overload
+    def step(
+        self,
+        closure: Callable[[], _T],
+        *,
+        grad_scale: torch.Tensor | float | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> _T: ...
+
+    @compiler_disable
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], _T] | None = None,
+        *,
+        grad_scale: torch.Tensor | float | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> _T | None:
         """Perform one optimization step.
 
         With ``grad_scale`` or ``found_inf`` (the loss-scaler contract, also taken from the
@@ -647,7 +717,7 @@ def _warn_fp32_shards(group: dict[str, Any], index: int) -> None:
         )
 
 
-def master_state_dict(model: torch.nn.Module, optimizer: LowPrecisionOptimizer) -> dict[str, Any]:
+def master_state_dict(model: torch.nn.Module, optimizer: object) -> dict[str, Any]:
     """A model state dict holding the optimizer's FP32 master values, for export.
 
     Parameters the optimizer updates are replaced by ``optimizer.master_weight(p)``; other

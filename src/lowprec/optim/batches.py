@@ -16,7 +16,7 @@ state out as ``small_buckets`` would batch it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -26,6 +26,11 @@ from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabl
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.plan import _Batch, _Entry, _flat
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.storage import MasterStorage
+
 # Fused steps of parameters up to _SMALL elements are batched, up to _SMALL_BATCH elements per
 # compiled call (the concatenated copies are the batch's only temporaries: a few MB at most).
 _SMALL = 1 << 16
@@ -33,17 +38,18 @@ _SMALL_BATCH = 1 << 18
 _UNSET = object()
 
 
-def _by_size(work: list) -> tuple[list, list]:
+def _by_size(work: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem]]:
     """``step()``'s order of its work list: the large parameters, largest first, then the small
     ones (up to ``_SMALL`` elements, batched). Parameters are independent (the random key is a
     parameter's index, not its position here), so only the batches depend on this order."""
-    large, small = [], []
+    large: list[WorkItem] = []
+    small: list[WorkItem] = []
     for item in sorted(work, key=lambda item: -item[1].numel()):
         (large if item[1].numel() > _SMALL or _eight_bit(item) else small).append(item)
     return large, small
 
 
-def _batches_on(device: torch.device, storage, dtype: torch.dtype) -> bool:
+def _batches_on(device: torch.device, storage: MasterStorage, dtype: torch.dtype) -> bool:
     """Whether small parameters of ``dtype`` on ``device`` under ``storage`` batch, per device
     type. Deterministic strategies batch on the CPU and on CUDA: a compiled call costs ~30-60 us
     of host work (Dynamo's guards and wrappers) on either, most of a small tensor's step, while a
@@ -55,13 +61,18 @@ def _batches_on(device: torch.device, storage, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and not storage.needs_random_bits
 
 
-def _eight_bit(item: tuple) -> bool:
+def _eight_bit(item: WorkItem) -> bool:
     """Whether a work item's buffers are 8-bit or 4-bit codes (``qstate``): stepped one by one,
     with their blocks' scales (a batch concatenates flat state)."""
     return item[0]["state_dtype"] in qstate.BITS and qstate.qualifies(item[1])
 
 
-def step_small(opt, items, memo, scaling: _Scaling | None = None) -> list:
+def step_small(
+    opt: LowPrecisionOptimizer,
+    items: list[WorkItem],
+    memo: Memo,
+    scaling: _Scaling | None = None,
+) -> list[WorkItem]:
     """Fused steps of small parameters batched per group: one compiled call per batch.
 
     The per-call cost of a compiled kernel (~30-60 us, Dynamo's guards and wrappers) is most of
@@ -80,7 +91,7 @@ def step_small(opt, items, memo, scaling: _Scaling | None = None) -> list:
     (on CUDA a scaled step keeps its counts on the device: such parameters take their own
     calls). Which devices and strategies batch: ``_batches_on``.
     """
-    held = []
+    held: list[WorkItem] = []
     if scaling is not None:  # (off the CPU the counts are on the device: never read here)
         held = [item for item in items if not loss_scale._host_counts(item[1].device)]
         items = [item for item in items if loss_scale._host_counts(item[1].device)]
@@ -101,7 +112,9 @@ def step_small(opt, items, memo, scaling: _Scaling | None = None) -> list:
     return rest
 
 
-def _small_batches(opt, items) -> tuple[list[_Batch], list]:
+def _small_batches(
+    opt: LowPrecisionOptimizer, items: list[WorkItem]
+) -> tuple[list[_Batch], list[WorkItem]]:
     """``step_small``'s batches of ``items`` (two or more parameters each, creating
     their state), and the items left out."""
     fresh: set[int] = set()  # ids of the parameters whose state is created here
@@ -110,7 +123,9 @@ def _small_batches(opt, items) -> tuple[list[_Batch], list]:
     return batches, rest
 
 
-def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, list]], list]:
+def small_buckets(
+    opt: LowPrecisionOptimizer, items: list[WorkItem], fresh: set[int] | None
+) -> tuple[list[tuple[int, list[WorkItem]]], list[WorkItem]]:
     """How ``items`` (small parameters, in step order) fall into batches: ``(step, items)`` per
     batch of two or more, and the items left out.
 
@@ -125,7 +140,9 @@ def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, l
         return [], items
     # Per-word random keys need every word within one parameter: such batches are on pairs,
     # of parameters of even length.
-    rest, buckets, filled_of = [], {}, {}
+    rest: list[WorkItem] = []
+    buckets: dict[Any, list[list[WorkItem]]] = {}
+    filled_of: dict[Any, int] = {}
     names_of: dict[Any, Any] = {}  # per (group, strategy, dtype): buffer names, or None
     shard_offsets = opt.__dict__.get("_shard_offsets")
     for item in items:
@@ -139,7 +156,7 @@ def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, l
                 and _fused_enabled(opt, group, p)
                 else None
             )
-        g = p.grad if fresh is not None else p
+        g = cast(torch.Tensor, p.grad) if fresh is not None else p  # (a work item's: present)
         n = p.numel()
         if names is None or n < 2 or (n % 2 and storage.needs_random_bits) or (
             storage.needs_random_bits and shard_offsets and shard_offsets.get(id(p))
@@ -183,21 +200,27 @@ def small_buckets(opt, items, fresh: set[int] | None) -> tuple[list[tuple[int, l
     return batches, rest
 
 
-def run_batch(opt, batch: _Batch, step: int, memo, scaling: _Scaling | None = None) -> bool:
+def run_batch(
+    opt: LowPrecisionOptimizer,
+    batch: _Batch,
+    step: int,
+    memo: Memo,
+    scaling: _Scaling | None = None,
+) -> bool:
     """One compiled step of ``batch`` at ``step`` (under ``scaling``, if given); False (nothing
     written) where it cannot run fused, for its parameters to be stepped one by one."""
     group, storage = batch.group, batch.storage
     flags = param_step.group_flags(opt, group, memo)
     coeffs, c32 = param_step.step_coefficients(opt, group, step, memo)
     params = torch.cat(batch.dst)
-    grad = torch.cat([_flat(p.grad) for p in batch.ps])
+    grad = torch.cat([_flat(cast(torch.Tensor, p.grad)) for p in batch.ps])  # (stepped: present)
     # A state buffer laid out flat is stepped in place, the others concatenated.
     bufs = {k: torch.cat(batch.views[k]) if b is None else b for k, b in batch.bufs.items()}
     sbufs = {k: bufs[k] for k in batch.names_s}
     mbufs = {k: bufs[k] for k in batch.names_m}
     lo: Any = 0
     hi: Any = 0
-    extra: dict[str, torch.Tensor] = {}
+    extra: dict[str, Any] = {}
     if scaling is not None:
         extra = scaling.kernel_args(params.device)
     keyed = storage.needs_random_bits
@@ -218,7 +241,8 @@ def run_batch(opt, batch: _Batch, step: int, memo, scaling: _Scaling | None = No
         return False
     torch._foreach_copy_(batch.dst, params.split(batch.sizes))
     if "inv_scale" in extra:  # (the kernel unscaled the batch's copy of the gradients)
-        torch._foreach_copy_([_flat(p.grad) for p in batch.ps], grad.split(batch.sizes))
+        torch._foreach_copy_([_flat(cast(torch.Tensor, p.grad)) for p in batch.ps],
+                             grad.split(batch.sizes))
     for k, b in batch.bufs.items():
         if b is None:
             torch._foreach_copy_(batch.views[k], bufs[k].split(batch.sizes))
@@ -226,7 +250,9 @@ def run_batch(opt, batch: _Batch, step: int, memo, scaling: _Scaling | None = No
     return True
 
 
-def batch_layout(opt, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_layout(
+    opt: LowPrecisionOptimizer, words: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For a batch on pairs of parameters of ``words`` words each: every word's parameter (its
     position in the batch) and its index within that parameter (int32 each), for
     ``_param_update_pairs``'s per-word random keys. Kept per batch composition, which stays

@@ -60,7 +60,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 
@@ -72,7 +73,11 @@ from lowprec.optim.plan import _Entry, _Recorder
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
+    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.compiled import _Fused
     from lowprec.optim.driver import StepContext
+    from lowprec.optim.storage import MasterStorage
 
 __all__ = ["flatten", "step_buckets"]
 
@@ -90,14 +95,16 @@ def _gathered(device: torch.device) -> int:
     return _GATHERED.get(device.type, _GATHERED["cuda"])
 
 
-def _bucketable_rule(opt, group: dict[str, Any]) -> bool:
+def _bucketable_rule(opt: LowPrecisionOptimizer, group: dict[str, Any]) -> bool:
     """Whether ``group``'s rule steps a tensor in any layout: elementwise, or elementwise but
     for whole-tensor sums (``_norm_terms``: LAMB, StableAdamW), which a piece of parameters of
     one size takes per row."""
     return (opt._elementwise or opt._norm_terms is not None) and not opt._whole(group)
 
 
-def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
+def _kind(
+    opt: LowPrecisionOptimizer, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+) -> tuple[Any, ...] | None:
     """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
     of ``p`` per element), or None where ``p`` is stepped on its own."""
     state = opt.state.get(p)
@@ -113,14 +120,14 @@ def _kind(opt, group: dict[str, Any], p: torch.Tensor, storage) -> Any:
     # 8-bit and 4-bit codes (one byte per element, or per two) and their scales (one per block):
     # every parameter that has them is whole blocks, so its scales' share of a flat buffer
     # starts where its elements' would.
-    per = {}
+    per: dict[str, int] = {}
     for name, f in opt._qstate(group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
     if per and (keyed or opt._norm_terms is not None):
         return None  # (codes are never stepped on pairs, nor their rows' sums taken per row)
     maths = opt._math_buffers(group, p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
-    layout = []
+    layout: list[tuple[str, torch.dtype, int]] = []
     for name in names:
         t, n = state.get(name), per.get(name, 1)
         if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
@@ -146,8 +153,11 @@ class _Bucket:
                  "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
                  "views")
 
-    def __init__(self, opt, group, kind, members: list[tuple[torch.Tensor, int]],
-                 storage) -> None:
+    #: The counts' version when ``same`` was last read (None: not read yet)
+    version: int | None
+
+    def __init__(self, opt: LowPrecisionOptimizer, group: dict[str, Any], kind: tuple[Any, ...],
+                 members: list[tuple[torch.Tensor, int]], storage: MasterStorage) -> None:
         self.group, self.kind, self.storage = group, kind, storage
         self.params = [p for p, _ in members]
         self.indices = [i for _, i in members]
@@ -187,18 +197,19 @@ class _Bucket:
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         self.norms = opt._norm_terms is not None  # (whole-tensor sums: pieces of one size)
         # (current: every state entry the bucket made, per parameter in this order)
-        self.entries = (operator.itemgetter("step", *self.names) if self.names
-                        else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
+        self.entries: Callable[[Any], tuple[Any, ...]] = (
+            operator.itemgetter("step", *self.names) if self.names
+            else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
         self.made = [t for ts in zip(self.steps, *(self.views[k] for k in self.names),
                                      strict=True) for t in ts]
         self.same, self.version = False, None  # (same_counts: not read yet)
         self.shapes = [p.shape for p in self.params]
-        self.prepared: dict[Any, Any] = {}
+        self.prepared: dict[Any, _Fused] = {}
         self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
-    def current(self, opt) -> bool:
+    def current(self, opt: LowPrecisionOptimizer) -> bool:
         """Whether the parameters and state entries are still this bucket's views (checked a
         list at a time: this is per-tensor host work of every step)."""
         if list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
@@ -232,7 +243,13 @@ class _Bucket:
             return None
         return grads
 
-    def step(self, opt, grads: list, memo: dict, scaling: _Scaling | None) -> None:
+    def step(
+        self,
+        opt: LowPrecisionOptimizer,
+        grads: list[torch.Tensor | None],
+        memo: Memo,
+        scaling: _Scaling | None,
+    ) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones that share a step
         count (all of them, in a plain loop), a compiled call per piece (``_pieces``). Under a
         loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device;
@@ -263,7 +280,7 @@ class _Bucket:
                 self.counts[i:j].add_(scaling.taken_on(self.counts.device))
             i = j
 
-    def on_device(self, scaling: _Scaling | None) -> bool:
+    def on_device(self, scaling: _Scaling | None) -> TypeGuard[_Scaling]:
         """Whether a step under ``scaling`` takes its numbers on the device: the parameters'
         device keeps a scaled step's counts (``loss_scale._host_counts``)."""
         return scaling is not None and not loss_scale._host_counts(self.params[0].device)
@@ -278,7 +295,7 @@ class _Bucket:
             self.version = self.counts._version
         return self.same
 
-    def _device_numbers(self, opt, memo: dict) -> dict[str, torch.Tensor]:
+    def _device_numbers(self, opt: LowPrecisionOptimizer, memo: Memo) -> dict[str, torch.Tensor]:
         """The step's coefficients as 0-d FP32 tensors on the counts' device, from the bucket's
         one count (``same_counts``) as the full step makes them
         (``param_step.scaled_numbers_many``): the numbers that depend on the count computed there,
@@ -286,7 +303,7 @@ class _Bucket:
         device = self.counts.device
         step = self.counts[0].double() + 1
         shared = memo.setdefault(("constants", id(self.group), device), {})
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for k, v in opt._coefficients(self.group, step).items():
             if isinstance(v, torch.Tensor):
                 out[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
@@ -305,7 +322,8 @@ class _Bucket:
         side)."""
         limit = _gathered(self.params[0].device)
         offsets, sizes = self.offsets, self.sizes
-        pieces, a = [], i
+        pieces: list[tuple[int, int]] = []
+        a = i
         for k in range(i, j):
             if sizes[k] >= limit:
                 if a < k:
@@ -319,8 +337,8 @@ class _Bucket:
             pieces.append((a, j))
         return pieces
 
-    def _run(self, opt, a: int, b: int, grads: list, step: int | dict, memo: dict,
-             scaling: _Scaling | None) -> None:
+    def _run(self, opt: LowPrecisionOptimizer, a: int, b: int, grads: list[torch.Tensor | None],
+             step: int | dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
         parameters and gradients gathered into one each (a single parameter's own, where it
         lies in place); one compiled call where the step is fused, else eagerly in chunks
@@ -328,22 +346,22 @@ class _Bucket:
         group, storage = self.group, self.storage
         lo, hi = self.offsets[a], self.offsets[b]
         one = b - a == 1
-        p, g = self.flat_params[a], grads[a]
+        p, g = self.flat_params[a], cast(torch.Tensor, grads[a])  # (a run's first: present)
         if not one:
             p = self._gather(self.flat_params[a:b], hi - lo, "param")
         gathered = not one or not g.is_contiguous() or g.storage_offset() % 2
         if gathered:
-            g = self._gather(grads[a:b], hi - lo, "grad")
+            g = self._gather(cast("list[torch.Tensor]", grads[a:b]), hi - lo, "grad")
         g = g.view(-1)
         flags = param_step.group_flags(opt, group, memo)
         names = (self.sbufs, self.names[len(self.sbufs):])
         per = self.per
         mode = _mode(scaling)
-        extra = {} if scaling is None else scaling.kernel_args(p.device)
+        extra: dict[str, Any] = {} if scaling is None else scaling.kernel_args(p.device)
         rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
         keys: tuple[Any, Any] = (0, 0)
         if self.keyed:  # (``step`` is the host's count: buckets with keys have it there)
-            keys, owner = self._keys(opt, a, b, step)
+            keys, owner = self._keys(opt, a, b, cast(int, step))
             extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
         if _fused_enabled(opt, group, self.params[0]):
@@ -369,40 +387,49 @@ class _Bucket:
             coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
                       if isinstance(step, int) else step)
             chunk = _eager_chunk(g.device)
-            qkw = {"qstate": self.qstate} if self.qstate else {}
+            qkw: dict[str, Any] = {"qstate": self.qstate} if self.qstate else {}
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
 
-            def at(sl: slice) -> tuple:  # (elements sl of the piece, and their state)
-                return (p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
-                                                          (lo + sl.stop) // per[k]]
-                                         for k in ks} for ks in names))
+            def at(sl: slice) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
+                                       dict[str, torch.Tensor]]:
+                # (elements sl of the piece, and their state)
+                return cast("tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], "
+                            "dict[str, torch.Tensor]]",
+                            (p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
+                                                               (lo + sl.stop) // per[k]]
+                                              for k in ks} for ks in names)))
 
             # (with random bits or whole-tensor sums: each parameter's elements on their own,
             # with its key, indexed from its first element)
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
-                       param_step.random_keys(group, storage, step, self.indices[k]))
+                       param_step.random_keys(group, storage, cast(int, step), self.indices[k]))
                       for k in range(a, b)]
                      if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
             for first, last, (key_lo, key_hi) in spans:
                 # (whole blocks: a chunk is a multiple)
                 chunks = [slice(i, min(i + chunk, last)) for i in range(first, last, chunk)]
-                c = coeffs
+                c: dict[str, Any] = coeffs
                 if self.norms:  # (first pass: the parameter's sums, read-only)
+                    norm_terms = cast("Callable[..., tuple[torch.Tensor, ...]]", opt._norm_terms)
                     sums = sum(_param_sums(*at(sl), coeffs, storage=storage, flags=flags,
-                                           norm_terms=opt._norm_terms,
+                                           norm_terms=norm_terms,
                                            inv_scale=extra.get("inv_scale"))
                                for sl in chunks)
                     c = {**coeffs, "sums": sums}
                 for sl in chunks:
-                    _param_update(*at(sl), c, key_lo, key_hi, storage=storage, math=opt._math,
-                                  flags=flags, offset=sl.start - first, **extra, **qkw)
+                    piece_p, piece_g, piece_s, piece_m = at(sl)
+                    _param_update(piece_p, piece_g, piece_s, piece_m, c, key_lo, key_hi,
+                                  storage=storage, math=opt._math, flags=flags,
+                                  offset=sl.start - first, **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
         if gathered and mode == "unscale":  # (the kernel wrote the gradients back unscaled)
             views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
-            torch._foreach_copy_(grads[a:b], views)
+            torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
 
-    def _keys(self, opt, a: int, b: int, step: int) -> tuple[tuple[Any, Any], dict]:
+    def _keys(
+        self, opt: LowPrecisionOptimizer, a: int, b: int, step: int
+    ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
         """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
         alone, its key's halves (``_keys``); a gathered piece, one key half per parameter
         (int64, made for all of them at once: ``numerics.stream_key_halves``) with each word's
@@ -458,7 +485,7 @@ class _Layout:
 
     __slots__ = ("buckets", "entries", "groups", "rest")
 
-    def __init__(self, opt) -> None:
+    def __init__(self, opt: LowPrecisionOptimizer) -> None:
         self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
@@ -466,7 +493,7 @@ class _Layout:
         self.entries: dict[Any, dict[int, _Entry]] = {}  # (the rest's prepared steps per
         # loss-scaler mode, whose kernels differ: _step_rest)
 
-    def same_groups(self, opt) -> bool:
+    def same_groups(self, opt: LowPrecisionOptimizer) -> bool:
         groups = opt.param_groups
         return len(groups) == len(self.groups) and all(
             group is ref and len(group["params"]) == len(params)
@@ -475,7 +502,7 @@ class _Layout:
         )
 
 
-def flatten(opt) -> None:
+def flatten(opt: LowPrecisionOptimizer) -> None:
     """After a full step: lay the buckets out again where anything they were made for changed (or
     the first time, once the state exists)."""
     if (opt.__dict__.get("_has_dtensors") or opt.__dict__.get("_in_backward") is not None
@@ -483,7 +510,7 @@ def flatten(opt) -> None:
         opt._buckets = None
         return
     old = opt.__dict__.get("_buckets")
-    kept = {}
+    kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets if b.current(opt)}
     layout = _Layout(opt)
@@ -491,7 +518,7 @@ def flatten(opt) -> None:
     changed = False  # (a bucket made anew: state entries rebound, the recorded step stale)
     for gi, group in enumerate(opt.param_groups):
         storages = opt._validate_group(group, gi)
-        kinds: dict[Any, list] = {}
+        kinds: dict[Any, list[tuple[torch.Tensor, int, int, MasterStorage]]] = {}
         for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
             index += 1
             kind = _kind(opt, group, p, storage) if _bucketable_rule(opt, group) else None
@@ -521,7 +548,7 @@ def flatten(opt) -> None:
     opt._buckets = layout if layout.buckets else None
 
 
-def step_buckets(opt, ctx: StepContext) -> bool:
+def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
     """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
     its errors), step each bucket and the parameters stepped on their own; False, having written
     nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
@@ -532,14 +559,14 @@ def step_buckets(opt, ctx: StepContext) -> bool:
     if (layout is None or opt.__dict__.get("_in_backward") is not None
             or not layout.same_groups(opt)):
         return False
-    storages = []
+    storages: list[list[MasterStorage]] = []
     for gi, (group, (_, _, options, flags)) in enumerate(
         zip(opt.param_groups, layout.groups, strict=True)
     ):
         storages.append(opt._validate_group(group, gi))  # (raises as the full step would)
         if opt._plan_options(group) != options or opt._flags(group) != flags:
             return False
-    grads = []
+    grads: list[list[torch.Tensor | None]] = []
     for bucket in layout.buckets:
         g = bucket.gradients() if bucket.current(opt) else None
         if g is None:
@@ -548,7 +575,8 @@ def step_buckets(opt, ctx: StepContext) -> bool:
         if bucket.keyed and first is not None and first.dtype not in _PAIR_DTYPES:
             return False  # (random bits keyed per word need pairs: BF16 or FP32 gradients)
         grads.append(g)
-    rest, expected = [], {}
+    rest: list[WorkItem] = []
+    expected: dict[Any, dict[str, torch.dtype]] = {}
     for gi, pi, index in layout.rest:
         group = opt.param_groups[gi]
         p = group["params"][pi]
@@ -559,9 +587,9 @@ def step_buckets(opt, ctx: StepContext) -> bool:
             return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
     scaling = None
-    memo: dict[Any, Any] = {}
+    memo: Memo = {}
     if ctx.scaled:
-        work = []
+        work: list[WorkItem] = []
         for bucket, gs in zip(layout.buckets, grads, strict=True):
             if not loss_scale._host_counts(bucket.params[0].device) and (
                 bucket.keyed  # (its keys would be made on the device: the full step's way)
@@ -585,7 +613,13 @@ def step_buckets(opt, ctx: StepContext) -> bool:
     return True
 
 
-def _step_rest(opt, layout: _Layout, rest: list, memo: dict, scaling: _Scaling | None) -> None:
+def _step_rest(
+    opt: LowPrecisionOptimizer,
+    layout: _Layout,
+    rest: list[WorkItem],
+    memo: Memo,
+    scaling: _Scaling | None,
+) -> None:
     """The parameters outside buckets, each by its compiled step as prepared at its last step
     (``layout.entries``, redone by ``replay.redo_entry``) where nothing it
     relied on changed, else by its full step, which prepares it anew. Without the entries each

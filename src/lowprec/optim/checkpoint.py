@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
@@ -34,12 +34,17 @@ from lowprec.optim.shards import (
 )
 from lowprec.optim.storage import STORAGES, convert
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import WorkItem
+    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.storage import MasterStorage
+
 # The options that say how the state is stored rather than how the rule steps: an optimizer
 # given them explicitly keeps them when it loads a checkpoint saved with others.
 _STORAGE_OPTIONS = ("master", "state_dtype")
 
 
-def state_dict(opt) -> dict[str, Any]:
+def state_dict(opt: LowPrecisionOptimizer) -> dict[str, Any]:
     """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
     its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
     ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
@@ -51,7 +56,7 @@ def state_dict(opt) -> dict[str, Any]:
     return sd
 
 
-def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
+def load_state_dict(opt: LowPrecisionOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a ``state_dict``, keeping every state tensor's dtype.
 
     ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
@@ -144,7 +149,14 @@ def load_state_dict(opt, state_dict: dict[str, Any]) -> None:
         post_hook(opt)
 
 
-def _convert_master(opt, st, group, p, storage, where) -> tuple[dict[str, Any], Any]:
+def _convert_master(
+    opt: LowPrecisionOptimizer,
+    st: dict[str, Any],
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+    where: str,
+) -> tuple[dict[str, Any], torch.Tensor]:
     """A parameter's state saved under another ``master=`` strategy (``st["master"]``) as
     ``storage`` keeps it: the FP32 master rebuilt from the parameter's current value and
     the saved buffers (load the model's weights first), then stored the new way
@@ -159,7 +171,7 @@ def _convert_master(opt, st, group, p, storage, where) -> tuple[dict[str, Any], 
             f"master={storage.name!r}; load a checkpoint saved by a lowprec optimizer."
         )
     lp = local(p) if is_dtensor(p) else p.detach()
-    bufs = {}
+    bufs: dict[str, torch.Tensor] = {}
     for name, dtype in old.buffers(lp).items():
         t = st.get(name)
         if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
@@ -179,7 +191,13 @@ def _convert_master(opt, st, group, p, storage, where) -> tuple[dict[str, Any], 
     return out, value
 
 
-def _cast_math_buffers(opt, st, group, p, storage) -> None:
+def _cast_math_buffers(
+    opt: LowPrecisionOptimizer,
+    st: dict[str, Any],
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+) -> None:
     """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
     optimizer was given, or the one a converted master implies): cast, or decoded from
     8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
@@ -195,6 +213,8 @@ def _cast_math_buffers(opt, st, group, p, storage) -> None:
 
     for name in opt._math_buffers(group, p):
         key = qstate.scale_key(name)
+        t: Any  # (a tensor, or what else the checkpoint holds: _saved_width says)
+        scale: Any
         t, scale = st.get(name), st.get(key)
         saved = _saved_width(t, scale, p)
         if saved is None:
@@ -225,7 +245,14 @@ def _cast_math_buffers(opt, st, group, p, storage) -> None:
             st[name] = t.to(dtype)
 
 
-def _adopt_state(opt, st, group, p, storage, where) -> dict[str, Any]:
+def _adopt_state(
+    opt: LowPrecisionOptimizer,
+    st: dict[str, Any],
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+    where: str,
+) -> dict[str, Any]:
     """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
     no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
     moments cast to this group's state dtype, the master's own buffers as at a fresh start
@@ -264,7 +291,7 @@ def _adopt_state(opt, st, group, p, storage, where) -> dict[str, Any]:
     return state
 
 
-def _lay_out_loaded(opt) -> None:
+def _lay_out_loaded(opt: LowPrecisionOptimizer) -> None:
     """Lay out the small parameters' loaded state as a fused step batches them (one flat
     tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
     so that a resumed run steps it in place as a fresh one does, rather than concatenating it
@@ -272,7 +299,8 @@ def _lay_out_loaded(opt) -> None:
     nothing outside the optimizer holds them yet. Where the next step batches differently
     (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
     """
-    work, index = [], -1
+    work: list[WorkItem] = []
+    index = -1
     for gi, group in enumerate(opt.param_groups):
         for p, storage in zip(group["params"], opt._validate_group(group, gi), strict=True):
             index += 1

@@ -22,8 +22,8 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -40,6 +40,12 @@ from lowprec.optim.update import (
 )
 from lowprec.optim.vector_casts import vector_casts
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+
+    from lowprec.optim._typing import PairDtypes, QFormats
+    from lowprec.optim.base import LowPrecisionOptimizer
+
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
@@ -54,7 +60,7 @@ try:  # the Dynamo/Inductor error classes, where this PyTorch has them
 except ImportError:  # pragma: no cover
     pass
 
-_KERNELS: dict[Any, Callable[..., None]] = {}
+_KERNELS: dict[Any, _Kernel] = {}
 #: Rows of a block per compiled call of a parameter with 8-bit state (_run_fused_rows), per
 #: device type (a device not named takes CUDA's). CPU: 512K elements, whose temporaries (6 MB)
 #: stay in cache (256, 1024, 4096 and 8192 rows measured within 10% of it but 256, whose calls'
@@ -67,20 +73,22 @@ _PAIR_DTYPES = (torch.bfloat16, torch.float32)
 _ZERO_KEY = torch.zeros((), dtype=torch.int64)
 
 
-def _key_tensors(lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _key_tensors(
+    lo: int | torch.Tensor, hi: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The random key's halves as 0-d tensors for a compiled kernel (a constant zero when unused)."""
     if isinstance(lo, torch.Tensor):
-        return lo, hi
+        return lo, cast(torch.Tensor, hi)  # (both halves are tensors, or both numbers)
     if lo == 0 and hi == 0:
         return _ZERO_KEY, _ZERO_KEY
     return torch.tensor(lo), torch.tensor(hi)
 
 
 def _compiled_kernel(
-    cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: bool = False,
+    cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: str | bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
     options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
-) -> Callable[..., Any]:
+) -> _Kernel:
     """A compiled ``_param_update`` (or ``fn``) for one variant: optimizer, storage, flags, and
     the ``signature`` of its tensors (``_signature``: device type and dtypes).
 
@@ -100,11 +108,11 @@ def _compiled_kernel(
         what = "step" if fn is _param_update else fn.__name__.strip("_")
         what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
         name = f"lowprec_{cls.__name__}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
-        variant = types.FunctionType(
-            code.replace(co_name=name, co_qualname=name)
-            if sys.version_info >= (3, 11) else code.replace(co_name=name),
-            fn.__globals__, name, fn.__defaults__, fn.__closure__,
-        )
+        if sys.version_info >= (3, 11):
+            code = code.replace(co_name=name, co_qualname=name)
+        else:
+            code = code.replace(co_name=name)
+        variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
         variant.__kwdefaults__ = fn.__kwdefaults__
         # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
         # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
@@ -121,14 +129,19 @@ def _compiled_kernel(
     return kernel
 
 
-def _signature(p, grad, sbufs, mbufs) -> tuple[Any, ...]:
+def _signature(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+) -> tuple[Any, ...]:
     """What of a step's tensors besides their sizes decides a compiled kernel's code: the device
     type and every dtype (``_compiled_kernel``'s key)."""
     return (p.device.type, p.dtype, grad.dtype,
             *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
 
 
-def _fused_enabled(opt, group, p) -> bool:
+def _fused_enabled(opt: LowPrecisionOptimizer, group: dict[str, Any], p: torch.Tensor) -> bool:
     """Whether ``p``'s step is compiled: ``fused=True``, or the default (``fused=None``) where a
     working compiler exists for its device (``_compiler``), unless ``LOWPREC_FUSED`` says
     otherwise; never after this optimizer's compilation failed (``_disable_fused``)."""
@@ -183,7 +196,7 @@ def inductor_options() -> dict[str, bool]:
         from torch._inductor import config
     except Exception:  # (a torch without Inductor)
         return dict.fromkeys(INDUCTOR_OPTIONS, False)
-    found = {}
+    found: dict[str, bool] = {}
     for name in INDUCTOR_OPTIONS:
         obj: Any = config
         for part in name.split("."):
@@ -213,7 +226,11 @@ class RoundTripsDropped(RuntimeError):
 def _cpu_drops_round_trips() -> bool:
     """Whether this torch's Inductor C++ code drops a value's round trip through BF16/FP16
     (``_CPU_ROUND_TRIPS_KEPT``)."""
-    return torch.torch_version.TorchVersion(torch.__version__) < _CPU_ROUND_TRIPS_KEPT
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    # (TorchVersion's comparisons, which take tuples, are set with setattr: to type checkers
+    # they are str's)
+    older: bool = version < _CPU_ROUND_TRIPS_KEPT  # type: ignore[operator]
+    return older
 
 
 def _round_trips_dropped(p: torch.Tensor) -> bool:
@@ -329,7 +346,7 @@ class _Kernel:
         return out
 
 
-def _disable_fused(opt, error: BaseException) -> None:
+def _disable_fused(opt: LowPrecisionOptimizer, error: BaseException) -> None:
     opt._fused_broken = True
     if isinstance(error, CompileBudgetExceeded):
         how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
@@ -393,7 +410,7 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     return v.view(f.rows, -1) if f.rows else v  # (rows: a bucket's parameters of one size)
 
 
-def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor | None]:
+def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor] | list[None]:
     """Each piece's ``base`` for the random bits (the index of its first element in the whole
     parameter, of its first pair for bfloat16; ``_random_bits``), made once per layout."""
     if not f.storage.needs_random_bits:
@@ -411,6 +428,28 @@ def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor | None]:
 
 class _Fused:
     """A compiled step prepared by ``prepare_fused``."""
+
+    base: torch.Tensor | None
+    bases: list[torch.Tensor] | None
+    flags: dict[str, bool]
+    kernel: _Kernel
+    mbufs: dict[str, torch.Tensor]
+    n: int
+    p: torch.Tensor
+    pairs: PairDtypes | None
+    qkw: dict[str, QFormats]
+    row_cuts: list[tuple[slice, dict[str, torch.Tensor], dict[str, torch.Tensor]]] | None
+    rows: int
+    sbufs: dict[str, torch.Tensor]
+    shards: tuple[ProcessGroup, ...]
+    signature: tuple[Any, ...]
+    start: int
+    storage: MasterStorage
+    sums_fn: Callable[..., torch.Tensor] | None
+    sums_kernel: _Kernel | None
+    update_fn: Callable[..., None]
+    #: (flat views, or words of pairs, of the storage's and of the rule's buffers)
+    views: tuple[dict[str, torch.Tensor], ...]
 
     __slots__ = (
         "base",
@@ -437,8 +476,19 @@ class _Fused:
 
 
 def prepare_fused(
-    opt, storage, flags, p, grad, sbufs, mbufs, *, scaled: bool = False,
-    keyed: bool = False, start: int = 0, shards: Any = (), qstate: tuple = (),
+    opt: LowPrecisionOptimizer,
+    storage: MasterStorage,
+    flags: dict[str, bool],
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    *,
+    scaled: str | bool = False,
+    keyed: bool = False,
+    start: int = 0,
+    shards: Iterable[ProcessGroup] = (),
+    qstate: QFormats = (),
     rows: int = 0,
 ) -> _Fused:
     """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
@@ -520,7 +570,16 @@ def prepare_fused(
     return f
 
 
-def run_fused(opt, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
+def run_fused(
+    opt: LowPrecisionOptimizer,
+    f: _Fused,
+    grad: torch.Tensor,
+    coeffs: dict[str, Any],
+    c32: dict[str, torch.Tensor],
+    lo: int | torch.Tensor,
+    hi: int | torch.Tensor,
+    extra: dict[str, Any],
+) -> None:
     """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
     writing anything)."""
     if f.qkw:
@@ -530,10 +589,11 @@ def run_fused(opt, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
     sv, mv = f.views
     pv, gv = _step_view(f, p), _step_view(f, grad)
     tail = slice(n, None) if pairs is not None and n < p.numel() else None
-    flat = lambda d, sl: {k: v.view(-1)[sl] for k, v in d.items()}  # noqa: E731
+    def flat(d: dict[str, torch.Tensor], sl: slice) -> dict[str, torch.Tensor]:
+        return {k: v.view(-1)[sl] for k, v in d.items()}
     if f.sums_kernel is not None:
         c32 = dict(c32)  # the sums below are this parameter's own
-        kw = dict(storage=storage, norm_terms=opt._norm_terms, flags=flags,
+        kw: dict[str, Any] = dict(storage=storage, norm_terms=opt._norm_terms, flags=flags,
                   inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
         if pairs is None:
             c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
@@ -564,7 +624,15 @@ def run_fused(opt, f: _Fused, grad, coeffs, c32, lo, hi, extra) -> None:
         )
 
 
-def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
+def _run_fused_rows(
+    opt: LowPrecisionOptimizer,
+    f: _Fused,
+    grad: torch.Tensor,
+    c32: dict[str, torch.Tensor],
+    lo: int | torch.Tensor,
+    hi: int | torch.Tensor,
+    extra: dict[str, Any],
+) -> None:
     """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
     type) rows of a block (a rule with norms: every piece's sums first, then every piece's update).
     Inductor writes the new moments and weights to full-size temporaries between its loops over the
@@ -578,10 +646,11 @@ def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
         rows = pv.shape[0]
         step = _QROWS.get(pv.device.type, _QROWS["cuda"])
         pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
-        cut = lambda d, sl: {k: v[sl] for k, v in d.items()}  # noqa: E731
+        def cut(d: dict[str, torch.Tensor], sl: slice) -> dict[str, torch.Tensor]:
+            return {k: v[sl] for k, v in d.items()}
         f.row_cuts = [(sl, cut(sv, sl), cut(mv, sl)) for sl in pieces]
     cuts = f.row_cuts
-    kw = dict(storage=f.storage, flags=f.flags, **f.qkw)
+    kw: dict[str, Any] = dict(storage=f.storage, flags=f.flags, **f.qkw)
     if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
         sums = None
         for sl, s_sl, m_sl in cuts:
@@ -589,7 +658,7 @@ def _run_fused_rows(opt, f: _Fused, grad, c32, lo, hi, extra) -> None:
                                  norm_terms=opt._norm_terms,
                                  inv_scale=extra.get("inv_scale"), **kw)
             sums = part if sums is None else sums + part
-        c32 = {**c32, "sums": all_reduce_sums(sums, f.shards)}
+        c32 = {**c32, "sums": all_reduce_sums(cast(torch.Tensor, sums), f.shards)}
     keys = _key_tensors(lo, hi)
     bases = _row_bases(f, [sl for sl, _, _ in cuts])
     for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
@@ -617,8 +686,13 @@ def _pairs_pay(storage: MasterStorage) -> bool:
 
 
 def pairs_plan(
-    opt, storage: MasterStorage, p: torch.Tensor, grad, sbufs, mbufs
-) -> tuple | None:
+    opt: LowPrecisionOptimizer,
+    storage: MasterStorage,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+) -> PairDtypes | None:
     """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
 
     Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every

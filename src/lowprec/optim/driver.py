@@ -22,7 +22,7 @@ parameters are stepped as their local shards (``shards.local_shards``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 # (called through their modules: tests replace these functions and loss_scale._host_counts)
 from lowprec.optim import batches, buckets, loss_scale, param_step, replay
@@ -30,6 +30,12 @@ from lowprec.optim.batches import _by_size
 from lowprec.optim.loss_scale import _Scaling
 from lowprec.optim.plan import _Plan
 from lowprec.optim.shards import local_shards
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim.base import LowPrecisionOptimizer
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,8 @@ class StepContext:
     ``loss_scale._Scaling.mode``). Each stage keeps its own working numbers (a ``memo``, a
     ``_Scaling``): one that declines leaves none behind."""
 
-    grad_scale: Any = None
-    found_inf: Any = None
+    grad_scale: torch.Tensor | float | None = None
+    found_inf: torch.Tensor | None = None
 
     @property
     def scaled(self) -> str | bool:
@@ -50,7 +56,7 @@ class StepContext:
         return "skip" if self.found_inf is not None else False
 
 
-def run(opt, ctx: StepContext) -> None:
+def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
     """``step()`` after its closure: the pipeline."""
     in_backward = opt.__dict__.get("_in_backward")
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
@@ -63,7 +69,7 @@ def run(opt, ctx: StepContext) -> None:
         stages(opt, ctx)
 
 
-def stages(opt, ctx: StepContext) -> None:
+def stages(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
     """The three stages in turn, until one takes the step."""
     if buckets.step_buckets(opt, ctx) or replay.redo(opt, ctx):
         return
@@ -71,16 +77,16 @@ def stages(opt, ctx: StepContext) -> None:
     buckets.flatten(opt)
 
 
-def full_step(opt, ctx: StepContext) -> None:
+def full_step(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
     """The step that always applies: validate every parameter (``_collect``, raising before
     anything is written), check the gradients under a loss scaler, create the buffers an option
     turned on (``param_step.step_late``), step the large parameters one by one
     (``param_step.step_param``) and the small ones in batches (``batches.step_small``), and
     record what was done (``plan._Plan``) for ``replay.redo``."""
     opt._step_plan = None
-    late: list[Any] = []
+    late: list[WorkItem] = []
     work = opt._collect(late)
-    memo: dict[Any, Any] = {}
+    memo: Memo = {}
     scaling = None
     if ctx.scaled:
         scaling = _Scaling.prepare(

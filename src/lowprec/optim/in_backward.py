@@ -41,7 +41,7 @@ What cannot work is refused, before anything is written where it can be known th
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -51,6 +51,10 @@ from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.batches import _by_size
 from lowprec.optim.plan import _Entry, _Recorder
 from lowprec.optim.shards import is_dtensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import Memo
+    from lowprec.optim.storage import MasterStorage
 
 __all__ = ["StepInBackward", "step_in_backward"]
 
@@ -63,7 +67,14 @@ class _Item:
 
     __slots__ = ("dtype", "group", "index", "p", "small", "storage", "where")
 
-    def __init__(self, group, p, index, storage, where) -> None:
+    def __init__(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        index: int,
+        storage: MasterStorage,
+        where: tuple[int, int],
+    ) -> None:
         self.group, self.p, self.index, self.storage, self.where = group, p, index, storage, where
         self.dtype = p.dtype
         self.small = not _by_size([(group, p, index, storage)])[0]
@@ -87,10 +98,11 @@ class StepInBackward:
         self.optimizer = optimizer
         self.params = _check(model, optimizer)
         self._stepped: set[int] = set()  # (stepped since the last optimizer.step())
-        self._memo: dict[Any, Any] | None = None  # (this step's numbers; None between steps)
+        self._memo: Memo | None = None  # (this step's numbers; None between steps)
         self._items: dict[int, _Item] | None = None
-        self._groups: list[tuple] = []  # (what _items was made from)
-        self._checked: dict[int, tuple] = {}  # (state tensors last found valid, per parameter)
+        self._groups: list[tuple[Any, ...]] = []  # (what _items was made from)
+        # (state tensors last found valid, per parameter)
+        self._checked: dict[int, tuple[int, ...]] = {}
         self._entries: dict[int, _Entry] = {}
         self._small_waiting = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
@@ -100,7 +112,7 @@ class StepInBackward:
 
     # ------------------------------------------------------------------ the hooks
 
-    def _begin(self) -> dict[Any, Any]:
+    def _begin(self) -> Memo:
         """The first hook of a step: check every group's options and every parameter's state,
         as ``step()`` does before writing anything; returns the step's memo."""
         opt = self.optimizer
@@ -116,8 +128,9 @@ class StepInBackward:
                         and all(map(operator.is_, group["params"], params)))
             opt._validate_options(group, gi)  # (raises as step() would)
             same = same and opt._plan_options(group) == options and opt._flags(group) == flags
-        if same:
-            same = all(it.p.dtype == it.dtype for it in self._items.values())
+        if same:  # (_items made: same says so)
+            same = all(it.p.dtype == it.dtype
+                       for it in cast("dict[int, _Item]", self._items).values())
         if not same:  # (what step() checks of the groups: each parameter's strategy, devices)
             self._items, self._groups, self._entries = {}, [], {}
             index = -1
@@ -128,7 +141,7 @@ class StepInBackward:
                 for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                     index += 1
                     self._items[id(p)] = _Item(group, p, index, storage, (gi, pi))
-        for it in self._items.values():
+        for it in cast("dict[int, _Item]", self._items).values():  # (made above)
             state = opt.state.get(it.p)
             if state:  # (state tensors as at the last check: not checked again)
                 key = tuple(map(id, state.values()))
@@ -150,7 +163,7 @@ class StepInBackward:
         memo = self._memo
         if memo is None:
             memo = self._memo = self._begin()
-        it = self._items.get(id(p))
+        it = cast("dict[int, _Item]", self._items).get(id(p))  # (made by _begin)
         if it is None:  # (no longer in the optimizer's groups)
             return
         self._stepped.add(id(p))
@@ -164,7 +177,7 @@ class StepInBackward:
             self._step(it, memo)
         p.grad = None
 
-    def _redo(self, p: torch.Tensor, memo: dict[Any, Any]) -> bool:
+    def _redo(self, p: torch.Tensor, memo: Memo) -> bool:
         """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
         ``step()`` redoes a recorded one (``replay.redo_entry``), if nothing it relied on changed;
         False, having written nothing, otherwise."""
@@ -175,11 +188,11 @@ class StepInBackward:
         fused: list[_Entry] = []
         if not replay.redo_entry(opt, e, memo, None, fused):
             return False
-        if fused:
-            e.count.fill_(e.step + 1)
+        if fused:  # (e was redone: an entry)
+            cast(_Entry, e).count.fill_(cast(_Entry, e).step + 1)
         return True
 
-    def _step(self, it: _Item, memo: dict[Any, Any]) -> None:
+    def _step(self, it: _Item, memo: Memo) -> None:
         """A parameter's full step, as ``step()`` takes it (recording its prepared step)."""
         opt = self.optimizer
         state = opt.state.get(it.p)
@@ -198,11 +211,13 @@ class StepInBackward:
             return
         self._small_waiting = False
         driver.stages(self.optimizer, driver.StepContext())
-        for it in self._items.values():
+        for it in cast("dict[int, _Item]", self._items).values():  # (a hook saw the step)
             if it.small:
                 it.p.grad = None
 
-    def _end_step(self, grad_scale: Any, found_inf: Any) -> bool:
+    def _end_step(
+        self, grad_scale: torch.Tensor | float | None, found_inf: torch.Tensor | None
+    ) -> bool:
         """``optimizer.step()``: the step's end, before it looks for gradients. Returns whether
         a parameter still has a gradient for it to step (one the hooks did not see)."""
         if grad_scale is not None or found_inf is not None:
@@ -238,7 +253,7 @@ def _scaler_error() -> RuntimeError:
     )
 
 
-def _check(model: nn.Module, optimizer: Any) -> list[torch.Tensor]:
+def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     """The optimizer's parameters that require gradients, after every refusal that can be
     decided at registration."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
@@ -262,7 +277,7 @@ def _check(model: nn.Module, optimizer: Any) -> list[torch.Tensor]:
                 "have been stepped on its own rank's gradient. Use the normal step()."
             )
     in_model = {id(p) for p in model.parameters()}
-    params = []
+    params: list[torch.Tensor] = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"parameter group {gi}, parameter {pi}"

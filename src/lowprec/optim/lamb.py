@@ -13,14 +13,16 @@ weight and update, and the ratio stays a tensor (no host synchronisation).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms", "lamb_update"]
 
@@ -188,7 +190,7 @@ class Lamb(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
@@ -196,7 +198,7 @@ class Lamb(LowPrecisionOptimizer):
         *,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -210,23 +212,25 @@ class Lamb(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
 
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return lamb_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(lamb_math)

@@ -18,13 +18,15 @@ gradient shows in the weights as it would under AdamW instead of freezing them s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Lion", "lion_coefficients", "lion_math", "lion_update"]
 
@@ -154,7 +156,7 @@ class Lion(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
@@ -163,7 +165,7 @@ class Lion(LowPrecisionOptimizer):
         max_lr: float | None = None,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -178,15 +180,17 @@ class Lion(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "weight_decay")
         _validate_betas(group["betas"])
         _resolve_max_lr(group)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("exp_avg",)
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return lion_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
@@ -194,7 +198,7 @@ class Lion(LowPrecisionOptimizer):
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(lion_math)

@@ -13,9 +13,17 @@ that read it read it through this one (``loss_scale._host_counts``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from lowprec.optim.options import _as_float
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+
+    from lowprec.optim._typing import WorkItem
 
 
 class _Scaling:
@@ -28,7 +36,8 @@ class _Scaling:
     """
 
     def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
-        self._inv = {} if inv_scale is None else {inv_scale.device: inv_scale}
+        self._inv: dict[torch.device, torch.Tensor] = (
+            {} if inv_scale is None else {inv_scale.device: inv_scale})
         self._skip = {skip.device: skip}
         self._taken: dict[torch.device, torch.Tensor] = {}
         #: What the kernels do: "unscale" (divide the gradients by the scale, write them back
@@ -37,7 +46,13 @@ class _Scaling:
         self.mode = "skip" if inv_scale is None else "unscale"
 
     @classmethod
-    def prepare(cls, work, grad_scale, found_inf, reduce=None) -> _Scaling:
+    def prepare(
+        cls,
+        work: Sequence[WorkItem],
+        grad_scale: torch.Tensor | float | None,
+        found_inf: torch.Tensor | None,
+        reduce: Iterable[ProcessGroup] | None = None,
+    ) -> _Scaling:
         """``reduce``: process groups over which the inf/NaN finding is combined (the ranks
         holding the shards of DTensor parameters: lowprec.optim.shards), so that all skip alike."""
         devices = list(dict.fromkeys(p.device for _, p, _, _ in work))
@@ -68,7 +83,9 @@ class _Scaling:
             inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=home)
         bad = torch.zeros((), dtype=torch.float32, device=home)
         for device in devices:
-            grads = [p.grad for _, p, _, _ in work if p.device == device and p.grad.numel()]
+            # (cast: a work item's parameter has a gradient, base._collect)
+            grads = [cast(torch.Tensor, p.grad) for _, p, _, _ in work
+                     if p.device == device and cast(torch.Tensor, p.grad).numel()]
             if grads:
                 bad += _non_finite(grads, device).to(home)
         if found_inf is None:
@@ -118,7 +135,8 @@ def _non_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     finite exactly when every gradient is."""
     found = torch.zeros((), dtype=torch.float32, device=device)
     cpu = device.type == "cpu"
-    dense, rest = [], []
+    dense: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
     for g in grads:
         (dense if cpu and g.is_contiguous() else rest).append(g)
     if dense:

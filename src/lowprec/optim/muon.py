@@ -21,15 +21,19 @@ set; ``muon_param_groups`` makes both groups from a model.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from lowprec.optim._typing import compiler_disable
 from lowprec.optim.adamw import AdamW, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Muon", "muon_math", "muon_param_groups", "newton_schulz"]
 
@@ -66,7 +70,7 @@ def _adjusted_ratio(adjust: str | None, shape: Sequence[int]) -> float:
     return 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw" (Moonshot's)
 
 
-@torch.compiler.disable
+@compiler_disable
 def _momentum_and_orthogonalize(
     g: torch.Tensor, buf: torch.Tensor, c: dict[str, Any], nesterov: bool,
     ns: tuple[float, float, float], steps: int, eps: float, adjust: str | None,
@@ -146,7 +150,8 @@ def muon_param_groups(
     linear = {id(m.weight) for m in model.modules()
               if isinstance(m, nn.Linear) and not isinstance(m.weight, nn.UninitializedParameter)}
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    hidden, rest = [], []
+    hidden: list[tuple[str, nn.Parameter]] = []
+    rest: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -198,7 +203,7 @@ class Muon(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -209,7 +214,7 @@ class Muon(LowPrecisionOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -237,11 +242,11 @@ class Muon(LowPrecisionOptimizer):
             param_group = {**ADAMW_DEFAULTS, "amsgrad": False, "maximize": False, **param_group}
         super().add_param_group(param_group)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         if group["use_muon"] not in (True, False):
             raise ValueError(f"use_muon must be True or False, got {group['use_muon']!r}.")
         if not group["use_muon"]:  # (an AdamW group: AdamW's checks)
-            AdamW._validate_hparams(self, group)
+            AdamW._validate_hparams(cast(AdamW, self), group)
             return
         _check_nonnegative(group, "lr", "weight_decay", "eps", "momentum")
         if group["adjust_lr_fn"] not in _ADJUST:
@@ -269,30 +274,32 @@ class Muon(LowPrecisionOptimizer):
     # A use_muon=False group is stepped by AdamW's rule: its buffers, coefficients and flags are
     # AdamW's own (its methods, called on this optimizer).
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         if not group["use_muon"]:
-            return AdamW._math_buffers(self, group, p)
+            return AdamW._math_buffers(cast(AdamW, self), group, p)
         return ("momentum_buffer",)
 
-    def _whole(self, group):
-        return group["use_muon"]
+    def _whole(self, group: dict[str, Any]) -> bool:
+        return cast(bool, group["use_muon"])
 
     # Fused, a Muon parameter's step compiles its elementwise work around the matmuls (two
     # graphs, `_momentum_and_orthogonalize` between them: `_whole_graph_breaks`).
     _whole_compiles = True
     _whole_graph_breaks = True
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         if not group["use_muon"]:
-            return AdamW._coefficients(self, group, step)
+            return AdamW._coefficients(cast(AdamW, self), group, step)
         lr = _as_float(group["lr"], "lr")
         momentum = float(group["momentum"])
         return {"lr": lr, "decay": 1 - lr * group["weight_decay"], "momentum": momentum,
                 "one_minus_momentum": 1 - momentum}
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
         if not group["use_muon"]:
-            return dict(muon=False, **AdamW._flags(self, group))
+            return dict(muon=False, **AdamW._flags(cast(AdamW, self), group))
         return dict(
             muon=True, weight_decay=group["weight_decay"] != 0, nesterov=bool(group["nesterov"]),
             ns=tuple(map(float, group["ns_coefficients"])), ns_steps=group["ns_steps"],

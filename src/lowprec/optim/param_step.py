@@ -16,7 +16,7 @@ the device).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 
@@ -30,6 +30,15 @@ from lowprec.optim.plan import _Entry
 from lowprec.optim.shards import all_reduce_sums, reduce_groups
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim.base import LowPrecisionOptimizer
+
+#: A parameter's numbers for a step under a loss scaler, on its device (``scaled_numbers``):
+#: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
+_ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
+                       dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
@@ -45,7 +54,8 @@ def _same_number(a: Any, b: Any) -> bool:
     """Whether host numbers ``a`` and ``b`` are the same value, bit for bit (-0.0 is not 0.0)."""
     if type(a) is not type(b) or not isinstance(a, (int, float)):
         return False
-    return a.hex() == b.hex() if isinstance(a, float) else a == b
+    same: bool = a.hex() == b.hex() if isinstance(a, float) else a == b
+    return same
 
 
 def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -56,7 +66,7 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return padded[:, 0].unbind()
 
 
-def step_late(opt, late: list, scaling: _Scaling | None) -> None:
+def step_late(opt: LowPrecisionOptimizer, late: list[WorkItem], scaling: _Scaling | None) -> None:
     """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
     create them, then take an eager step with the coefficients of their first use."""
     for group, p, index, storage in late:
@@ -68,19 +78,46 @@ def step_late(opt, late: list, scaling: _Scaling | None) -> None:
         step_param(opt, group, p, index, storage, scaling, {}, first_use=True)
 
 
-def group_flags(opt, group: dict[str, Any], memo: dict[Any, Any]) -> dict[str, bool]:
+def group_flags(opt: LowPrecisionOptimizer, group: dict[str, Any], memo: Memo) -> dict[str, bool]:
     key = ("flags", id(group))
-    flags = memo.get(key)
+    flags: dict[str, bool] | None = memo.get(key)
     if flags is None:
         flags = memo[key] = opt._flags(group)
     return flags
 
 
-def step_coefficients(opt, group, step, memo, tensors: bool = True) -> tuple[dict, Any]:
+@overload
+def step_coefficients(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    step: int,
+    memo: Memo,
+    tensors: Literal[True] = True,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]: ...
+
+
+@overload
+def step_coefficients(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    step: int,
+    memo: Memo,
+    tensors: bool,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]: ...
+
+
+def step_coefficients(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    step: int,
+    memo: Memo,
+    tensors: bool = True,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """The group's coefficients at ``step`` on the host, and (``tensors``) as 0-d FP32 tensors
     for the compiled kernels; computed once per group and step number in a ``step()``."""
     key = ("coeffs", id(group), step)
-    cached = memo.get(key)
+    # (tensors=False: no tensors yet, None in their place)
+    cached: tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None = memo.get(key)
     if cached is None or (tensors and cached[1] is None):
         host = opt._coefficients(group, step) if cached is None else cached[0]
         c32 = _coefficient_tensors(opt, group, host) if tensors else None
@@ -88,7 +125,9 @@ def step_coefficients(opt, group, step, memo, tensors: bool = True) -> tuple[dic
     return cached
 
 
-def _coefficient_tensors(opt, group, host: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _coefficient_tensors(
+    opt: LowPrecisionOptimizer, group: dict[str, Any], host: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
     the previous step for every value that did not change (lr, betas, weight decay... most
     of them), so that a step creates few (each costs microseconds of host time)."""
@@ -104,7 +143,13 @@ def _coefficient_tensors(opt, group, host: dict[str, Any]) -> dict[str, torch.Te
     return c32
 
 
-def kernel_coefficients(opt, group, step, coeffs, memo) -> tuple[dict, Any]:
+def kernel_coefficients(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    step: int | torch.Tensor,
+    coeffs: dict[str, Any],
+    memo: Memo,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A compiled call's coefficients: on the host and as 0-d FP32 tensors, shared by the
     group's parameters at a host step number (``step_coefficients``); for a step counted
     on the device (``scaled_numbers``' tensors) made from ``coeffs``."""
@@ -113,20 +158,34 @@ def kernel_coefficients(opt, group, step, coeffs, memo) -> tuple[dict, Any]:
     return coeffs, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
 
 
-def scaled_numbers(opt, group, p, index, storage, state, scaling: _Scaling, memo) -> tuple:
+def scaled_numbers(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    index: int,
+    storage: MasterStorage,
+    state: dict[str, Any],
+    scaling: _Scaling,
+    memo: Memo,
+) -> _ScaledNumbers:
     """A parameter's step under a loss scaler: its step number (FP64), random key halves,
     FP32 coefficients and the scaler's tensors, all on its device. The step count lives there
     and advances only when the step is taken, so everything that depends on it is computed
     there too. The coefficients that do not depend on it (lr, weight decay...) are the same
     tensors for the group's parameters within a ``step()``."""
-    done = memo.get(("scaled", id(p)))
+    done: _ScaledNumbers | None = memo.get(("scaled", id(p)))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
         scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
-        done = memo[("scaled", id(p))]
+        done = cast("_ScaledNumbers", memo[("scaled", id(p))])
     return done
 
 
-def scaled_numbers_many(opt, items: list, scaling: _Scaling, memo) -> None:
+def scaled_numbers_many(
+    opt: LowPrecisionOptimizer,
+    items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
+    scaling: _Scaling,
+    memo: Memo,
+) -> None:
     """``scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
     per group and device the step counts are stacked and every number is computed for all of
     them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
@@ -135,7 +194,7 @@ def scaled_numbers_many(opt, items: list, scaling: _Scaling, memo) -> None:
 
     The views lie 16 bytes apart, as a tensor of their own would begin: a compiled kernel
     may take an input it was compiled for aligned only after copying it."""
-    sets: dict[Any, tuple[dict, list]] = {}
+    sets: dict[Any, tuple[dict[str, Any], list[tuple[torch.Tensor, int, MasterStorage]]]] = {}
     for group, p, index, storage, state in items:
         if state["step"].device != p.device:
             state["step"] = state["step"].to(p.device)
@@ -169,7 +228,9 @@ def scaled_numbers_many(opt, items: list, scaling: _Scaling, memo) -> None:
             memo[("scaled", id(p))] = (steps[i], lo_i, hi_i, coeffs, extra)
 
 
-def random_keys(group, storage: MasterStorage, step: int, index: int) -> tuple[int, int]:
+def random_keys(
+    group: dict[str, Any], storage: MasterStorage, step: int, index: int
+) -> tuple[int, int]:
     """The halves of a parameter's random key at ``step`` (zeros where none is needed)."""
     if not storage.needs_random_bits:
         return 0, 0
@@ -178,7 +239,13 @@ def random_keys(group, storage: MasterStorage, step: int, index: int) -> tuple[i
 
 
 def step_param(
-    opt, group, p, index, storage: MasterStorage, scaling=None, memo=None,
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    index: int,
+    storage: MasterStorage,
+    scaling: _Scaling | None = None,
+    memo: Memo | None = None,
     first_use: bool = False,
 ) -> None:
     """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
@@ -187,19 +254,20 @@ def step_param(
     step for ``replay.redo``. ``first_use``: the first step of buffers created late
     (``step_late``), eager, with ``_first_use_coefficients``."""
     memo = {} if memo is None else memo
+    grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
     if not state:
         state.update(opt._init_state(group, p, storage))
     sbufs = {k: state[k] for k in storage.buffers(p)}
     mbufs = opt._mbufs(group, state, p)
     quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
-    qkw = {"qstate": quantized} if quantized else {}
+    qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     flags = group_flags(opt, group, memo)
     if scaling is None or loss_scale._host_counts(p.device):
         step = int(state["step"].item()) + 1
         lo, hi = random_keys(group, storage, step, index)
         coeffs, _ = step_coefficients(opt, group, step, memo, tensors=False)
-        extra = {} if scaling is None else scaling.kernel_args(p.device)
+        extra: dict[str, Any] = {} if scaling is None else scaling.kernel_args(p.device)
     else:
         step, lo, hi, coeffs, extra = scaled_numbers(
             opt, group, p, index, storage, state, scaling, memo
@@ -219,14 +287,14 @@ def step_param(
     fusable = not start or (
         start + p.numel() <= update._INT32_MAX and (start % 2 == 0 or p.dtype != torch.bfloat16)
     )
-    tensors = (p, p.grad, *sbufs.values(), *mbufs.values())
+    tensors = (p, grad, *sbufs.values(), *mbufs.values())
     # Flattening must give views for the in-place writes to land: both the fused kernel and
     # the chunked eager step need contiguous tensors.
     contiguous = all(t.is_contiguous() for t in tensors)
     per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}  # (elements per entry)
     per.update({k: 2 for k, f in quantized if f.endswith("4")})  # (4-bit codes: 2 a byte)
 
-    def flat(d, sl=slice(None)):
+    def flat(d: dict[str, torch.Tensor], sl: slice = slice(None)) -> dict[str, torch.Tensor]:
         """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them, the
         bytes of their 4-bit codes)."""
         return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
@@ -237,8 +305,8 @@ def step_param(
                 and p.numel() > 1 and _fused_enabled(opt, group, p)
                 and _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step,
                                            coeffs, lo, hi, extra, scaling, memo)):
-            shape = {"shape": p.shape} if quantized else {}
-            _param_update(p, p.grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
+            shape: dict[str, Any] = {"shape": p.shape} if quantized else {}
+            _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
                           math=opt._math, flags=flags, offset=start, **extra, **qkw,
                           **shape)
         advance(state, step, scaling, p.device)
@@ -250,10 +318,10 @@ def step_param(
         coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
         try:
             fused = compiled.prepare_fused(
-                opt, storage, flags, p, p.grad, sbufs, mbufs, scaled=_mode(scaling),
+                opt, storage, flags, p, grad, sbufs, mbufs, scaled=_mode(scaling),
                 start=start, shards=shards, qstate=quantized,
             )
-            compiled.run_fused(opt, fused, p.grad, coeffs, c32, lo, hi, extra)
+            compiled.run_fused(opt, fused, grad, coeffs, c32, lo, hi, extra)
         except _COMPILE_ERRORS as e:  # compilation failed before anything was written
             _disable_fused(opt, e)
         else:
@@ -269,14 +337,14 @@ def step_param(
         # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
         # random bits make this bit-identical to one pass.
         pieces = [
-            (p.view(-1)[sl], p.grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
+            (p.view(-1)[sl], grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
              start + sl.start)
             for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
         ]
     elif quantized:  # (codes: flat, their scales one per block)
-        pieces = [(p.view(-1), p.grad.view(-1), flat(sbufs), flat(mbufs), start)]
+        pieces = [(p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), start)]
     else:
-        pieces = [(p, p.grad, sbufs, mbufs, start)]
+        pieces = [(p, grad, sbufs, mbufs, start)]
     if opt._norm_terms is not None and not opt._elementwise and (len(pieces) > 1 or shards):
         # First pass: the rule's whole-tensor sums (FP64), read-only.
         sums = None
@@ -287,7 +355,7 @@ def step_param(
                 **qkw,
             )
             sums = part if sums is None else sums + part
-        coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
+        coeffs = {**coeffs, "sums": all_reduce_sums(cast(torch.Tensor, sums), shards)}
     for piece_p, piece_g, piece_s, piece_m, offset in pieces:
         _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                       math=opt._math, flags=flags, offset=offset, **extra, **qkw)
@@ -296,24 +364,39 @@ def step_param(
         plan.add(_Entry(group, p, index, storage, state, None))
 
 
-def _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step, coeffs, lo, hi,
-                      extra, scaling, memo) -> bool:
+def _step_whole_fused(
+    opt: LowPrecisionOptimizer,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+    flags: dict[str, bool],
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    step: int | torch.Tensor,
+    coeffs: dict[str, Any],
+    lo: int | torch.Tensor,
+    hi: int | torch.Tensor,
+    extra: dict[str, Any],
+    scaling: _Scaling | None,
+    memo: Memo,
+) -> bool:
     """A whole-tensor rule's step compiled as one graph in the parameter's shape (one
     kernel per optimizer variant and number of dimensions, sizes dynamic); False, having
     written nothing, where it failed to compile (the eager call then takes it)."""
     if storage.name == "kahan" and compiled._round_trips_dropped(p):
         return False  # (this torch's C++ code would drop Kahan's round trip: eager)
     coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
+    grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
         kernel = compiled._compiled_kernel(
             type(opt), storage, flags, scaled=_mode(scaling),
             extra_key=(("whole", p.dim()),),
-            signature=compiled._signature(p, p.grad, sbufs, mbufs),
+            signature=compiled._signature(p, grad, sbufs, mbufs),
             fullgraph=not opt._whole_graph_breaks,
         )
         # (a new view, detached: handed the leaf itself, Inductor fails to compile, and a view
         # of a BF16 parameter with an FP32 gradient, Dynamo refuses the gradient)
-        kernel(p.detach().view(p.shape), p.grad.view(p.shape), sbufs, mbufs, c32,
+        kernel(p.detach().view(p.shape), grad.view(p.shape), sbufs, mbufs, c32,
                *compiled._key_tensors(lo, hi), storage=storage, math=opt._math,
                flags=flags, **extra)
     except _COMPILE_ERRORS as e:  # compilation failed before anything was written
@@ -322,7 +405,10 @@ def _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step, coeffs,
     return True
 
 
-def advance(state, step, scaling, device) -> None:
+def advance(
+    state: dict[str, Any], step: int | torch.Tensor, scaling: _Scaling | None,
+    device: torch.device,
+) -> None:
     if scaling is None:
         state["step"].fill_(step)
     else:  # one more step unless this one was skipped, decided on the device

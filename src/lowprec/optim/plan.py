@@ -13,7 +13,7 @@ argument where they read it; tests replace ``_MANY_*``, read only here.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,7 +23,10 @@ from lowprec.optim import compiled, loss_scale
 from lowprec.optim.update import _update_many
 
 if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import WorkItem
     from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.compiled import _Fused, _Kernel
+    from lowprec.optim.storage import MasterStorage
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -46,14 +49,25 @@ class _Entry:
     __slots__ = ("count", "dtype", "fused", "gkind", "group", "index", "names", "p", "ptr",
                  "shape", "size", "state", "step", "storage", "stride", "tensors")
 
-    def __init__(self, group, p, index, storage, state, fused) -> None:
+    count: torch.Tensor
+    step: int
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        index: int,
+        storage: MasterStorage,
+        state: dict[str, Any],
+        fused: _Fused | None,
+    ) -> None:
         self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
         self.state, self.count, self.step = state, state["step"], 0
         self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
         self.tensors = tuple(state[k] for k in self.names)
         self.size = len(state)
         self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
-        self.gkind = _grad_kind(p.grad)
+        self.gkind = _grad_kind(cast(torch.Tensor, p.grad))  # (a stepped parameter's)
 
     def current(self, state: dict[Any, Any]) -> bool:
         p = self.p
@@ -91,7 +105,11 @@ class _Batch:
     __slots__ = ("bufs", "counts", "dst", "entries", "group", "items", "names_m", "names_s", "ps",
                  "sizes", "step", "storage", "views", "words")
 
-    def __init__(self, opt: LowPrecisionOptimizer, items: list, step: int, fresh) -> None:
+    entries: list[_Entry]
+
+    def __init__(
+        self, opt: LowPrecisionOptimizer, items: list[WorkItem], step: int, fresh: set[int]
+    ) -> None:
         self.items, self.step, self.entries = items, step, []
         self.group, _, _, self.storage = items[0]
         self.ps = [p for _, p, _, _ in items]
@@ -108,13 +126,15 @@ class _Batch:
         self.counts = [st["step"] for st in states]
 
 
-def _flat_state(states: list[dict[str, Any]], name: str, sizes: list[int], new: bool):
+def _flat_state(
+    states: list[dict[str, Any]], name: str, sizes: list[int], new: bool
+) -> torch.Tensor | None:
     """The flat tensor whose consecutive views are ``state[name]`` of each of ``states`` (contiguous
     tensors of ``sizes`` elements, one dtype), or None. ``new``: the states were just created
     (nothing outside the optimizer holds their tensors yet), so they are moved into a new flat
     tensor; existing state tensors are never replaced (a caller may hold them, or have put them in
     shared memory), only recognised when already laid out so (e.g. by an earlier step)."""
-    ts = [st[name] for st in states]
+    ts: list[torch.Tensor] = [st[name] for st in states]
     base = ts[0]._base
     total = sum(sizes)
     # (an odd total is padded by an element: Inductor's functionalization views a kernel's
@@ -169,8 +189,12 @@ class _Many:
 
     __slots__ = ("entries", "fn", "kernel", "mvs", "pattern", "sums_fn", "svs")
 
-    def __init__(self, opt: LowPrecisionOptimizer, entries: list[_Entry], scaled: bool) -> None:
-        f = entries[0].fused
+    kernel: _Kernel
+
+    def __init__(
+        self, opt: LowPrecisionOptimizer, entries: list[_Entry], scaled: str | bool
+    ) -> None:
+        f = cast("_Fused", entries[0].fused)  # (entries with a compiled step: merge)
         self.entries = entries
         self.fn, self.sums_fn = f.update_fn, f.sums_fn
         # (One compiled function per variant, cached by _compiled_kernel: it is the variant's key
@@ -181,8 +205,8 @@ class _Many:
                        *((("sums", "sums"),) if self.sums_fn is not None else ())),
             options=_MANY_OPTIONS, signature=f.signature,
         )
-        self.svs = [e.fused.views[0] for e in entries]
-        self.mvs = [e.fused.views[1] for e in entries]
+        self.svs = [cast("_Fused", e.fused).views[0] for e in entries]
+        self.mvs = [cast("_Fused", e.fused).views[1] for e in entries]
         # Dynamo's guards on the sizes (dynamic shapes) are which of them are equal, not their
         # values: the pattern is each size's first position among them.
         sizes = [e.p.numel() for e in entries]
@@ -203,7 +227,9 @@ class _Many:
         _MANY_BROKEN.add(self.kernel)
 
     @staticmethod
-    def merge(opt: LowPrecisionOptimizer, runs: list[Any], scaled: bool) -> list[Any]:
+    def merge(
+        opt: LowPrecisionOptimizer, runs: list[Any], scaled: str | bool
+    ) -> list[_Entry | _Batch | _Many]:
         """``runs`` with the entries that can share a call replaced, where two or more can, by
         ``_Many`` calls (of at most ``_MANY_MAX`` each) at the place of the smallest."""
         together: dict[Any, list[_Entry]] = {}
@@ -220,7 +246,7 @@ class _Many:
                 together.setdefault(key, []).append(run)
         # Sorted by size and cut into calls of at most _MANY_MAX: a call's compile time grows
         # with its parameters, and calls of equal sizes share one compilation (one pattern).
-        first: dict[int, list[Any]] = {}
+        first: dict[int, list[_Entry | _Many]] = {}
         for es in together.values():
             if len(es) > 1:
                 es = sorted(es, key=lambda e: e.p.numel())
@@ -230,7 +256,7 @@ class _Many:
                 ]
         rest = {id(e) for calls in first.values() for c in calls
                 for e in (c.entries if isinstance(c, _Many) else [c])}
-        merged: list[Any] = []
+        merged: list[_Entry | _Batch | _Many] = []
         for run in runs:
             if id(run) in first:
                 merged.extend(first[id(run)])
@@ -246,7 +272,7 @@ class _Plan:
 
     __slots__ = ("batches", "counts", "entries", "groups", "idle", "many", "runs", "scaled")
 
-    def __init__(self, opt: LowPrecisionOptimizer, scaled: bool) -> None:
+    def __init__(self, opt: LowPrecisionOptimizer, scaled: str | bool) -> None:
         self.scaled = scaled  # (recorded under a loss scaler: redone only under one)
         groups = opt.param_groups
         self.groups = [
@@ -255,13 +281,13 @@ class _Plan:
         self.idle = tuple(
             (p, p.dtype, p.device) for g in groups for p in g["params"] if p.grad is None
         )
-        self.runs: list[Any] = []
+        self.runs: list[_Entry | _Batch] = []
         self.entries: list[_Entry] = []
         self.batches: list[_Batch] = []
         self.counts: list[tuple[list[_Entry], list[torch.Tensor]]] | None = None
-        self.many: list[Any] | None = None
+        self.many: list[_Entry | _Batch | _Many] | None = None
 
-    def merged(self, opt: LowPrecisionOptimizer) -> list[Any]:
+    def merged(self, opt: LowPrecisionOptimizer) -> list[_Entry | _Batch | _Many]:
         """The runs to redo, entries sharing a compiled call merged (``_Many.merge``)."""
         if self.many is None:
             self.many = _Many.merge(opt, self.runs, self.scaled)

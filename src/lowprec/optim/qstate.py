@@ -105,7 +105,7 @@ def qualifies(p: torch.Tensor) -> bool:
     """Whether parameter ``p`` gets codes under ``state_dtype="8bit"`` or ``"4bit"`` (a contiguous one:
     its blocks are runs of its flat view; for a DTensor parameter and its shard, what
     ``block_rows`` decided for the whole parameter)."""
-    decided = getattr(p, SHARDED, None)
+    decided: bool | None = getattr(p, SHARDED, None)
     if decided is None and hasattr(p, "device_mesh"):  # a DTensor the optimizer has not noted
         decided = block_rows(p)
         setattr(p, SHARDED, decided)
@@ -296,7 +296,7 @@ def element_bytes(bits: int) -> float:
     return bits / 8 + 4 / BLOCK
 
 
-def check_group(group: dict, where: str) -> None:
+def check_group(group: dict[str, Any], where: str) -> None:
     """Refuse DTensor parameters (FSDP2, tensor parallelism) in a group under 4-bit state,
     naming the first: their shards would need the packed codes placed as the parameter; 8-bit
     state keeps sharded parameters (``lowprec.optim.shards``)."""

@@ -12,14 +12,16 @@ a tensor's value: the eager and the compiled step run the same function and agre
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["RAdam", "radam_coefficients", "radam_math", "radam_update"]
 
@@ -175,7 +177,7 @@ class RAdam(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -184,7 +186,7 @@ class RAdam(LowPrecisionOptimizer):
         *,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -199,23 +201,25 @@ class RAdam(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
 
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return radam_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         decay = group["weight_decay"] != 0
         return dict(
             weight_decay=decay,

@@ -12,7 +12,7 @@ Where anything differs it returns False, having written nothing, and the full st
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 # (loss_scale._host_counts is read through its module: tests replace it)
 from lowprec.optim import batches, compiled, loss_scale, param_step
@@ -28,10 +28,15 @@ from lowprec.optim.loss_scale import _advance_counts, _Scaling
 from lowprec.optim.plan import _Batch, _Entry, _Many
 
 if TYPE_CHECKING:
+    import torch
+
+    from lowprec.optim._typing import Memo
+    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.compiled import _Fused
     from lowprec.optim.driver import StepContext
 
 
-def redo(opt, ctx: StepContext) -> bool:
+def redo(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
     """Redo the step the last full step recorded (``opt._step_plan``) with this step's numbers,
     if nothing it relied on changed.
 
@@ -99,7 +104,13 @@ def redo(opt, ctx: StepContext) -> bool:
     return True
 
 
-def redo_entry(opt, e: _Entry | None, memo, scaling, fused: list[_Entry]) -> bool:
+def redo_entry(
+    opt: LowPrecisionOptimizer,
+    e: _Entry | None,
+    memo: Memo,
+    scaling: _Scaling | None,
+    fused: list[_Entry],
+) -> bool:
     """A parameter's compiled step as prepared at its last step (its ``_Entry``, kept by a
     ``plan._Recorder``), redone by ``redo_run`` if nothing it relied on changed; False, having
     written nothing, otherwise. ``fused`` collects it where its count is the caller's to advance."""
@@ -111,7 +122,13 @@ def redo_entry(opt, e: _Entry | None, memo, scaling, fused: list[_Entry]) -> boo
     return True
 
 
-def redo_run(opt, run, memo, scaling, fused: list[_Entry]) -> None:
+def redo_run(
+    opt: LowPrecisionOptimizer,
+    run: _Entry | _Batch,
+    memo: Memo,
+    scaling: _Scaling | None,
+    fused: list[_Entry],
+) -> None:
     """Redo one recorded run (a batch or a parameter); ``fused`` collects the entries whose
     counts ``redo`` advances."""
     if isinstance(run, _Batch):
@@ -123,19 +140,21 @@ def redo_run(opt, run, memo, scaling, fused: list[_Entry]) -> None:
     e = run
     if e.fused is not None:
         host = scaling is None or loss_scale._host_counts(e.p.device)
+        grad = cast("torch.Tensor", e.p.grad)  # (present: checked by e.current)
         try:
             if host:
                 step = e.step + 1
                 compiled.run_fused(
-                    opt, e.fused, e.p.grad, *param_step.step_coefficients(opt, e.group, step, memo),
+                    opt, e.fused, grad, *param_step.step_coefficients(opt, e.group, step, memo),
                     *param_step.random_keys(e.group, e.storage, step, e.index),
                     {} if scaling is None else scaling.kernel_args(e.p.device),
                 )
             else:
                 _, lo, hi, coeffs, extra = param_step.scaled_numbers(
-                    opt, e.group, e.p, e.index, e.storage, e.state, scaling, memo
+                    opt, e.group, e.p, e.index, e.storage, e.state,
+                    cast(_Scaling, scaling), memo,  # (not host: a scaler's step)
                 )
-                compiled.run_fused(opt, e.fused, e.p.grad, coeffs, coeffs, lo, hi, extra)
+                compiled.run_fused(opt, e.fused, grad, coeffs, coeffs, lo, hi, extra)
         except _COMPILE_ERRORS as err:  # compilation failed before anything was written
             _disable_fused(opt, err)
             opt._step_plan = None
@@ -145,7 +164,9 @@ def redo_run(opt, run, memo, scaling, fused: list[_Entry]) -> None:
     param_step.step_param(opt, e.group, e.p, e.index, e.storage, scaling, memo)
 
 
-def run_many(opt, many: _Many, memo, scaling) -> bool:
+def run_many(
+    opt: LowPrecisionOptimizer, many: _Many, memo: Memo, scaling: _Scaling | None
+) -> bool:
     """Redo ``many``'s parameters with one compiled call (``_update_many``); False, having
     written nothing, where they must go one by one instead: their step counts differ (the
     coefficients are shared), or the call cannot be compiled."""
@@ -162,10 +183,12 @@ def run_many(opt, many: _Many, memo, scaling) -> bool:
         los, his = [lo for lo, _ in keys], [hi for _, hi in keys]
     else:
         los = his = [_ZERO_KEY] * len(entries)
-    pvs = [_step_view(e.fused, e.p) for e in entries]
-    gvs = [_step_view(e.fused, e.p.grad) for e in entries]
-    kw = {} if scaling is None else scaling.kernel_args(e0.p.device)
-    f = e0.fused
+    # (cast: a _Many's entries have their compiled step, and their parameters gradients)
+    pvs = [_step_view(cast("_Fused", e.fused), e.p) for e in entries]
+    gvs = [_step_view(cast("_Fused", e.fused), cast("torch.Tensor", e.p.grad))
+           for e in entries]
+    kw: dict[str, Any] = {} if scaling is None else scaling.kernel_args(e0.p.device)
+    f = cast("_Fused", e0.fused)
     if f.pairs is not None:
         kw["dtypes"] = f.pairs
     kw.update(f.qkw)

@@ -8,13 +8,15 @@ over parameters stored as ``master=`` says.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _as_float, _check_nonnegative
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
@@ -101,7 +103,8 @@ def sgd_update(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
         first_step=first_step,
     )
-    bufs = {"momentum_buffer": momentum_buffer} if momentum != 0 else {}
+    # (cast: a momentum needs its buffer)
+    bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
     new_w, out = sgd_math(
         w, g, bufs, c, momentum=momentum != 0, nesterov=nesterov,
         weight_decay=weight_decay != 0, maximize=maximize,
@@ -166,7 +169,7 @@ class SGD(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
@@ -175,7 +178,7 @@ class SGD(LowPrecisionOptimizer):
         *,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -190,7 +193,7 @@ class SGD(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "momentum", "dampening", "weight_decay")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
@@ -198,22 +201,26 @@ class SGD(LowPrecisionOptimizer):
                 f"{group['momentum']}, dampening={group['dampening']}."
             )
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return sgd_coefficients(
             lr=_as_float(group["lr"], "lr"), momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"],
             first_step=step == 1,
         )
 
-    def _first_use_coefficients(self, group, step):
+    def _first_use_coefficients(
+        self, group: dict[str, Any], step: int | torch.Tensor
+    ) -> dict[str, Any]:
         # A momentum buffer created after the parameter's first step (momentum turned on
         # mid-run) starts as that step's direction, as torch.optim.SGD's does.
         return self._coefficients(group, 1)
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(
             momentum=group["momentum"] != 0, nesterov=group["nesterov"],
             weight_decay=group["weight_decay"] != 0, maximize=group["maximize"],

@@ -33,15 +33,21 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lowprec.optim import qstate
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+    from typing_extensions import TypeIs
+
     from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.storage import MasterStorage
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -49,7 +55,7 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeIs[DTensor]:
     return DTensor is not None and isinstance(t, DTensor)
 
 
@@ -67,7 +73,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
-def wrap_like(t: torch.Tensor, p: Any) -> Any:
+def wrap_like(t: torch.Tensor, p: DTensor) -> DTensor:
     """Local tensor ``t`` (shaped as ``p``'s shard) as a DTensor of ``p``'s mesh and placements."""
     with torch.no_grad():
         return DTensor.from_local(
@@ -81,7 +87,7 @@ def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
 
 
-def wrap_state(name: str, value: Any, lp: torch.Tensor, p: Any) -> Any:
+def wrap_state(name: str, value: Any, lp: torch.Tensor, p: DTensor) -> Any:
     """State entry ``name`` of shard ``lp`` as ``p``'s state keeps it: a per-element buffer, or
     the scales of an 8-bit one (a row per row of the shard: ``qstate.scale_shape``), as a
     DTensor placed as ``p``; anything else as it is."""
@@ -91,12 +97,14 @@ def wrap_state(name: str, value: Any, lp: torch.Tensor, p: Any) -> Any:
             and value.shape == qstate.scale_shape(lp)):
         shape = qstate.scale_shape(p)
         with torch.no_grad():
+            # (torch annotates shape as a torch.Size; any tuple of ints is one to it)
             return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                      shape=shape, stride=(shape[1], 1))
+                                      shape=shape,  # type: ignore[arg-type]
+                                      stride=(shape[1], 1))
     return value
 
 
-def mark_blocks(p: Any) -> None:
+def mark_blocks(p: DTensor) -> None:
     """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
     (``qstate.block_rows``, which ``qstate.qualifies`` reads back; a step refuses a shard that
     is not contiguous: ``_refusal``)."""
@@ -105,7 +113,7 @@ def mark_blocks(p: Any) -> None:
     setattr(local(p), qstate.SHARDED, ok)
 
 
-def flat_offset(p: Any) -> int:
+def flat_offset(p: DTensor) -> int:
     """Index, in ``p`` flattened, of the first element of this rank's shard (its shards are
     blocks: ``qstate.block_sharded``)."""
     if all(isinstance(pl, Replicate) for pl in p.placements) or p.dim() == 0:
@@ -124,10 +132,11 @@ class _Shard:
 
     __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
 
-    def __init__(self, p: Any, lp: torch.Tensor) -> None:
-        self.p, self.local, self.lstate = p, lp, {}
+    def __init__(self, p: DTensor, lp: torch.Tensor) -> None:
+        self.p, self.local = p, lp
+        self.lstate: dict[str, Any] = {}
         mark_blocks(p)
-        self.placements = tuple(p.placements)
+        self.placements: tuple[Placement, ...] = tuple(p.placements)
         self.offset = flat_offset(p) if qstate.block_sharded(p) else None
         mesh = p.device_mesh
         self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
@@ -135,11 +144,13 @@ class _Shard:
         # (options checked, the error a step must raise or None, whether it rounds randomly)
         self.verdict: tuple[Any, ...] | None = None
 
-    def current(self, p: Any) -> bool:
+    def current(self, p: DTensor) -> bool:
         return self.p is p and self.local is local(p) and tuple(p.placements) == self.placements
 
 
-def _refusal(where: str, shard: _Shard, storage: Any, eight_bit: bool, whole: str | None = None):
+def _refusal(
+    where: str, shard: _Shard, storage: MasterStorage, eight_bit: bool, whole: str | None = None
+) -> NotImplementedError | None:
     """The error a step of this shard must raise under these options, or None. ``whole``: the
     optimizer's name where its rule needs whole tensors (``_whole``)."""
     placements = shard.placements
@@ -167,7 +178,7 @@ def _refusal(where: str, shard: _Shard, storage: Any, eight_bit: bool, whole: st
     return None
 
 
-def _check_grad(where: str, p: Any) -> None:
+def _check_grad(where: str, p: DTensor) -> None:
     g = p.grad
     if g is not None and (not is_dtensor(g) or tuple(g.placements) != tuple(p.placements)):
         got = tuple(g.placements) if is_dtensor(g) else "a plain tensor"
@@ -184,7 +195,7 @@ def _check_seeds(opt: LowPrecisionOptimizer, rounding: list[tuple[int, _Shard]])
     ``seed=None`` a group takes ``torch.initial_seed()``, which differs between ranks that were
     not seeded alike. Checked (a collective over each mesh) on the first step of each set of seeds,
     which every rank takes alike."""
-    seeds: dict[Any, dict[int, int]] = {}
+    seeds: dict[DeviceMesh, dict[int, int]] = {}
     for gi, shard in rounding:
         seeds.setdefault(shard.p.device_mesh, {})[gi] = opt.param_groups[gi]["seed"]
     key = tuple((id(mesh), tuple(sorted(d.items()))) for mesh, d in seeds.items())
@@ -246,7 +257,8 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             if shard.verdict[1] is not None:
                 raise shard.verdict[1]
             work.append((gi, pi, shard))
-    _check_seeds(opt, [(gi, shard) for gi, _, shard in work if shard.verdict[2]])
+    _check_seeds(opt, [(gi, shard) for gi, _, shard in work
+                       if cast("tuple[Any, ...]", shard.verdict)[2]])
     opt._shards = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
@@ -256,8 +268,8 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             state[k] = v
     params = [list(ps) for ps in saved_params]
     offsets: dict[int, int] = {}
-    groups_of: dict[int, list[Any]] = {}
-    reduce: dict[int, Any] = {}
+    groups_of: dict[int, list[ProcessGroup]] = {}
+    reduce: dict[int, ProcessGroup] = {}
     for gi, pi, shard in work:
         p, lp, lstate = shard.p, shard.local, shard.lstate
         dstate = saved_state.get(p, {})
@@ -308,21 +320,21 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
                     lstate[k] = local(d)
 
 
-def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[Any]:
+def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[ProcessGroup]:
     """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
     whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
     groups = opt.__dict__.get("_shard_groups")
     return groups.get(id(p), []) if groups else []
 
 
-def all_reduce_sums(sums: torch.Tensor, groups: Any) -> torch.Tensor:
+def all_reduce_sums(sums: torch.Tensor, groups: Iterable[ProcessGroup]) -> torch.Tensor:
     """``sums`` (a shard's FP64 sums of squares) added over ``groups``: the whole tensor's."""
     for group in groups:
         torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group)
     return sums
 
 
-def check_loaded_state(state: dict[str, Any], p: Any, where: str) -> None:
+def check_loaded_state(state: dict[str, Any], p: DTensor, where: str) -> None:
     """A DTensor parameter's loaded state must be sharded as the parameter: each rank steps its
     own shard of every buffer."""
     for k, v in state.items():
@@ -340,7 +352,9 @@ def check_loaded_state(state: dict[str, Any], p: Any, where: str) -> None:
             )
 
 
-def init_state_local(opt: LowPrecisionOptimizer, group: dict[str, Any], p: Any, storage: Any):
+def init_state_local(
+    opt: LowPrecisionOptimizer, group: dict[str, Any], p: DTensor, storage: MasterStorage
+) -> dict[str, Any]:
     """``opt._init_state`` for DTensor ``p``: computed on its shard, kept as DTensors."""
     mark_blocks(p)
     lp = local(p)

@@ -21,8 +21,7 @@ clipped ``lr_t``. ``decouple_lr``: ``w *= 1 - (lr_t / max_lr) * weight_decay``. 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +29,9 @@ from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.lion import _resolve_max_lr
 from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.optim.optimizer import ParamsT
 
 __all__ = [
     "StableAdamW", "stable_adamw_coefficients", "stable_adamw_math", "stable_adamw_norm_terms",
@@ -61,7 +63,9 @@ def stable_adamw_coefficients(
     }
 
 
-def _moments(g, bufs, c, maximize):
+def _moments(
+    g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any], maximize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradient (negated to maximize) and the new moments."""
     if maximize:
         g = -g
@@ -70,7 +74,9 @@ def _moments(g, bufs, c, maximize):
     return g, m, v
 
 
-def _rms_terms(w, g, v, c):
+def _rms_terms(
+    w: torch.Tensor, g: torch.Tensor, v: torch.Tensor, c: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
     return g / sqrt_rn(torch.clamp_min(v, c["eps_sq"])), torch.ones_like(w)
 
 
@@ -208,7 +214,7 @@ class StableAdamW(LowPrecisionOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 1e-2,
@@ -218,7 +224,7 @@ class StableAdamW(LowPrecisionOptimizer):
         max_lr: float | None = None,
         maximize: bool = False,
         master: str = "auto",
-        state_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | str | None = None,
         seed: int | None = None,
         fused: bool | None = None,
         foreach: bool | None = None,
@@ -233,17 +239,19 @@ class StableAdamW(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group):
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
         _resolve_max_lr(group)
 
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(self, group, p=None):
+    def _math_buffers(
+        self, group: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def _coefficients(self, group, step):
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return stable_adamw_coefficients(
             lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
@@ -251,7 +259,7 @@ class StableAdamW(LowPrecisionOptimizer):
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )
 
-    def _flags(self, group):
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
 
     _math = staticmethod(stable_adamw_math)

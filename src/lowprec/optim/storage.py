@@ -160,10 +160,16 @@ class NoMaster(MasterStorage):
 
     name = "none"
 
-    def load(self, param, bufs):
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return param.float()
 
-    def store(self, w, param, bufs, bits=None):
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return w.to(param.dtype), {}
 
 
@@ -172,16 +178,22 @@ class FP32Copy(MasterStorage):
 
     name = "fp32"
 
-    def buffers(self, param):
+    def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"master_weight": torch.float32}
 
-    def init(self, param):
+    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"master_weight": param.detach().float().clone()}
 
-    def load(self, param, bufs):
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return bufs["master_weight"]
 
-    def store(self, w, param, bufs, bits=None):
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return w.to(param.dtype), {"master_weight": w}
 
 
@@ -193,7 +205,7 @@ class Split(MasterStorage):
 
     name = "split"
 
-    def check(self, dtype):
+    def check(self, dtype: torch.dtype) -> None:
         if dtype != torch.bfloat16:
             hint = (
                 "use master='fp32' (or 'kahan') for float16 parameters"
@@ -205,24 +217,32 @@ class Split(MasterStorage):
                 f"parameters, got {dtype}; {hint}."
             )
 
-    def buffers(self, param):
+    def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"trail": torch.int16}
 
-    def init(self, param):
+    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         # The master starts as the parameter's exact value: a zero trail.
         return {"trail": torch.zeros_like(param, dtype=torch.int16)}
 
-    def load(self, param, bufs):
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return join(param, bufs["trail"])
 
-    def store(self, w, param, bufs, bits=None):
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         top, trail = split(w)
         return top, {"trail": trail}
 
-    def pairs_ok(self, dtype):
+    def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param, bufs):
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # join() on each half: top * 2**16 + the sign-extended trail, in wrapping int32. The
         # even top moves up (<< 16) and its trail is sign-extended from the low half
         # (<< 16 >> 16); the odd top is already in place and its trail is the arithmetic >> 16.
@@ -231,7 +251,14 @@ class Split(MasterStorage):
         odd = ((p & -65536) + (t >> 16)).view(torch.float32)
         return even, odd
 
-    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
+    def store_pairs(
+        self,
+        w_even: torch.Tensor,
+        w_odd: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         be, bo = w_even.view(torch.int32), w_odd.view(torch.int32)
         # split()'s top, (bits >> 16) + bit 15, is the upper half of bits + 2**15: the low half
         # carries into it exactly when its bit 15 is set. int32 addition wraps (only NaN
@@ -251,27 +278,42 @@ class Kahan(MasterStorage):
 
     name = "kahan"
 
-    def buffers(self, param):
+    def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"compensation": param.dtype}
 
-    def init(self, param):
+    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"compensation": torch.zeros_like(param)}
 
-    def load(self, param, bufs):
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return param.float() + bufs["compensation"].float()
 
-    def store(self, w, param, bufs, bits=None):
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         new = w.to(param.dtype)
         return new, {"compensation": (w - new.float()).to(param.dtype)}
 
-    def pairs_ok(self, dtype):
+    def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param, bufs):
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         (pe, po), (ce, co) = _unpack_bf16_pairs(param), _unpack_bf16_pairs(bufs["compensation"])
         return pe + ce, po + co
 
-    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
+    def store_pairs(
+        self,
+        w_even: torch.Tensor,
+        w_odd: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # store()'s operations on each half: round to nearest, then the remainder rounded.
         be, bo = _nearest_bf16_upper(w_even), _nearest_bf16_upper(w_odd)
         ne, no = be.view(torch.float32), bo.view(torch.float32)
@@ -291,21 +333,36 @@ class Stochastic(MasterStorage):
     name = "stochastic"
     needs_random_bits = True
 
-    def load(self, param, bufs):
+    def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return param.float()
 
-    def store(self, w, param, bufs, bits=None):
+    def store(
+        self,
+        w: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
         return round_stochastic_with_bits(w, bits, param.dtype), {}
 
-    def pairs_ok(self, dtype):
+    def pairs_ok(self, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16
 
-    def load_pairs(self, param, bufs):
+    def load_pairs(
+        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _unpack_bf16_pairs(param)
 
-    def store_pairs(self, w_even, w_odd, param, bufs, bits=None):
+    def store_pairs(
+        self,
+        w_even: torch.Tensor,
+        w_odd: torch.Tensor,
+        param: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        bits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
         # The pair's 32 bits: the low 16 are the even element's noise, the high 16 the odd's,

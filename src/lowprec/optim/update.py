@@ -14,7 +14,7 @@ element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from lowprec.numerics import (
 )
 from lowprec.optim import qstate as qstate_mod
 from lowprec.optim.storage import MasterStorage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lowprec.optim._typing import QFormats
 
 # Elements per piece of the eager step on large tensors (a parameter's, or a bucket's:
 # ``buckets``), per device type (the choices side by
@@ -76,7 +79,13 @@ def _inputs(
     return storage.load(p, sbufs), g, m
 
 
-def _blocks(p, grad, sbufs, mbufs, qstate) -> tuple[Any, ...]:
+def _blocks(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    qstate: QFormats,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements (4-bit
     codes: a block's two halves, ``qstate.rows``), the scales of its quantized buffers as a
     column: the shapes the encoders and decoders take."""
@@ -257,7 +266,18 @@ def _unpack_pairs(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return _unpack_bf16_pairs(t) if dtype == torch.bfloat16 else _unpack_f32_pairs(t)
 
 
-def _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale):
+_RuleInputs = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _pair_inputs(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    storage: MasterStorage,
+    kinds: dict[str, torch.dtype],
+    inv_scale: torch.Tensor | None,
+) -> tuple[_RuleInputs, _RuleInputs]:
     """``_inputs`` on words: the rule's FP32 (master, gradient, buffers) of the even elements
     and of the odd ones; ``kinds`` gives the grad's and each math buffer's real dtype."""
     g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
@@ -323,7 +343,8 @@ def _param_update_pairs(
             idx = torch.arange(p.numel(), device=p.device,
                                dtype=torch.int64 if p.numel() > _INT32_MAX else torch.int32)
         elif owner is not None:
-            key_lo, key_hi = key_lo[owner], key_hi[owner]
+            # (per-word keys are tensors; no typing.cast in a function torch.compile traces)
+            key_lo, key_hi = key_lo[owner], key_hi[owner]  # type: ignore[index]
         bits = hash_bits(idx if base is None else idx + base, key_lo, key_hi)
     new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
     new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
@@ -341,7 +362,18 @@ def _param_update_pairs(
 
 
 def _update_many(
-    pvs, gvs, svs, mvs, c, los, his, *, fn, sums_fn=None, norm_terms=None, **kw
+    pvs: list[torch.Tensor],
+    gvs: list[torch.Tensor],
+    svs: list[dict[str, torch.Tensor]],
+    mvs: list[dict[str, torch.Tensor]],
+    c: dict[str, Any],
+    los: list[int | torch.Tensor],
+    his: list[int | torch.Tensor],
+    *,
+    fn: Callable[..., None],
+    sums_fn: Callable[..., torch.Tensor] | None = None,
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    **kw: Any,
 ) -> None:
     """``fn`` (``_param_update`` or ``_param_update_pairs``) on each of several parameters, for
     one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's.

@@ -28,7 +28,7 @@ since a later call can recompile, and leaves Inductor as it was afterwards, so t
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -58,7 +58,7 @@ def _vector_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
     """``to_dtype_bitcast`` for a vector ``x``: ``at::vec::cast`` for 4- and 8-byte words of
     the same size, vector by vector where the loop holds several; Inductor's own code
     otherwise."""
-    _, own, v = _TARGET
+    _, own, v = cast("tuple[Any, Any, Any]", _TARGET)  # (installed only where it is set)
     kernel = v.kernel
     dst = _WORDS.get(dtype)
     n = kernel._get_num_vectors(dtype)
