@@ -263,12 +263,15 @@ def _small_update_errors(cls, kw, steps=1000, device="cpu"):
     seq = [[(1 + 0.5 * torch.randn(shape, generator=gen)).to(torch.bfloat16)]
            for _ in range(steps)]
     ref = [p.detach().float().requires_grad_() for p in init]
-    run(cls(ref, master="none", **kw), ref, seq)
+    # Stepped eagerly (fused=False): the property is the strategy's, and 1,000 steps of each
+    # strategy's compiled step cost minutes of compiling here; tests/test_fused.py checks that
+    # the compiled step is the eager one bit for bit, for each optimizer and strategy.
+    run(cls(ref, master="none", fused=False, **kw), ref, seq)
     moved = (ref[0].detach() - init[0].detach().float()).norm()
     errors = {}
     for master in STRATEGIES:
         params = [p.detach().clone().requires_grad_() for p in init]
-        opt = cls(params, master=master, seed=3, **kw)
+        opt = cls(params, master=master, seed=3, fused=False, **kw)
         run(opt, params, seq)
         errors[master] = ((opt.master_weight(params[0]) - ref[0].detach()).norm() / moved).item()
     return errors
@@ -306,9 +309,10 @@ def test_weight_decay_below_half_ulp_still_acts(cls, kw, factor, master, device)
     steps = 1000
     w = (torch.rand(4096) + 1.0).to(torch.bfloat16).to(device).requires_grad_()  # |w| in [1, 2]
     w0 = w.detach().float().clone()
-    opt = cls([w], master=master, seed=11, **kw)
+    # (eagerly, as in _small_update_errors: the compiled step is the eager one, test_fused.py)
+    opt = cls([w], master=master, seed=11, fused=False, **kw)
     naive = w.detach().clone().requires_grad_()
-    opt_naive = cls([naive], master="none", **kw)
+    opt_naive = cls([naive], master="none", fused=False, **kw)
     for _ in range(steps):
         w.grad = torch.zeros_like(w)
         naive.grad = torch.zeros_like(naive)
