@@ -13,9 +13,13 @@ import math
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowprec import __version__
+
+if TYPE_CHECKING:  # (rich is imported when a command prints: the start stays light)
+    from rich.console import Console
+    from rich.table import Table
 
 _EXTRA_HINT = 'the lowprec command needs its extras: pip install "lowprec[cli]" ({})'
 
@@ -24,7 +28,7 @@ class UsageError(Exception):
     """A mistake in the command line: printed as one line, exit status 2."""
 
 
-def _import_rich():
+def _import_rich() -> tuple[type[Console], type[Table]]:
     try:
         from rich.console import Console
         from rich.table import Table
@@ -33,7 +37,7 @@ def _import_rich():
     return Console, Table
 
 
-def _console():
+def _console() -> Console:
     """A rich console; wide enough for the tables (compare's 14 columns, 16 when fine-tuning)
     when the output is a file or a pipe."""
     Console, _ = _import_rich()

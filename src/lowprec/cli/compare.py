@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,6 +74,8 @@ def compare(
     raised again.
     """
     cfg.validate()
+    # (set, as validate() checked: __post_init__ replaced a None with the task's)
+    steps, recipe_names = cast(int, cfg.steps), cast("Sequence[str]", cfg.recipes)
     device = resolve_device(cfg.device)
     if device.type == "cpu":  # (the CPU kernels' threads: a GPU run leaves torch's own)
         torch.set_num_threads(cfg.threads)
@@ -88,18 +90,18 @@ def compare(
     for index, seed in enumerate(cfg.seed_list):
         batches, initial = task_data(cfg, device, seed, pretrained=weights)
         runs = []
-        for name in cfg.recipes:
+        for name in recipe_names:
             if on_start is not None and index == 0:
                 on_start(name)
             runs.append(_Run(name, cfg, initial, batches, seed))
         try:
-            for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+            for step, (x, y) in enumerate(batches.train_batches(steps)):
                 first = step % len(runs)
                 meter.start()
                 for run in runs[first:] + runs[:first]:
                     loss = run.step(x, y)
                     if on_step is not None:
-                        on_step(run.name, index * cfg.steps + step, loss)
+                        on_step(run.name, index * steps + step, loss)
                 meter.stop()
         except KeyboardInterrupt:
             out.extend(run.record() for run in runs if run.losses)
@@ -151,7 +153,7 @@ class _Load:
         self._mark = (machine_busy_s(), time.process_time(), time.perf_counter())
 
     def stop(self) -> None:
-        busy0, cpu0, wall0 = self._mark
+        busy0, cpu0, wall0 = cast("tuple[float | None, float, float]", self._mark)  # (start's)
         busy1, cpu1, wall1 = machine_busy_s(), time.process_time(), time.perf_counter()
         if busy0 is None or busy1 is None or wall1 <= wall0:
             self.rounds.append(None)
@@ -176,7 +178,7 @@ class _Load:
 def config_dict(cfg: CompareConfig) -> dict[str, Any]:
     """``cfg`` as plain JSON-ready values."""
     d = asdict(cfg)
-    d["recipes"] = list(cfg.recipes)
+    d["recipes"] = list(cast("Sequence[str]", cfg.recipes))  # (set by __post_init__)
     d["lr"] = cfg.peak_lr
     d["schedule"] = cfg.lr_schedule
     d["seed_list"] = cfg.seed_list

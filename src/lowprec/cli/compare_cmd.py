@@ -10,7 +10,7 @@ import argparse
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lowprec.cli import config
 from lowprec.cli.common import (
@@ -26,9 +26,13 @@ from lowprec.cli.common import (
 )
 from lowprec.cli.plot import plot_losses
 
+if TYPE_CHECKING:  # (rich is imported when the command prints: the start stays light)
+    from rich.console import Console
+    from rich.table import Table
+
 
 def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None,
-                  finetune: bool = False):
+                  finetune: bool = False) -> Table:
     """The comparison as a rich ``Table``: one row per record, or per recipe of ``summarize``'s
     rows (their spreads over the seeds as "mean ± sd"). ``finetune`` adds the eval loss before
     training and the share of FP32's loss drop."""
@@ -127,7 +131,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
              f"{seeds}, d_model {model.d_model} x {model.n_layer} "
              f"layers ({model.num_parameters:,} parameters), batch "
              f"{cfg.batch_size}x{model.context}, {_device_label(device, cfg.threads)}")
-    total = cfg.steps * cfg.seeds
+    # (steps and recipes are set: __post_init__ replaced a None with the task's)
+    recipes = cast("Sequence[str]", cfg.recipes)
+    total = cast(int, cfg.steps) * cfg.seeds
 
     records: list[dict[str, Any]] = []
     load: dict[str, Any] = {}
@@ -195,7 +201,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     def on_note(text: str) -> None:
         console.print(f"[yellow]{text}[/yellow]", highlight=False)
 
-    console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(cfg.recipes)}")
+    console.print(f"[bold]lowprec compare[/bold]: {title}; recipes {', '.join(recipes)}")
     interrupted = False
     try:
         if progress is not None:
@@ -212,7 +218,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         console.print(f"[yellow]Interrupted[/yellow] at step {current.get('step', 0)} of "
                       f"{total}: the records hold the steps each recipe took.")
 
-    payload = {
+    payload: dict[str, Any] = {
         "command": "compare",
         "interrupted": interrupted,
         "wall_time_s": time.perf_counter() - started,
@@ -251,7 +257,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def _recommendation(console: Any, rec: dict[str, Any]) -> None:
+def _recommendation(console: Console, rec: dict[str, Any]) -> None:
     """One line for the recipe to use, one reason for each other, and a warning where the run was
     too short to separate a recipe that loses its updates from FP32 by loss alone."""
     if rec["recipe"] is None:
@@ -274,7 +280,7 @@ def _recommendation(console: Any, rec: dict[str, Any]) -> None:
             "expectation.", highlight=False)
 
 
-def _pretrained_note(console: Any, about: dict[str, Any] | None) -> None:
+def _pretrained_note(console: Console, about: dict[str, Any] | None) -> None:
     """Where the fine-tuning task's pretrained model came from."""
     if about is None:
         return
@@ -287,7 +293,7 @@ def _pretrained_note(console: Any, about: dict[str, Any] | None) -> None:
                   "BF16.", style="dim", highlight=False)
 
 
-def _floor_note(console: Any, floor: float | None, seeds: int, tolerance: float) -> None:
+def _floor_note(console: Console, floor: float | None, seeds: int, tolerance: float) -> None:
     """FP32's seed-to-seed spread, or a hint to measure it."""
     if floor is None:
         console.print(f"One seed{'' if seeds == 1 else ' of fp32 finished'}: no noise floor "
@@ -307,7 +313,7 @@ def _device_label(device: dict[str, Any], threads: int) -> str:
     return label if device["type"] != "cpu" else f"{label}, {threads} threads"
 
 
-def _load_note(console: Any, load: dict[str, Any], threads: int,
+def _load_note(console: Console, load: dict[str, Any], threads: int,
                device: dict[str, Any] | None = None) -> None:
     """Say how busy the machine was while the steps were timed, plainly when it was contended.
     The load is the CPU's (``/proc/stat``): on a GPU it slows only the host's share of a step
@@ -318,6 +324,7 @@ def _load_note(console: Any, load: dict[str, Any], threads: int,
     if bg is None:
         console.print("Background load: not measured here (no /proc/stat).", style="dim")
         return
+    share = cast(float, share)  # (measured with the background cores: _Load.summary)
     if device is not None and device["type"] != "cpu":
         console.print(
             f"Background CPU load: {bg:.2f} cores (median over the rounds; over "
@@ -340,7 +347,7 @@ def _load_note(console: Any, load: dict[str, Any], threads: int,
                       f"{share:.0%} of them).", style="dim")
 
 
-def _notes(console: Any, records: Sequence[dict[str, Any]], *, finetune: bool = False,
+def _notes(console: Console, records: Sequence[dict[str, Any]], *, finetune: bool = False,
            seeds: int = 1) -> None:
     """Reading help under the table, and a warning for each run that diverged."""
     if finetune:

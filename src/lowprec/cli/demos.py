@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lowprec.numerics import round_stochastic, split
 from lowprec.optim.storage import STORAGES
+
+if TYPE_CHECKING:
+    from lowprec.dfp import Rounding
 
 __all__ = ["dfp16_errors", "fp16_underflow", "swamping"]
 
@@ -98,7 +101,8 @@ def swamping(
     start = torch.tensor([big], dtype=torch.float32)
     inc = torch.tensor(small, dtype=torch.float32)
 
-    def run(storage_name: str, param: torch.Tensor, bufs: dict[str, torch.Tensor]):
+    def run(storage_name: str, param: torch.Tensor,
+            bufs: dict[str, torch.Tensor]) -> tuple[float, float]:
         storage = STORAGES[storage_name]
         for _ in range(steps):
             param, bufs = storage.store(storage.load(param, bufs) + inc, param, bufs)
@@ -212,7 +216,8 @@ def dfp16_errors(*, n: int = 10_000, seed: int = 0) -> dict[str, Any]:
     out: dict[str, dict[str, float]] = {}
     exponent = None
     for mode in dfp.ROUNDING_MODES:
-        q = dfp.quantize(x, bits=16, rounding=mode,
+        # (ROUNDING_MODES, a tuple of str, holds exactly the values of the Rounding literal)
+        q = dfp.quantize(x, bits=16, rounding=cast("Rounding", mode),
                          generator=torch.Generator().manual_seed(seed))
         exponent = q.exponent
         # DFP-16 values are exact in FP32 and FP64; the division by a power of two is exact.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lowprec.cli import config
 from lowprec.cli.common import (
@@ -31,6 +31,9 @@ from lowprec.cli.common import (
 )
 from lowprec.cli.compare_cmd import _cmd_compare
 from lowprec.cli.parser import build_parser
+
+if TYPE_CHECKING:  # (rich is imported when a command prints: the start stays light)
+    from rich.console import Console
 
 # torch, and every lowprec module that needs it, is imported inside the commands: `--help`, the
 # version and a mistyped option answer without the seconds an import of torch takes.
@@ -121,7 +124,8 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _memory_peak(args: argparse.Namespace, console, device: dict[str, Any]) -> dict[str, Any]:
+def _memory_peak(args: argparse.Namespace, console: Console,
+                 device: dict[str, Any]) -> dict[str, Any]:
     """``--measure-peak``: every recipe's step, without and with step_in_backward, measured in
     fresh processes (``memory_peak.peak_table``), its table and the issue's targets."""
     from lowprec.cli import memory_peak

@@ -28,8 +28,8 @@ from typing import Any
 from lowprec.cli.memory_plan import in_backward_refusal
 from lowprec.cli.memory_probe import DEFAULTS
 
-__all__ = ["MMAP_THRESHOLD", "SAVING_TOLERANCE", "TARGET_BYTES_PER_PARAM", "TARGET_RECIPE", "in_backward_available", "peak_table",
-           "probe", "targets"]
+__all__ = ["MMAP_THRESHOLD", "SAVING_TOLERANCE", "TARGET_BYTES_PER_PARAM", "TARGET_RECIPE",
+           "in_backward_available", "peak_table", "probe", "targets"]
 
 #: Allocations of at least this many bytes are mmapped by glibc in the probe's process (and so
 #: unmapped when freed), instead of the dynamic threshold (up to 32 MiB) that keeps them.
@@ -155,9 +155,9 @@ def peak_table(
             rows.append(row)
         on, off = by_mode.get(True), by_mode.get(False)
         if on is not None:
-            ok = off is not None and "error" not in off and "error" not in on
             on["saved"] = (off["measured"]["over_baseline"] - on["measured"]["over_baseline"]
-                           if ok else None)
+                           if off is not None and "error" not in off and "error" not in on
+                           else None)
     return rows
 
 

@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 __all__ = ["CARDS", "ModelSize", "count_config", "in_backward_refusal", "parse_params", "plan"]
 
@@ -28,9 +28,17 @@ CARDS: tuple[int, ...] = (24, 40, 80)
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
 
+
+class _Family(TypedDict):
+    """What differs between the decoders ``count_config`` counts."""
+
+    qkv_bias: bool | None  # (None: the config's attention_bias)
+    qk_norm: bool
+
+
 #: The decoders ``count_config`` counts (``model_type``) and what differs between them.
-_FAMILIES = {
-    "llama": {"qkv_bias": None, "qk_norm": False},   # None: the config's attention_bias
+_FAMILIES: dict[str, _Family] = {
+    "llama": {"qkv_bias": None, "qk_norm": False},
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True},
@@ -178,7 +186,7 @@ def plan(
     from lowprec import memory, recipes
 
     names = recipe_names if recipe_names is not None else recipes.RECIPES
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         e = memory.expected(optimizer_name, name)
         recipe = recipes.get(name)

@@ -38,7 +38,14 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # (torch is imported when the probe runs)
+    import torch
+    from torch import nn
+
+    from lowprec.optim import LowPrecisionOptimizer, StepInBackward
 
 __all__ = ["DEFAULTS", "build_model", "main", "run"]
 
@@ -48,7 +55,7 @@ DEFAULTS: dict[str, int] = {"depth": 32, "width": 1024, "batch": 8, "warmup": 2}
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
-def build_model(depth: int, width: int):
+def build_model(depth: int, width: int) -> nn.Sequential:
     """The probe's model: ``depth`` bias-free ``Linear(width, width)`` with ReLUs between."""
     from torch import nn
 
@@ -86,14 +93,14 @@ def _rusage_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # (bytes on macOS, KiB on Linux)
 
 
-def _storage_key(t) -> tuple[str, int]:
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
 class _GradTracker:
     """The most ``.grad`` bytes alive at once, sampled after each accumulation and at ``step``."""
 
-    def __init__(self, params) -> None:
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = list(params)
         self.peak = 0
         self.samples = 0
@@ -116,7 +123,7 @@ class _GradTracker:
         self.samples += 1
         self.peak = max(self.peak, self.live())
 
-    def _hook(self, _p) -> None:
+    def _hook(self, _p: torch.Tensor) -> None:
         self.sample()
 
     def reset(self) -> None:
@@ -127,7 +134,7 @@ class _GradTracker:
             h.remove()
 
 
-def _install_in_backward(model, opt):
+def _install_in_backward(model: nn.Module, opt: LowPrecisionOptimizer) -> StepInBackward:
     import lowprec
 
     return lowprec.step_in_backward(model, opt)
@@ -223,10 +230,11 @@ def run(
     else:
         rss = _status_kib("VmRSS")
         if rss is not None and _reset_peak():
-            base = _status_kib("VmRSS") * 1024
+            # (/proc/self/status was read just above: its VmRSS and VmHWM are there)
+            base = cast(int, _status_kib("VmRSS")) * 1024
             step()
             measured = {"how": "VmHWM after clear_refs", "baseline": base,
-                        "peak": _status_kib("VmHWM") * 1024}
+                        "peak": cast(int, _status_kib("VmHWM")) * 1024}
         else:
             base = (rss * 1024) if rss is not None else _rusage_peak_bytes()
             step()

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lowprec import __version__
 from lowprec.cli import config
 
+if TYPE_CHECKING:
+    from lowprec.cli.memory_plan import ModelSize
 
-def _whole(minimum: int):
+
+def _whole(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number of at least ``minimum``."""
 
     def parse(text: str) -> int:
@@ -74,7 +79,7 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).rstrip(".")) from None
 
 
-def _model_size(text: str):
+def _model_size(text: str) -> ModelSize:
     """``--params``: a parameter count or a Hugging Face config.json (``memory_plan``)."""
     from lowprec.cli.memory_plan import parse_params  # (torch-free)
 

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,12 +128,13 @@ def _train(cfg: CompareConfig, device: torch.device,
            on_step: Callable[[int, int, float], None] | None) -> tuple[dict[str, Any], float]:
     """Pretrain in FP32; returns the CPU state dict and the eval loss on held-out sources."""
     p = _pretrain_config(cfg)
+    steps = cast(int, p.steps)  # (_pretrain_config's: cfg.pretrain_steps)
     batches, initial = task_data(p, device, p.seed)
     run = _Run("fp32", p, initial, batches, p.seed)
-    for step, (x, y) in enumerate(batches.train_batches(p.steps)):
+    for step, (x, y) in enumerate(batches.train_batches(steps)):
         loss = run.step(x, y)
         if on_step is not None:
-            on_step(step, p.steps, loss)
+            on_step(step, steps, loss)
     eval_loss = _evaluate(run.model, run.recipe, batches.eval_batches(p.eval_batches), device)
     state = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
     return state, eval_loss

@@ -18,8 +18,8 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +100,8 @@ def _cpu_name() -> str:
 def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
     """The learning rate's factor at each step: a linear warm-up over ``cfg.warmup`` of the
     steps, then ``cfg.lr_schedule``: cosine decay to 10% of the peak, or the peak throughout."""
-    warm = max(1, int(cfg.warmup * cfg.steps))
+    steps = cast(int, cfg.steps)  # (set: __post_init__ replaced a None with the task's)
+    warm = max(1, int(cfg.warmup * steps))
     cosine = cfg.lr_schedule == "cosine"
 
     def factor(step: int) -> float:
@@ -108,7 +109,7 @@ def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
             return (step + 1) / warm
         if not cosine:
             return 1.0
-        progress = (step - warm) / max(1, cfg.steps - warm)
+        progress = (step - warm) / max(1, steps - warm)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
@@ -155,7 +156,9 @@ def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
 
 
 @torch.no_grad()
-def _evaluate(model, recipe, batches, device: torch.device) -> float:
+def _evaluate(model: torch.nn.Module, recipe: recipes_mod.Recipe,
+              batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              device: torch.device) -> float:
     model.eval()
     try:
         with recipe.autocast(device.type):
@@ -285,7 +288,8 @@ def run_recipe(
     """Train one recipe alone from the ``initial`` FP32 weights and return its record (its
     seed: ``batches.seed``)."""
     run = _Run(name, cfg, initial, batches, batches.seed)
-    for step, (x, y) in enumerate(batches.train_batches(cfg.steps)):
+    # (steps is set: __post_init__ replaced a None with the task's)
+    for step, (x, y) in enumerate(batches.train_batches(cast(int, cfg.steps))):
         loss = run.step(x, y)
         if on_step is not None:
             on_step(step, loss)

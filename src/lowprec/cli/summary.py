@@ -77,7 +77,7 @@ def _mean(values: Sequence[Any]) -> float | None:
 
 def _std(values: Sequence[Any]) -> float | None:
     """The sample standard deviation of ``values``; None for fewer than two or a non-finite one."""
-    vals = [v for v in values if v is not None]
+    vals: list[float] = [v for v in values if v is not None]
     if len(vals) < 2 or not all(_finite(v) for v in vals):
         return None
     return statistics.stdev(vals)
@@ -110,10 +110,10 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             row[key] = _mean(values)
             row[f"{key}_std"] = _std(values)
         row["step_time_s"] = statistics.median(r["step_time_s"] for r in runs)
-        speedups = [r.get("speedup") for r in runs if r.get("speedup") is not None]
+        speedups: list[float] = [r["speedup"] for r in runs if r.get("speedup") is not None]
         row["speedup"] = statistics.median(speedups) if speedups else None
         for key in ("speedup_iqr", "step_time_iqr_s"):
-            iqrs = [r.get(key) for r in runs if r.get(key)]
+            iqrs: list[Sequence[float]] = [r[key] for r in runs if r.get(key)]
             row[key] = ([statistics.median(q[0] for q in iqrs),
                          statistics.median(q[1] for q in iqrs)] if iqrs else None)
         length = min(len(r["losses"]) for r in runs)
@@ -128,7 +128,8 @@ def noise_floor(records: Sequence[dict[str, Any]]) -> float | None:
     """FP32's seed-to-seed spread: the sample standard deviation of its eval losses over the
     seeds, relative to their mean; None with fewer than two finite FP32 runs. A gap to FP32
     smaller than this is within what another seed would change."""
-    losses = [r["eval_loss"] for r in records if r["recipe"] == "fp32" and _finite(r["eval_loss"])]
+    losses: list[float] = [r["eval_loss"] for r in records
+                           if r["recipe"] == "fp32" and _finite(r["eval_loss"])]
     if len(losses) < 2:
         return None
     return statistics.stdev(losses) / statistics.fmean(losses)

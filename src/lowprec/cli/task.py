@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -97,19 +98,20 @@ class Batches:
         self.eval_seed = seed + 1 if eval_seed is None else eval_seed
         self.device = torch.device("cpu") if device is None else torch.device(device)
 
-    def _windows(self, data: torch.Tensor, gen: torch.Generator, n: int):
+    def _windows(self, data: torch.Tensor, gen: torch.Generator,
+                 n: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(data) - self.context - 1, (n,), generator=gen)
         idx = starts[:, None] + torch.arange(self.context + 1)
         chunk = data[idx].to(self.device)
         return chunk[:, :-1], chunk[:, 1:]
 
-    def train_batches(self, steps: int):
+    def train_batches(self, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``steps`` training batches, the same sequence for the same seed."""
         gen = torch.Generator().manual_seed(self.seed)
         for _ in range(steps):
             yield self._windows(self.train, gen, self.batch_size)
 
-    def eval_batches(self, n: int = 8):
+    def eval_batches(self, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed set of ``n`` evaluation batches (the same for every call)."""
         gen = torch.Generator().manual_seed(self.eval_seed)
         return [self._windows(self.eval, gen, self.batch_size) for _ in range(n)]
@@ -133,7 +135,8 @@ class _Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
 
 
 class CharTransformer(nn.Module):
@@ -163,4 +166,5 @@ class CharTransformer(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        logits: torch.Tensor = self.head(self.ln(x))
+        return logits
