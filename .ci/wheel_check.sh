@@ -11,13 +11,15 @@ python=${1:?usage: wheel_check.sh PYTHON}
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$python" -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
+"$python" -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 \
+    || { cat "$work/build.log"; exit 1; }
 "$python" -m twine check --strict "$work"/dist/*
 wheel=$(ls "$work"/dist/lowprec-*.whl)
 sdist=$(ls "$work"/dist/lowprec-*.tar.gz)
 echo "built $(basename "$sdist") and $(basename "$wheel")"
 # The wheel carries every module under src/lowprec and the type marker.
-unzip -Z1 "$wheel" | grep -q '^lowprec/py.typed$' || { echo "py.typed is not in the wheel"; exit 1; }
+unzip -Z1 "$wheel" | grep -q '^lowprec/py.typed$' \
+    || { echo "py.typed is not in the wheel"; exit 1; }
 missing=$(cd src && find lowprec -name '*.py' | sort | comm -23 - <(unzip -Z1 "$wheel" | sort))
 [ -z "$missing" ] || { echo "modules missing from the wheel:"; echo "$missing"; exit 1; }
 

@@ -1,5 +1,5 @@
 """The package's metadata: one version source, a license file, a changelog, and CI's checks of
-the built wheel (.ci/wheel_check.sh builds and installs it; these tests check the files it reads)."""
+the built wheel (.ci/wheel_check.sh builds and installs it; these tests check what it reads)."""
 
 from __future__ import annotations
 
