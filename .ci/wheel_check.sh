@@ -17,10 +17,11 @@ trap 'rm -rf "$work"' EXIT
 wheel=$(ls "$work"/dist/lowprec-*.whl)
 sdist=$(ls "$work"/dist/lowprec-*.tar.gz)
 echo "built $(basename "$sdist") and $(basename "$wheel")"
-# The wheel carries every module under src/lowprec and the type marker.
-unzip -Z1 "$wheel" | grep -q '^lowprec/py.typed$' \
-    || { echo "py.typed is not in the wheel"; exit 1; }
-missing=$(cd src && find lowprec -name '*.py' | sort | comm -23 - <(unzip -Z1 "$wheel" | sort))
+# The wheel carries every module under src/lowprec and the type marker. (Its listing is read
+# whole first: `unzip | grep -q` under pipefail fails when grep stops reading early.)
+unzip -Z1 "$wheel" | sort >"$work/files"
+grep -qx 'lowprec/py.typed' "$work/files" || { echo "py.typed is not in the wheel"; exit 1; }
+missing=$(cd src && find lowprec -name '*.py' | sort | comm -23 - "$work/files")
 [ -z "$missing" ] || { echo "modules missing from the wheel:"; echo "$missing"; exit 1; }
 
 # torch first, as .ci/run does, so that pip takes the CPU build on this machine's disk.
