@@ -147,6 +147,18 @@ def test_adamws_reference_documents_master_state_dtype_and_step_in_backward():
     assert "::: lowprec.optim.AdamW" in page and "::: lowprec.optim.step_in_backward" in page
 
 
+def test_the_optimizers_shared_options_read_the_same_everywhere():
+    # `master` and `seed` mean the same on every optimizer (options.py checks them once); each
+    # class's reference repeats their text, so an edit must reach all ten copies.
+    optim = module("lowprec.optim")
+    classes = ["SGD", "AdamW", "Adam", "RAdam", "Adagrad", "Lamb", "Lion", "StableAdamW",
+               "Adafactor", "Muon"]
+    docs = {name: documented(target(optim[name])) for name in classes}
+    for option in ("master", "seed"):
+        texts = {name: args[option] for name, args in docs.items()}
+        assert len(set(texts.values())) == 1, (option, texts)
+
+
 @pytest.mark.parametrize(("where", "name"), exported(), ids=lambda x: x)
 def test_every_public_name_has_a_docstring(where, name):
     obj = target(module(where)[name])
