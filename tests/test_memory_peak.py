@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -293,3 +294,9 @@ def test_readme_totals_by_size_are_the_plans():
                                    strict=True):
             (row,) = [r for r in plans[n] if r["recipe"] == recipe and r["in_backward"] == mode]
             assert float(cell.split()[0]) == round(row["gib"]["total"], 1), (recipe, n, mode)
+
+
+def test_the_probes_path_is_the_directory_that_holds_the_package():
+    # (the fresh process imports lowprec from there, also from a source tree never installed)
+    root = Path(memory_peak._src_root())
+    assert (root / "lowprec" / "__init__.py").is_file(), root

@@ -49,7 +49,7 @@ def in_backward_available() -> bool:
 
 
 def _src_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])  # (src/lowprec/cli/this file -> src)
 
 
 def probe(
