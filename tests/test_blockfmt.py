@@ -1,0 +1,271 @@
+"""Block formats (lowprec.blockfmt): the quantizer bit for bit against torchao's mx_formats and
+against brute force, the element grids, stochastic rounding, blocks along any dimension and
+tiles, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from lowprec import blockfmt
+from lowprec.blockfmt.quantizer import round_to_element
+
+MX = ["mxfp8", "mxfp8-e5m2", "mxfp6", "mxfp6-e3m2", "mxfp4"]
+
+
+def _torchao():
+    logging.disable(logging.WARNING)  # (its CUDA kernels' libraries fail to load on a CPU)
+    try:
+        mx = pytest.importorskip(
+            "torchao.prototype.mx_formats.mx_tensor", reason="torchao is in the dev extra")
+    finally:
+        logging.disable(logging.NOTSET)
+    return mx
+
+
+def _edge_cases(dtype=torch.float32) -> torch.Tensor:
+    """Rows of 64 values (two MX blocks, four NVFP4 blocks): random magnitudes over 2**±20 and
+    the spec's edge cases: zeros, FP32 subnormals, elements in the formats' subnormal ranges, a
+    NaN, an Inf, an all-max block, ties, and a block whose largest element saturates."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 64, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (48, 1), generator=g).float())
+    x[0] = 0.0
+    x[1, :32] = 1e-40  # FP32 subnormals
+    x[1, 32:] = torch.linspace(-3e-39, 3e-39, 32)
+    x[2, :32] = 448.0  # all-max (E4M3)
+    x[2, 32:] = -6.0  # all-max (E2M1)
+    x[3, 5] = float("nan")
+    x[4, 40] = float("inf")
+    x[5, :32] = torch.arange(32) * 0.25  # ties on the coarse grids
+    x[6, :32] = 1.0
+    x[6, 0] = 1.99  # floor's scale: 1.99 / 2**0 saturates E2M1's 6? no: the block's top
+    x[7, :32] = 2.0**-8 * torch.arange(1, 33)  # tiny against the block max: subnormal elements
+    x[8] = torch.randn(64, generator=g) * 1e-3
+    x[8, 0] = 1e3  # one outlier per block: the rest fall into subnormals or to zero
+    x[8, 32] = -1e3
+    return x.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
+        torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+
+
+# ---------------------------------------------------------------- bit equality with torchao
+
+
+@pytest.mark.parametrize("name", MX)
+@pytest.mark.parametrize("rule", blockfmt.SCALE_RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_equals_torchao_bit_for_bit(name, rule, dtype):
+    mx = _torchao()
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3, DTYPE_FP6_E3M2
+
+    elem = {"mxfp8": torch.float8_e4m3fn, "mxfp8-e5m2": torch.float8_e5m2,
+            "mxfp6": DTYPE_FP6_E2M3, "mxfp6-e3m2": DTYPE_FP6_E3M2,
+            "mxfp4": torch.float4_e2m1fn_x2}[name]
+    x = _edge_cases(dtype)
+    scale_e8m0, data = mx.to_mx(x, elem, 32, ScaleCalculationMode(rule))
+    theirs = mx.to_dtype(data, scale_e8m0, elem, 32, torch.float32)
+    q = blockfmt.quantize(x, name, scale_rule=rule)
+    # The scales: E8M0 codes, compared as the values they stand for (NaN for code 255).
+    assert _same(q.scales, mx.get_fp_scale(scale_e8m0).reshape(q.scales.shape))
+    assert _same(q.dequantize(), theirs)
+    assert _same(blockfmt.fake_quantize(x, name, scale_rule=rule), theirs)
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+def test_nvfp4_equals_torchao_bit_for_bit(two_level):
+    _torchao()
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.nvfp4_tensor import (
+        nvfp4_quantize,
+        per_tensor_amax_to_scale,
+    )
+
+    x = _edge_cases()
+    x = x[torch.isfinite(x).all(1)]  # (torchao's NVFP4 quantizer assumes finite input)
+    per_tensor = per_tensor_amax_to_scale(x.abs().amax()) if two_level else None
+    scales, packed = nvfp4_quantize(x, 16, per_tensor)
+    elements = f4_unpacked_to_f32(unpack_uint4(packed)).reshape(x.shape)
+    q = blockfmt.quantize(x, "nvfp4", tensor_scale=two_level)
+    assert torch.equal(q.elements, elements)
+    assert torch.equal(q.scales, scales.float())
+    if two_level:
+        assert torch.equal(q.tensor_scale, per_tensor)
+        hp = per_tensor * scales.float()
+    else:
+        assert q.tensor_scale is None
+        hp = scales.float()
+    theirs = (elements.reshape(len(x), -1, 16) * hp.unsqueeze(-1)).reshape(x.shape)
+    assert torch.equal(q.dequantize(), theirs)
+
+
+def test_element_rounding_equals_torchs_fp8_casts():
+    # An independent check of the one element rule: torch's own FP8 casts (nearest, ties to
+    # even) on values spread over both formats' ranges, subnormals included, saturated.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(200_000, generator=g) * torch.exp2(
+        torch.randint(-24, 18, (200_000,), generator=g).float())
+    for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        element = blockfmt.ELEMENTS[name]
+        theirs = x.clamp(-element.max, element.max).to(dtype).float()
+        assert torch.equal(round_to_element(x, element), theirs), name
+
+
+def _grid(name: str) -> torch.Tensor:
+    """Every non-negative value of an element format, from its bit fields."""
+    e = blockfmt.ELEMENTS[name]
+    if e.integer:
+        return torch.arange(128) / 64
+    ebits = {"e4m3": 4, "e5m2": 5, "e2m3": 2, "e3m2": 3, "e2m1": 2}[name]
+    bias = 1 - e.emin
+    values = []
+    for field in range(2**ebits):
+        for m in range(2**e.mbits):
+            if field == 0:
+                v = m / 2**e.mbits * 2.0**e.emin
+            else:
+                v = (1 + m / 2**e.mbits) * 2.0 ** (field - bias)
+            if v <= e.max:
+                values.append(v)
+    return torch.tensor(sorted(set(values)))
+
+
+@pytest.mark.parametrize("name", list(blockfmt.ELEMENTS))
+def test_every_element_value_is_kept_and_midpoints_round_to_even(name):
+    element = blockfmt.ELEMENTS[name]
+    grid = _grid(name)
+    expected = {"e4m3": 127, "e5m2": 124, "e2m3": 32, "e3m2": 32, "e2m1": 8, "int8": 128}
+    assert len(grid) == expected[name]
+    assert torch.equal(round_to_element(grid, element), grid)
+    assert torch.equal(round_to_element(-grid, element), -grid)
+    mid = (grid[:-1] + grid[1:]) / 2
+    got = round_to_element(mid, element)
+    steps = torch.searchsorted(grid, got)
+    low = torch.arange(len(mid))
+    assert torch.equal(torch.where(got == grid[low], low, low + 1), steps)
+    # Ties go to the neighbour whose last mantissa bit (its index's parity) is 0.
+    assert bool((steps % 2 == 0).all())
+    assert round_to_element(torch.tensor([1e30]), element).item() == element.max
+
+
+def test_mxint8_equals_brute_force_integers():
+    x = _edge_cases()
+    x = x[torch.isfinite(x).all(1)].double()
+    q = blockfmt.quantize(x, "mxint8")
+    blocks = x.reshape(len(x), -1, 32)
+    for r in range(blocks.shape[0]):
+        for c in range(blocks.shape[1]):
+            block = blocks[r, c].tolist()
+            amax = max(abs(v) for v in block)
+            exponent = -127 if amax == 0 else max(int(torch.tensor(amax).log2().floor()), -127)
+            scale = 2.0**exponent
+            assert q.scales[r, c].item() == scale
+            for i, v in enumerate(block):
+                k = max(-127, min(127, round(v / max(scale, 2.0**-126) * 64)))  # half to even
+                assert q.elements[r, c * 32 + i].item() == k / 64
+
+
+# ---------------------------------------------------------------- stochastic rounding
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4", "mxint8"])
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(name):
+    fmt = blockfmt.get_format(name)
+    x = torch.randn(1, fmt.block, generator=torch.Generator().manual_seed(2))
+    x[0, 0] = 4.0  # fixes the block's scale at a power of two for every draw
+    nearest = blockfmt.quantize(x, name)
+    g = torch.Generator().manual_seed(3)
+    draws = torch.stack([
+        blockfmt.quantize(x, name, rounding="stochastic", generator=g).elements[0]
+        for _ in range(4000)
+    ])
+    scaled = x[0] / (nearest.scales if nearest.tensor_scale is None else
+                     nearest.tensor_scale * nearest.scales).repeat_interleave(fmt.block)
+    grid = torch.cat([-_grid(fmt.element.name).flip(0), _grid(fmt.element.name)])
+    low = grid[torch.searchsorted(grid, scaled, right=True) - 1]
+    high = grid[torch.searchsorted(grid, scaled)]
+    assert bool(((draws == low) | (draws == high)).all())
+    spread = (high - low).clamp(min=1e-30)
+    # The mean of 4,000 draws is within 5 standard errors of the value (and biased nearest
+    # rounding is not, on some element).
+    tolerance = 5 * spread / 2 / 4000**0.5
+    assert bool(((draws.mean(0) - scaled).abs() <= tolerance + 1e-7).all())
+    assert bool(((nearest.elements[0] - scaled).abs() > tolerance + 1e-7).any())
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    assert torch.equal(blockfmt.quantize(x, name, rounding="stochastic", generator=g1).elements,
+                       blockfmt.quantize(x, name, rounding="stochastic", generator=g2).elements)
+
+
+# ---------------------------------------------------------------- dimensions, padding, tiles
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_blocks_run_along_the_dimension_given(name):
+    x = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(5))
+    for dim in (0, 1, 2, -1):
+        q = blockfmt.quantize(x, name, dim=dim)
+        moved = blockfmt.quantize(x.movedim(dim, -1).contiguous(), name)
+        assert torch.equal(q.elements, moved.elements.movedim(-1, dim))
+        assert torch.equal(q.scales, moved.scales.movedim(-1, dim))
+        assert torch.equal(q.dequantize(), blockfmt.fake_quantize(x, name, dim=dim))
+
+
+def test_a_length_off_the_block_is_padded_with_zeros():
+    x = torch.randn(5, 70, generator=torch.Generator().manual_seed(6))
+    q = blockfmt.quantize(x, "mxfp8")
+    padded = blockfmt.quantize(torch.nn.functional.pad(x, [0, 26]), "mxfp8")
+    assert q.elements.shape == x.shape and q.scales.shape == (5, 3)
+    assert torch.equal(q.elements, padded.elements[:, :70])
+    assert torch.equal(q.scales, padded.scales)
+
+
+def test_tiles_quantize_a_matrix_and_its_transpose_alike():
+    w = torch.randn(40, 72, generator=torch.Generator().manual_seed(7))
+    q = blockfmt.quantize(w, "nvfp4", tile=True)
+    assert q.scales.shape == (3, 5)
+    assert torch.equal(blockfmt.fake_quantize(w.t(), "nvfp4", tile=True),
+                       blockfmt.fake_quantize(w, "nvfp4", tile=True).t())
+    # Each 16 x 16 tile is one block of 256 under the same tensor scale (brute force).
+    big = dataclasses.replace(blockfmt.get_format("nvfp4"), block=256)
+    wp = torch.nn.functional.pad(w, [0, 8, 0, 8])
+    tiles = wp.reshape(3, 16, 5, 16).transpose(1, 2).reshape(15, 256)
+    ref = blockfmt.quantize(tiles, big)
+    assert torch.equal(q.tensor_scale, ref.tensor_scale)
+    assert torch.equal(q.scales, ref.scales.reshape(3, 5))
+    ref_elements = ref.elements.reshape(3, 5, 16, 16).transpose(1, 2).reshape(48, 80)
+    assert torch.equal(q.elements, ref_elements[:40, :72])
+
+
+def test_the_quantizer_compiles_to_the_same_bits():
+    x = _edge_cases()
+    compiled = torch.compile(blockfmt.fake_quantize, dynamic=False)
+    for name, rule in (("mxfp8", "floor"), ("mxfp4", "rceil"), ("nvfp4", "floor")):
+        assert _same(compiled(x, name, scale_rule=rule), blockfmt.fake_quantize(x, name,
+                                                                            scale_rule=rule))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_input_gets_a_clear_error():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"unknown block format 'mxfp9'.*mxfp8"):
+        blockfmt.quantize(x, "mxfp9")
+    with pytest.raises(TypeError, match=r"floating-point.*torch.int64.*x.float\(\)"):
+        blockfmt.quantize(torch.arange(32), "mxfp8")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        blockfmt.quantize(x, "mxfp8", rounding="up")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scale_rule must be one of"):
+        blockfmt.fake_quantize(x, "mxfp8", scale_rule="round")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tiles of a matrix.*tile=False"):
+        blockfmt.quantize(torch.randn(32), "nvfp4", tile=True)
+    with pytest.raises(ValueError, match="unknown block format"):
+        blockfmt.BlockGemms("fp8")
