@@ -31,6 +31,12 @@ The recipes (``RECIPES``):
 | ``bf16-kahan-4bit-release`` | BF16 | kahan, 4-bit state, stepped in backward | no | no |
 | ``fp16-master`` | FP16 | fp32 | no | dynamic (Micikevicius et al.) |
 | ``dfp16`` | FP32 (master) | none | no | no (shared exponents, Das et al.) |
+| ``mxfp8``, ``mxfp8-split``, ``mxfp8-8bit`` | BF16 | kahan / split / kahan, 8-bit state | no | no (Linear GEMMs in MXFP8) |
+| ``mxfp8-bf16`` | BF16 | none | no | no (Linear GEMMs in MXFP8) |
+| ``mxfp6``, ``mxfp4`` | BF16 | kahan | no | no (Linear GEMMs in MXFP6 E2M3 / MXFP4) |
+| ``nvfp4`` | BF16 | kahan | no | no (NVIDIA's NVFP4 recipe) |
+| ``nvfp4-bf16`` | BF16 | none | no | no (NVIDIA's NVFP4 recipe) |
+| ``nvfp4-bare``, ``nvfp4-no-*`` | BF16 | kahan | no | no (NVFP4 without its extras) |
 
 Converting a model to a low-precision dtype keeps chosen layer types in FP32 (by default the
 normalization layers, whose statistics are fragile in 8 or 11 bits): their inputs are cast to
@@ -43,6 +49,18 @@ products are INT16 x INT16 summed in INT32, with activations, weights and output
 quantized to INT16 mantissas sharing one exponent. Everything else (embeddings, attention,
 normalization, the loss) stays FP32, as in the paper. The exponent has FP32's whole range, so no
 loss scaling is needed. DFP is exact integer emulation and slow: see docs/dfp.md.
+
+The block-format recipes (``mxfp8`` ... ``nvfp4-*``, ``lowprec.blockfmt``) swap every ``nn.Linear``
+outside the kept layers for a ``BlockLinear``: its forward and both backward GEMMs quantize
+their operands to the format along each GEMM's reduction dimension and multiply in FP32, as the
+hardware does; the weights stay BF16 under the recipe's master, and everything else runs as in
+``bf16-kahan``. Each follows a published recipe: ``mxfp8`` torchao's MXFP8 training (E4M3, all
+three GEMMs, the ``rceil`` scale rule), ``mxfp6``/``mxfp4`` the OCP rule of Rouhani et al.
+(2023), and ``nvfp4`` NVIDIA's NVFP4 pretraining (arXiv 2509.25149): 16 x 16 weight tiles,
+stochastic rounding of gradients, a random Hadamard transform on the weight-gradient GEMM's
+inputs, and the first and last Linear layers kept in BF16. ``nvfp4-bare`` has none of those
+extras and each ``nvfp4-no-*`` lacks one (``-no-2d``, ``-no-sr``, ``-no-rht``, ``-no-edges``),
+so a table shows what each buys. See docs/block-formats.md.
 """
 
 from __future__ import annotations
@@ -61,6 +79,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lowprec import optim
+from lowprec.blockfmt import BlockGemms, convert_to_blocks, edge_linears
 from lowprec.dfp import ROUNDING_MODES, Rounding, convert_to_dfp
 from lowprec.scaling import LossScaler
 
@@ -180,6 +199,10 @@ class Recipe:
             ``"8bit"``/``"4bit"`` for 8-bit/4-bit moments).
         step_in_backward: Step each parameter during backward and free its gradient at once
             (``lowprec.step_in_backward``; ``optimizer`` then needs the model) (default: False).
+        gemms: When set, ``convert`` swaps ``nn.Linear`` layers for ``lowprec.blockfmt``'s
+            ``BlockLinear`` with these GEMMs (default: None, no block formats).
+        gemms_skip_edges: Leave the model's first and last ``nn.Linear`` in the weights'
+            dtype, as NVIDIA's NVFP4 recipe keeps them in BF16 (default: False).
         description: One line for tables (default: empty).
     """
 
@@ -193,6 +216,8 @@ class Recipe:
     scaler_options: dict[str, Any] = field(default_factory=dict)
     dfp_rounding: Rounding | None = None
     step_in_backward: bool = False
+    gemms: BlockGemms | None = None
+    gemms_skip_edges: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -236,7 +261,8 @@ class Recipe:
         Parameters and floating buffers of ``keep_fp32`` layers stay FP32, with hooks casting
         their inputs to FP32 and outputs back. The model casts floating inputs to its dtype and
         returns FP32 floating outputs. A DFP recipe swaps ``nn.Linear``/``nn.Conv2d`` layers for
-        DFP-16 ones (sharing their parameters), except those inside ``keep_fp32`` layers; when
+        DFP-16 ones (sharing their parameters), except those inside ``keep_fp32`` layers, and a
+        block-format recipe swaps ``nn.Linear`` layers for ``BlockLinear`` ones likewise; when
         ``model`` is itself such a layer the new module is returned, so use the return value.
         Calling ``convert`` twice is an error.
 
@@ -261,6 +287,11 @@ class Recipe:
         if self.dfp_rounding is not None:
             kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
             model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
+        if self.gemms is not None:
+            kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
+            if self.gemms_skip_edges:
+                kept += edge_linears(model)
+            model = convert_to_blocks(model, self.gemms, skip=kept)
         if dtype == torch.float32:
             # (setattr: an attribute nn.Module's annotations do not allow, a str)
             setattr(model, "_lowprec_recipe", self.name)  # noqa: B010
@@ -439,6 +470,48 @@ class Recipe:
             self.scaler.load_state_dict(state["scaler"])
 
 
+def _block_specs() -> dict[str, dict[str, Any]]:
+    """The block-format recipes: BF16 weights, Linear GEMMs in a block format."""
+    bf16 = dict(param_dtype=torch.bfloat16)
+    mxfp8 = BlockGemms("mxfp8", scale_rule="rceil")  # torchao's MXFP8 training
+    # NVIDIA's NVFP4 pretraining: 2D weight tiles, stochastic rounding of gradients, a random
+    # Hadamard transform on the weight gradient's inputs, the first and last layers in BF16.
+    nv = dict(weight_tiles=True, grad_rounding="stochastic", hadamard=True)
+    nvfp4 = dict(gemms=BlockGemms("nvfp4", **nv), gemms_skip_edges=True)
+    what = "Linear GEMMs in"
+    specs: dict[str, dict[str, Any]] = {
+        "mxfp8": dict(**bf16, master="kahan", gemms=mxfp8,
+                      description=f"BF16 + Kahan, {what} MXFP8 E4M3 (torchao's recipe)."),
+        "mxfp8-split": dict(**bf16, master="split", gemms=mxfp8,
+                            description=f"BF16 + 16-bit trail, {what} MXFP8 E4M3."),
+        "mxfp8-8bit": dict(**bf16, master="kahan", state_dtype="8bit", gemms=mxfp8,
+                           description=f"BF16 + Kahan, 8-bit moments, {what} MXFP8 E4M3."),
+        "mxfp8-bf16": dict(**bf16, master="none", gemms=mxfp8,
+                           description=f"Plain BF16 weights, {what} MXFP8 E4M3."),
+        "mxfp6": dict(**bf16, master="kahan", gemms=BlockGemms("mxfp6"),
+                      description=f"BF16 + Kahan, {what} MXFP6 E2M3 (OCP scale rule)."),
+        "mxfp4": dict(**bf16, master="kahan", gemms=BlockGemms("mxfp4"),
+                      description=f"BF16 + Kahan, {what} MXFP4 (OCP scale rule)."),
+        "nvfp4": dict(**bf16, master="kahan", **nvfp4,
+                      description=f"BF16 + Kahan, {what} NVFP4, NVIDIA's recipe."),
+        "nvfp4-bf16": dict(**bf16, master="none", **nvfp4,
+                           description=f"Plain BF16 weights, {what} NVFP4, NVIDIA's recipe."),
+        "nvfp4-bare": dict(**bf16, master="kahan", gemms=BlockGemms("nvfp4"),
+                           description=f"BF16 + Kahan, {what} NVFP4 with none of the extras."),
+    }
+    without = {"2d": "weight_tiles", "sr": "grad_rounding", "rht": "hadamard"}
+    for short, option in without.items():
+        off = {option: "nearest" if option == "grad_rounding" else False}
+        specs[f"nvfp4-no-{short}"] = dict(
+            **bf16, master="kahan", gemms=BlockGemms("nvfp4", **{**nv, **off}),
+            gemms_skip_edges=True,
+            description=f"nvfp4 without {short.upper()}.")
+    specs["nvfp4-no-edges"] = dict(
+        **bf16, master="kahan", gemms=BlockGemms("nvfp4", **nv),
+        description="nvfp4 with the first and last Linear layers in NVFP4 too.")
+    return specs
+
+
 _SPECS: dict[str, dict[str, Any]] = {
     "fp32": dict(param_dtype=torch.float32, master="none",
                  description="FP32 weights and math: the reference."),
@@ -471,6 +544,7 @@ _SPECS: dict[str, dict[str, Any]] = {
                         description="FP16 weights, FP32 master copy, dynamic loss scaling."),
     "dfp16": dict(param_dtype=torch.float32, master="none", dfp_rounding="nearest",
                   description="FP32 master weights, Linear/Conv2d in DFP-16 with INT32 sums."),
+    **_block_specs(),
 }
 
 #: The recipe names, in display order.

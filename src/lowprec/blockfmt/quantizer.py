@@ -25,6 +25,7 @@ is rounded to an integer and multiplied back. MXINT8's spacing is ``2**-6`` thro
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -393,12 +394,18 @@ _FAILED: set[tuple[Any, ...]] = set()
 
 
 def _kernel(key: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
+    """The compiled ``_fake`` of one variant. Each variant compiles its own copy of the code,
+    so that Dynamo keeps a cache (and a recompile budget) per variant, and shapes are dynamic,
+    so that one kernel serves every layer's operands."""
     kernel = _KERNELS.get(key)
     if kernel is None:
         from lowprec.numerics import COMPILED_AS_EAGER
 
-        # (dynamic shapes: one kernel per variant serves every layer's operands)
-        kernel = torch.compile(_fake, dynamic=True, options=dict(COMPILED_AS_EAGER))
+        label = "lowprec_blockfmt_" + "_".join(
+            str(getattr(k, "name", k)).replace("-", "_") for k in key)
+        code = _fake.__code__.replace(co_name=label)
+        copy = types.FunctionType(code, _fake.__globals__, label, _fake.__defaults__)
+        kernel = torch.compile(copy, dynamic=True, options=dict(COMPILED_AS_EAGER))
         _KERNELS[key] = kernel
     return kernel
 
@@ -418,6 +425,8 @@ def fast_fake_quantize(
     variant (format, rounding, rule), the same bits (tests/test_blockfmt.py); where compiling
     fails it warns once and stays eager. For ``BlockLinear``'s GEMMs: no checks of the
     arguments, which the layer made."""
+    if type(x) is not torch.Tensor:  # (a Parameter would compile a kernel of its own)
+        x = x.detach()
     noise = torch.rand(x.shape, device=x.device) if rounding == "stochastic" else None
     args = (x, noise, fmt, rounding, scale_rule, tensor_scale, dim, tile)
     key = (fmt, rounding, scale_rule, tensor_scale, dim, tile, x.device.type)

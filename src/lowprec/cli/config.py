@@ -14,16 +14,27 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-__all__ = ["DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR", "FINETUNE_RECIPES",
-           "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "SIZES", "TASKS", "TASK_STEPS",
-           "CompareConfig", "ModelConfig", "Size", "check_device", "sized"]
+__all__ = ["BLOCK_RECIPES", "DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR",
+           "FINETUNE_RECIPES", "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "RECIPE_GROUPS",
+           "SIZES", "TASKS", "TASK_STEPS", "CompareConfig", "ModelConfig", "Size", "check_device", "sized"]
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
     "fp32", "amp-bf16", "amp-fp16", "bf16", "bf16-kahan", "bf16-split", "bf16-sr",
     "bf16-kahan-8bit", "bf16-split-8bit", "bf16-kahan-8bit-release", "bf16-kahan-4bit",
-    "bf16-kahan-4bit-release", "fp16-master", "dfp16",
+    "bf16-kahan-4bit-release", "fp16-master", "dfp16", "mxfp8", "mxfp8-split", "mxfp8-8bit",
+    "mxfp8-bf16", "mxfp6", "mxfp4", "nvfp4", "nvfp4-bf16", "nvfp4-bare", "nvfp4-no-2d",
+    "nvfp4-no-sr", "nvfp4-no-rht", "nvfp4-no-edges",
 )
+#: ``--recipes blocks``: the block formats beside FP32 and BF16 (lowprec.blockfmt): each format
+#: under a Kahan master, MXFP8 and NVFP4 also on plain BF16 weights, and NVFP4 without its
+#: recipe's extras.
+BLOCK_RECIPES: tuple[str, ...] = (
+    "fp32", "bf16", "bf16-kahan", "mxfp8", "mxfp8-bf16", "mxfp6", "mxfp4", "nvfp4",
+    "nvfp4-bf16", "nvfp4-bare",
+)
+#: Names that stand for several recipes in ``--recipes``.
+RECIPE_GROUPS: dict[str, tuple[str, ...]] = {"blocks": BLOCK_RECIPES}
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ def _positive_float(text: str) -> float:
 
 def _recipe_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
+    names = tuple(r for n in names for r in config.RECIPE_GROUPS.get(n, (n,)))
     valid = config.RECIPES
     if not names:
         raise argparse.ArgumentTypeError(f"no recipe given; choose from {', '.join(valid)}")
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipes", type=_recipe_list, default=None,
                    help=f"comma-separated recipes (default: {','.join(DEFAULT_RECIPES)}; "
                         "finetune leaves out amp-bf16; "
+                        f"blocks: {','.join(config.BLOCK_RECIPES)}; "
                         f"all: {','.join(RECIPES)})")
     c.add_argument("--optimizer", type=_optimizer, default=cfg.optimizer,
                    help=f"{', '.join(config.OPTIMIZERS)} (default: {cfg.optimizer}); muon "
