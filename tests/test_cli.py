@@ -88,6 +88,47 @@ def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_compare_says_where_bf16_products_were_computed_in_fp32(fast, tmp_path, capsys,
+                                                                monkeypatch):
+    """Without a fast BF16 matmul the BF16 recipes' products are computed in FP32 and rounded to
+    BF16: their speed cells are marked, one line says why, and the JSON records it per recipe
+    and for the device. With one, none of it (a width-32 model: torch's BF16 kernels are slow
+    where the detection is faked fast)."""
+    monkeypatch.delenv(recipes.BF16_PRODUCTS_ENV, raising=False)
+    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: fast)
+    path = tmp_path / "c.json"
+    assert main(["compare", "--device", "cpu", "--recipes", "fp32,amp-bf16,bf16,fp16-master",
+                 *TINY, "--json", str(path), "--no-plot", "--no-fused"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["device"]["fast_bf16_matmul"] is fast
+    assert data["device"]["bf16_products"] == ("native" if fast else "fp32")
+    products = {r["recipe"]: r["products_in_fp32"] for r in data["records"]}
+    assert products == {"fp32": None, "amp-bf16": None if fast else "bfloat16",
+                        "bf16": None if fast else "bfloat16", "fp16-master": "float16"}
+    rows = {line.split()[1]: line for line in out.splitlines()
+            if line.startswith("│") and line.split()[1] in products}
+    mark = compare_cmd.EMULATED_MARK
+    for name, line in rows.items():
+        # (the step time, speed-up and its IQR: three marks on an emulated row)
+        assert line.count(mark) == (3 if products[name] == "bfloat16" else 0), line
+    note = " ".join(out.split())
+    said = ("BF16 products computed in FP32 and rounded to BF16: this CPU has no fast BF16 "
+            "matmul (oneDNN needs AVX-512 BF16 or AMX); the step times and speed-ups of "
+            "amp-bf16, bf16 are not BF16 hardware's")
+    assert (said in note) is not fast, note
+
+
+def test_compare_refuses_a_bad_bf16_products_setting_before_any_work(monkeypatch, capsys):
+    monkeypatch.setenv(recipes.BF16_PRODUCTS_ENV, "bf16")
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(["compare", "--recipes", "fp32", *TINY, "--no-plot"]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "LOWPREC_BF16_PRODUCTS='bf16'" in err and "Traceback" not in err
+
+
 def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
     real = run._Run.step
 

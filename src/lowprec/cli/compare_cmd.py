@@ -52,6 +52,9 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
         table.add_column(name, justify=justify, no_wrap=True, min_width=width)
     for r in records:
         b = r["bytes_per_param"]
+        # (a mark on the speed cells of a row whose BF16 products were computed in FP32: not
+        # BF16 hardware's times; _products_note says so under the table)
+        mark = EMULATED_MARK if r.get("products_in_fp32") == "bfloat16" else ""
         table.add_row(
             r["recipe"],
             _fmt(r["final_loss"], ".4f"),
@@ -59,9 +62,9 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             _fmt(r["eval_loss"], ".4f"),
             _spread_of(r, "eval_gap", "+.2f", scale=100, unit="%"),
             *((_spread_of(r, "drop_share", ".2f"),) if finetune else ()),
-            _fmt(r["step_time_s"], ".1f", scale=1e3),
-            _fmt(r.get("speedup"), ".2f", unit="x"),
-            _spread(r.get("speedup_iqr")),
+            _fmt(r["step_time_s"], ".1f", scale=1e3) + mark,
+            _fmt(r.get("speedup"), ".2f", unit="x") + mark,
+            _spread(r.get("speedup_iqr")) + mark,
             _fmt(b["total"], ".1f"),
             _fmt(b["weights"], ".1f"),
             _fmt(b["grads"], ".1f"),
@@ -71,6 +74,11 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
             str(r["skipped_steps"]),
         )
     return table
+
+
+#: The mark on the step-time and speed-up cells of a row whose BF16 products were computed in
+#: FP32 (``recipes.LowPrecisionProductsInFP32``), explained by ``_products_note``.
+EMULATED_MARK = "†"
 
 
 def _spread_of(r: dict[str, Any], key: str, spec: str, *, scale: float = 1.0,
@@ -122,6 +130,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from lowprec.cli.summary import WARMUP_STEPS
 
     device = _resolve_device(args.device)
+    from lowprec.recipes import bf16_products_in_fp32
+
+    try:  # (LOWPREC_BF16_PRODUCTS read before any work: a bad value costs nothing)
+        in_fp32 = bf16_products_in_fp32()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if device["type"] == "cpu":  # (the JSON's: how BF16 products were computed here)
+        device["bf16_products"] = "fp32" if in_fp32 else "native"
     cfg.device = device["device"]  # (what auto chose: the runs and the JSON say the same)
     finetune = cfg.task == "finetune"
     what = (f"fine-tuning on pydoc prose from {cfg.pretrain_steps} FP32 pretraining steps"
@@ -240,6 +256,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _pretrained_note(console, info.get("pretrained"))
         _floor_note(console, floor, cfg.seeds, args.tolerance / 100)
         _load_note(console, load, cfg.threads, device)
+        _products_note(console, rows, device)
         _recommendation(console, payload["recommendation"])
     else:
         console.print("No recipe finished: nothing to report.")
@@ -345,6 +362,24 @@ def _load_note(console: Console, load: dict[str, Any], threads: int,
     else:
         console.print(f"Background load: {bg:.2f} cores (median over the rounds; contended in "
                       f"{share:.0%} of them).", style="dim")
+
+
+def _products_note(console: Console, rows: Sequence[dict[str, Any]],
+                   device: dict[str, Any]) -> None:
+    """One line where some recipes' BF16 products were computed in FP32 and rounded to BF16
+    (``recipes.LowPrecisionProductsInFP32``): their step times, marked in the table, are not
+    BF16 hardware's."""
+    names = [r["recipe"] for r in rows if r.get("products_in_fp32") == "bfloat16"]
+    if not names:
+        return
+    why = ("this CPU has no fast BF16 matmul (oneDNN needs AVX-512 BF16 or AMX)"
+           if device.get("fast_bf16_matmul") is False
+           else "LOWPREC_BF16_PRODUCTS=fp32 asked for it")
+    console.print(
+        f"{EMULATED_MARK} BF16 products computed in FP32 and rounded to BF16: {why}; the step "
+        f"times and speed-ups of {', '.join(names)} are not BF16 hardware's "
+        "(LOWPREC_BF16_PRODUCTS=native times torch's own BF16 kernels).",
+        style="yellow", highlight=False)
 
 
 def _notes(console: Console, records: Sequence[dict[str, Any]], *, finetune: bool = False,

@@ -80,6 +80,10 @@ def device_info(device: torch.device) -> dict[str, Any]:
                     capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
     else:
         info["name"] = _cpu_name()
+        # Whether torch's BF16 matmul has a fast kernel on this CPU (oneDNN, with AVX-512 BF16
+        # or AMX); where not, Recipe.autocast computes BF16 products in FP32
+        # (recipes.bf16_products_in_fp32, which LOWPREC_BF16_PRODUCTS may set either way).
+        info["fast_bf16_matmul"] = recipes_mod.cpu_has_fast_bf16_matmul()
     return info
 
 
@@ -203,6 +207,7 @@ class _Run:
         self.losses: list[float] = []
         self.times: list[float] = []
         self.skipped = 0
+        self.products_in_fp32: str | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One training step on batch ``(x, y)``; returns its loss (NaN for inf or NaN)."""
@@ -210,7 +215,10 @@ class _Run:
         x, y = x.to(self.device), y.to(self.device)  # (no copy where they are there already)
         start = self._clock()
         opt.zero_grad(set_to_none=True)
-        with recipe.autocast(self.device.type):
+        context = recipe.autocast(self.device.type)
+        # (which 16-bit products this CPU computes in FP32, for the record and the table's marks)
+        self.products_in_fp32 = _products_in_fp32(context)
+        with context:
             loss = _loss(model, x, y)
         recipe.backward(loss)
         with monitor.step() if monitor is not None else contextlib.nullcontext():
@@ -274,7 +282,19 @@ class _Run:
             "weights": str(recipe.param_dtype).removeprefix("torch."),
             "master": recipe.master,
             "rounding": "stochastic" if recipe.master == "stochastic" else "nearest",
+            # "bfloat16"/"float16" where the steps' products of that dtype were computed in FP32
+            # and rounded to it (recipes.LowPrecisionProductsInFP32: a CPU without that
+            # arithmetic), so their step times are not the dtype's hardware's; else None.
+            "products_in_fp32": self.products_in_fp32,
         }
+
+
+def _products_in_fp32(context: Any) -> str | None:
+    """The dtype (``"bfloat16"``, ``"float16"``) whose products the forward context ``context``
+    (``Recipe.autocast``'s) computes in FP32, or None."""
+    if isinstance(context, recipes_mod.LowPrecisionProductsInFP32):
+        return str(context.dtype).removeprefix("torch.")
+    return None
 
 
 def run_recipe(
