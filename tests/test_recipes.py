@@ -63,7 +63,11 @@ def fp32_loss():
     return _train(recipes.get("fp32"))[0]
 
 
-@pytest.mark.parametrize("name", [n for n in recipes.RECIPES if n != "fp32"])
+@pytest.mark.parametrize("name", [
+    # (the block-format recipes train in tests/test_blockfmt.py, eagerly: here each would
+    # compile its quantizer kernels)
+    n for n in recipes.RECIPES if n != "fp32" and recipes.get(n).gemms is None
+])
 def test_recipe_trains_within_tolerance_of_fp32(name, fp32_loss):
     final, losses, _, _ = _train(recipes.get(name))
     gap = (final - fp32_loss) / fp32_loss

@@ -72,7 +72,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -664,44 +664,41 @@ class Recipe:
 
 def _block_specs() -> dict[str, dict[str, Any]]:
     """The block-format recipes: BF16 weights, Linear GEMMs in a block format."""
-    bf16 = dict(param_dtype=torch.bfloat16)
     mxfp8 = BlockGemms("mxfp8", scale_rule="rceil")  # torchao's MXFP8 training
     # NVIDIA's NVFP4 pretraining: 2D weight tiles, stochastic rounding of gradients, a random
     # Hadamard transform on the weight gradient's inputs, the first and last layers in BF16.
-    nv = dict(weight_tiles=True, grad_rounding="stochastic", hadamard=True)
-    nvfp4 = dict(gemms=BlockGemms("nvfp4", **nv), gemms_skip_edges=True)
+    nv = BlockGemms("nvfp4", weight_tiles=True, grad_rounding="stochastic", hadamard=True)
     what = "Linear GEMMs in"
-    specs: dict[str, dict[str, Any]] = {
-        "mxfp8": dict(**bf16, master="kahan", gemms=mxfp8,
-                      description=f"BF16 + Kahan, {what} MXFP8 E4M3 (torchao's recipe)."),
-        "mxfp8-split": dict(**bf16, master="split", gemms=mxfp8,
-                            description=f"BF16 + 16-bit trail, {what} MXFP8 E4M3."),
-        "mxfp8-8bit": dict(**bf16, master="kahan", state_dtype="8bit", gemms=mxfp8,
-                           description=f"BF16 + Kahan, 8-bit moments, {what} MXFP8 E4M3."),
-        "mxfp8-bf16": dict(**bf16, master="none", gemms=mxfp8,
-                           description=f"Plain BF16 weights, {what} MXFP8 E4M3."),
-        "mxfp6": dict(**bf16, master="kahan", gemms=BlockGemms("mxfp6"),
-                      description=f"BF16 + Kahan, {what} MXFP6 E2M3 (OCP scale rule)."),
-        "mxfp4": dict(**bf16, master="kahan", gemms=BlockGemms("mxfp4"),
-                      description=f"BF16 + Kahan, {what} MXFP4 (OCP scale rule)."),
-        "nvfp4": dict(**bf16, master="kahan", **nvfp4,
-                      description=f"BF16 + Kahan, {what} NVFP4, NVIDIA's recipe."),
-        "nvfp4-bf16": dict(**bf16, master="none", **nvfp4,
-                           description=f"Plain BF16 weights, {what} NVFP4, NVIDIA's recipe."),
-        "nvfp4-bare": dict(**bf16, master="kahan", gemms=BlockGemms("nvfp4"),
-                           description=f"BF16 + Kahan, {what} NVFP4 with none of the extras."),
+
+    def spec(master: str, gemms: BlockGemms, description: str, **more: Any) -> dict[str, Any]:
+        return dict(param_dtype=torch.bfloat16, master=master, gemms=gemms,
+                    description=description, **more)
+
+    return {
+        "mxfp8": spec("kahan", mxfp8, f"BF16 + Kahan, {what} MXFP8 E4M3 (torchao's recipe)."),
+        "mxfp8-split": spec("split", mxfp8, f"BF16 + 16-bit trail, {what} MXFP8 E4M3."),
+        "mxfp8-8bit": spec("kahan", mxfp8, f"BF16 + Kahan, 8-bit moments, {what} MXFP8 E4M3.",
+                           state_dtype="8bit"),
+        "mxfp8-bf16": spec("none", mxfp8, f"Plain BF16 weights, {what} MXFP8 E4M3."),
+        "mxfp6": spec("kahan", BlockGemms("mxfp6"),
+                      f"BF16 + Kahan, {what} MXFP6 E2M3 (OCP scale rule)."),
+        "mxfp4": spec("kahan", BlockGemms("mxfp4"),
+                      f"BF16 + Kahan, {what} MXFP4 (OCP scale rule)."),
+        "nvfp4": spec("kahan", nv, f"BF16 + Kahan, {what} NVFP4, NVIDIA's recipe.",
+                      gemms_skip_edges=True),
+        "nvfp4-bf16": spec("none", nv, f"Plain BF16 weights, {what} NVFP4, NVIDIA's recipe.",
+                           gemms_skip_edges=True),
+        "nvfp4-bare": spec("kahan", BlockGemms("nvfp4"),
+                           f"BF16 + Kahan, {what} NVFP4 with none of the extras."),
+        "nvfp4-no-2d": spec("kahan", replace(nv, weight_tiles=False),
+                            "nvfp4 with 1D weight blocks.", gemms_skip_edges=True),
+        "nvfp4-no-sr": spec("kahan", replace(nv, grad_rounding="nearest"),
+                            "nvfp4 with gradients rounded to nearest.", gemms_skip_edges=True),
+        "nvfp4-no-rht": spec("kahan", replace(nv, hadamard=False),
+                             "nvfp4 without the Hadamard transform.", gemms_skip_edges=True),
+        "nvfp4-no-edges": spec("kahan", nv, "nvfp4 with the first and last Linear layers in "
+                               "NVFP4 too."),
     }
-    without = {"2d": "weight_tiles", "sr": "grad_rounding", "rht": "hadamard"}
-    for short, option in without.items():
-        off = {option: "nearest" if option == "grad_rounding" else False}
-        specs[f"nvfp4-no-{short}"] = dict(
-            **bf16, master="kahan", gemms=BlockGemms("nvfp4", **{**nv, **off}),
-            gemms_skip_edges=True,
-            description=f"nvfp4 without {short.upper()}.")
-    specs["nvfp4-no-edges"] = dict(
-        **bf16, master="kahan", gemms=BlockGemms("nvfp4", **nv),
-        description="nvfp4 with the first and last Linear layers in NVFP4 too.")
-    return specs
 
 
 _SPECS: dict[str, dict[str, Any]] = {
