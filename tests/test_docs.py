@@ -41,6 +41,7 @@ PUBLIC_MODULES = (
     "lowprec.recipes",
     "lowprec.distributed",
     "lowprec.dfp",
+    "lowprec.blockfmt",
     "lowprec.integrations.lightning",
     "lowprec.diagnostics",
     "lowprec.numerics",

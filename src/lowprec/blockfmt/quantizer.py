@@ -427,6 +427,8 @@ def fast_fake_quantize(
     arguments, which the layer made."""
     if type(x) is not torch.Tensor:  # (a Parameter would compile a kernel of its own)
         x = x.detach()
+    if tile:
+        dim = -1  # (tiles ignore it: one kernel serves the forward and the backward GEMM)
     noise = torch.rand(x.shape, device=x.device) if rounding == "stochastic" else None
     args = (x, noise, fmt, rounding, scale_rule, tensor_scale, dim, tile)
     key = (fmt, rounding, scale_rule, tensor_scale, dim, tile, x.device.type)
