@@ -300,6 +300,13 @@ def convert_to_blocks(
 
 def edge_linears(model: nn.Module) -> tuple[str, ...]:
     """The qualified names of the first and the last ``nn.Linear`` in ``model``'s module
-    order (the layers the NVFP4 recipe keeps in higher precision here)."""
+    order (the layers the NVFP4 recipe keeps in higher precision here).
+
+    Args:
+        model: The model.
+
+    Returns:
+        The names (one, where the model has a single ``nn.Linear``; none without one).
+    """
     names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     return tuple(dict.fromkeys(names[:1] + names[-1:]))
