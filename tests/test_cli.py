@@ -88,6 +88,25 @@ def test_compare_json_and_plot_paths_and_no_plot(tmp_path):
     assert not (tmp_path / "unused").exists()
 
 
+def test_compare_runs_block_format_recipes_beside_the_others(tmp_path, capsys):
+    """The block-format recipes in the main job: their rows and records, trained near fp32's
+    loss but not on its path, and ``--recipes blocks`` naming the group."""
+    path = tmp_path / "c.json"
+    assert main(["compare", "--device", "cpu", "--recipes", "fp32,mxfp8,nvfp4", *TINY,
+                 "--json", str(path), "--no-plot", "--no-fused"]) == 0
+    out = capsys.readouterr().out
+    records = {r["recipe"]: r for r in json.loads(path.read_text())["records"]}
+    assert set(records) == {"fp32", "mxfp8", "nvfp4"}
+    for name in ("mxfp8", "nvfp4"):
+        assert any(line.startswith("│") and line.split()[1] == name
+                   for line in out.splitlines()), out
+        assert records[name]["losses"] != records["fp32"]["losses"]
+        assert abs(records[name]["eval_loss"] / records["fp32"]["eval_loss"] - 1) < 0.05
+    from lowprec.cli import config, parser
+
+    assert parser._recipe_list("blocks,nvfp4-no-sr") == (*config.BLOCK_RECIPES, "nvfp4-no-sr")
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_compare_says_where_bf16_products_were_computed_in_fp32(fast, tmp_path, capsys,
                                                                 monkeypatch):

@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: {cfg.monitor_every})")
     c.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the optimizer step with torch.compile, or --no-fused for the "
-                        "eager step (default: the library's, compiled where a C++ compiler or "
-                        "Triton is found)")
+                        "eager step and eager block-format quantizers (default: the library's, "
+                        "compiled where a C++ compiler or Triton is found)")
     c.add_argument("--tolerance", type=_positive_float, default=100 * DEFAULT_TOLERANCE,
                    help="recommend the cheapest recipe whose eval loss is at most this many "
                         "percent above fp32's, or fp32's noise floor where that is larger "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -183,6 +184,8 @@ class _Run:
         self.seed = cfg.seed if seed is None else seed
         self.device = resolve_device(cfg.device)
         self.recipe = recipe = recipes_mod.get(name)
+        if recipe.gemms is not None and cfg.fused is False:  # (--no-fused: nothing compiles)
+            recipe.gemms = dataclasses.replace(recipe.gemms, compiled=False)
         model = CharTransformer(cfg.model)
         model.load_state_dict(initial)
         self.model = model = recipe.convert(model.to(self.device))
