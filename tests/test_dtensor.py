@@ -157,12 +157,20 @@ def meshes(tmp_path_factory, references):
     processes compile every fused variant anew: 3 launches, 9 processes, where these 4 compile
     each once.)"""
     where = tmp_path_factory.mktemp("meshes")
+    RUN.clear()
     workers.launch(shard.worker_meshes, 4, where, [
         ("2", "pairs", CONFIGS), ("3", "three", CONFIGS),
         ("hsdp", "grid", {k: CONFIGS[k] for k in HSDP}),
         ("2", "pairs", {k: v[0] for k, v in REFUSED.items()}),
     ])
-    return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    RUN.extend(torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4))
+    return RUN
+
+
+#: ``meshes``' results once it has run in this session: tests/test_floor.py's DTensor tests read
+#: them instead of launching their own 2-rank run of the same configurations (under the floor's
+#: torch, where this module's multi-process tests do not run, they launch it).
+RUN: list[dict] = []
 
 
 @pytest.fixture(scope="module")
