@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import lowprec
@@ -211,6 +211,38 @@ def worker_sharded(rank: int, world: int, out: Path, configs: dict[str, dict[str
     _exit_now()
 
 
+#: The meshes of ``worker_meshes``' 4 processes: a 2 x 2 mesh (HSDP: replicated along its first
+#: dimension, sharded along its second), whose rows are two 2-rank meshes side by side, and a
+#: 3-rank mesh of ranks 0, 1 and 3 (rank 2 sits it out). Ranks 1 and 3 hold the second shard of
+#: the 2-rank meshes and the second and third of the 3-rank one: the ranks whose stochastic
+#: rounding keys its bits past index 0 (compiled kernels of their own) are the same processes in
+#: every mesh, so each compiles its kernels once.
+GRID = [[0, 1], [2, 3]]
+THREE = [0, 1, 3]
+
+
+def worker_meshes(rank: int, world: int, out: Path,
+                  phases: list[tuple[str, str, dict[str, dict[str, Any]]]]) -> None:
+    """Every phase ``(key, mesh, configs)`` in turn, in the same 4 processes: ``mesh`` is
+    ``"pairs"`` (the rows of ``GRID``: two 2-rank meshes, each running ``configs``), ``"three"``
+    (``THREE``) or ``"grid"`` (``GRID``, 2-D). One launch instead of one per mesh: a process
+    compiles each fused variant once (``lowprec.optim.compiled``'s kernels live as long as the
+    process), where each launch's processes compiled (or loaded from Inductor's cache) all of
+    them again. Saves ``{key: {name: run_config(...)}}`` for the phases this rank is in."""
+    # (every rank builds every mesh: a mesh's process groups are made by all ranks together)
+    grid = DeviceMesh("cpu", GRID, mesh_dim_names=("replicate", "shard"))
+    meshes = {"pairs": grid["shard"], "three": DeviceMesh("cpu", THREE), "grid": grid}
+    results: dict[str, dict[str, Any]] = {}
+    for key, which, configs in phases:
+        mesh = meshes[which]
+        if mesh.get_coordinate() is None:  # (not in this mesh)
+            continue
+        results.setdefault(key, {}).update(
+            (name, run_config(mesh, cfg)) for name, cfg in configs.items())
+    torch.save(results, out / f"rank{rank}.pt")
+    _exit_now()
+
+
 def _mlp(wide: bool = False) -> nn.Module:
     """A small BF16 MLP. ``wide``: one more layer, whose weight ``"4.weight"`` (64 x 256) is the
     only one with 8-bit state under ``state_dtype="8bit"``, sharded or not: its rows are whole
@@ -276,12 +308,18 @@ def train_mlp(runs: dict[str, dict[str, Any]], *, world: int,
     return out
 
 
-def worker_fsdp2(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]) -> None:
-    torch.save(train_mlp(runs, world=world, rank=rank), out / f"rank{rank}.pt")
+def worker_fsdp2(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]],
+                 dcp_runs: dict[str, dict[str, Any]]) -> None:
+    """``train_mlp(runs)`` and ``dcp_resumes(dcp_runs)`` in the same processes (one launch: the
+    second finds the kernels the first compiled); saves ``{"fsdp2": ..., "dcp": ...}``."""
+    fsdp2 = train_mlp(runs, world=world, rank=rank)
+    torch.save({"fsdp2": fsdp2, "dcp": dcp_resumes(rank, world, out, dcp_runs)},
+               out / f"rank{rank}.pt")
     _exit_now()
 
 
-def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]) -> None:
+def dcp_resumes(rank: int, world: int, out: Path,
+                runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """FSDP2 + torch.distributed.checkpoint: 4 steps straight, and 2 steps, a DCP save, a new
     model and optimizer loaded from it (``get_state_dict``/``set_state_dict``), 2 more steps.
     A run with ``"resume_as"`` (options) hands the loaded optimizer's sharded state to an
@@ -342,5 +380,4 @@ def worker_dcp(rank: int, world: int, out: Path, runs: dict[str, dict[str, Any]]
                          "resumed_dtypes": {n: opt.state[p]["exp_avg"].dtype
                                             for n, p in model.named_parameters()},
                          **conversion}
-    torch.save(results, out / f"rank{rank}.pt")
-    _exit_now()
+    return results

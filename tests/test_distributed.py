@@ -501,22 +501,36 @@ def _fits(world, backend):
     return backend != "nccl" or world <= cuda_count()
 
 
+#: The SYNTHETIC scenarios this session has run, per backend: ``{backend: {name: per rank}}``
+#: (``"direct-w<world>"``: the direct calls of each launch). tests/test_floor.py runs some of them
+#: through ``run_synthetic`` too: whichever module comes first runs a scenario, the other reads
+#: its results (the same deterministic scenario in the same torch: rerunning it proved nothing
+#: more); under the floor's torch only the floor's run.
+_RUN: dict[str, dict[str, list]] = {}
+
+
+def run_synthetic(names, backend, tmp_path_factory):
+    """SYNTHETIC's scenarios ``names`` on ``backend`` (those it can run here), each launched
+    once per session, one launch per world size: ``{name: per rank}``."""
+    done = _RUN.setdefault(backend, {})
+    for world in sorted({SYNTHETIC[n][0] for n in names}):
+        todo = [n for n in names if SYNTHETIC[n][0] == world and n not in done]
+        if not todo or not _fits(world, backend):
+            continue
+        out = _launch(world, tmp_path_factory, workers.worker_synthetic,
+                      [SYNTHETIC[n][1] for n in todo], backend=backend)
+        per_rank = [torch.load(out / f"synthetic-{r}.pt", weights_only=False)
+                    for r in range(world)]
+        for i, n in enumerate(todo):
+            done[n] = [per_rank[r][i] for r in range(world)]
+        done[f"direct-w{world}"] = [per_rank[r][-1] for r in range(world)]
+    return {n: done[n] for n in done if n in names or n.startswith("direct-")}
+
+
 @pytest.fixture(scope="module")
 def synthetic(backend, tmp_path_factory):
     """Every SYNTHETIC scenario that ``backend`` can run here: results[name][rank]."""
-    results = {}
-    for world in sorted({w for w, _ in SYNTHETIC.values()}):
-        if not _fits(world, backend):
-            continue
-        names = [n for n, (w, _) in SYNTHETIC.items() if w == world]
-        out = _launch(world, tmp_path_factory, workers.worker_synthetic,
-                      [SYNTHETIC[n][1] for n in names], backend=backend)
-        per_rank = [torch.load(out / f"synthetic-{r}.pt", weights_only=False)
-                    for r in range(world)]
-        for i, n in enumerate(names):
-            results[n] = [per_rank[r][i] for r in range(world)]
-        results[f"direct-w{world}"] = [per_rank[r][-1] for r in range(world)]
-    return results
+    return run_synthetic(list(SYNTHETIC), backend, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

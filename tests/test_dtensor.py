@@ -143,27 +143,47 @@ def references():
     return out
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory, references):
-    runs = {**CONFIGS, **{k: v[0] for k, v in REFUSED.items()}}
-    out = {}
-    for world in (2, 3):
-        where = tmp_path_factory.mktemp(f"sharded{world}")
-        workers.launch(shard.worker_sharded, world, where, runs)
-        out[world] = [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    return out
-
-
 # HSDP: a 2 x 2 mesh, replicated along its first dimension, sharded along its second.
 HSDP = ("adamw-stochastic-fused-scaled-inf", "sgd-split-scaler-inf", "lamb-kahan",
         "lamb-stochastic-fused", "adamw-kahan-fused-resume")
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory, references):
-    where = tmp_path_factory.mktemp("hsdp")
-    workers.launch(shard.worker_sharded, 4, where, {k: CONFIGS[k] for k in HSDP}, (2, 2))
-    return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4)]
+def meshes(tmp_path_factory, references):
+    """Every sharded run, in one launch of 4 gloo processes (``shard.worker_meshes``): CONFIGS on
+    two 2-rank meshes side by side (the rows of a 2 x 2 mesh), on a 3-rank mesh, HSDP's on the
+    2 x 2 mesh, then REFUSED on the 2-rank meshes (last: ``rank_seed`` reseeds the processes).
+    Results per rank: ``{phase: {name: results}}``. (One launch per mesh had each launch's
+    processes compile every fused variant anew: 3 launches, 9 processes, where these 4 compile
+    each once.)"""
+    where = tmp_path_factory.mktemp("meshes")
+    RUN.clear()
+    workers.launch(shard.worker_meshes, 4, where, [
+        ("2", "pairs", CONFIGS), ("3", "three", CONFIGS),
+        ("hsdp", "grid", {k: CONFIGS[k] for k in HSDP}),
+        ("2", "pairs", {k: v[0] for k, v in REFUSED.items()}),
+    ])
+    RUN.extend(torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(4))
+    return RUN
+
+
+#: ``meshes``' results once it has run in this session: tests/test_floor.py's DTensor tests read
+#: them instead of launching their own 2-rank run of the same configurations (under the floor's
+#: torch, where this module's multi-process tests do not run, they launch it).
+RUN: list[dict] = []
+
+
+@pytest.fixture(scope="module")
+def sharded(meshes):
+    """Per world size, each rank's results in mesh order: for 2, both 2-rank meshes (ranks 0, 1,
+    then 2, 3: the second shard at odd places, as on the 2 x 2 mesh); for 3, ranks 0, 1, 3."""
+    return {2: [meshes[r]["2"] for r in range(4)],
+            3: [meshes[r]["3"] for r in shard.THREE]}
+
+
+@pytest.fixture(scope="module")
+def hsdp(meshes):
+    return [meshes[r]["hsdp"] for r in range(4)]
 
 
 @pytest.mark.parametrize("name", HSDP)
@@ -188,8 +208,9 @@ def check_sharded(cfg, ranks, name, unsharded):
         calls, based = got["compiled"]
         if cfg["kw"].get("fused"):  # (not silently eager: the same bits would pass)
             assert calls > 0, rank
-            # A shard past the start of a stochastic parameter keys its bits in the kernel (on
-            # the 2 x 2 mesh: the second shard, odd ranks).
+            # A shard past the start of a stochastic parameter keys its bits in the kernel (in
+            # 4 ranks' results, the 2 x 2 mesh's or two 2-rank meshes': the second shard, odd
+            # ranks).
             past = rank % 2 if len(ranks) == 4 else rank
             want_based = past > 0 and cfg["kw"]["master"] == "stochastic"
             assert (based > 0) == want_based, (rank, based)
@@ -240,10 +261,17 @@ FSDP2_RUNS["kahan-8bit-fused"] = {"master": "kahan", "fused": True, "state_dtype
 
 
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
+def fsdp2_and_dcp(tmp_path_factory):
+    """FSDP2_RUNS, then DCP_RUNS, in the same 2 gloo processes (one launch: the DCP runs find
+    the kernels the FSDP2 runs compiled)."""
     where = tmp_path_factory.mktemp("fsdp2")
-    workers.launch(shard.worker_fsdp2, 2, where, FSDP2_RUNS)
+    workers.launch(shard.worker_fsdp2, 2, where, FSDP2_RUNS, DCP_RUNS)
     return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(fsdp2_and_dcp):
+    return [results["fsdp2"] for results in fsdp2_and_dcp]
 
 
 @pytest.mark.parametrize("master", ["split", "stochastic", "kahan"])
@@ -275,10 +303,8 @@ DCP_RUNS = {"split": {"master": "split"}, "stochastic": {"master": "stochastic"}
 
 
 @pytest.fixture(scope="module")
-def dcp_runs(tmp_path_factory):
-    where = tmp_path_factory.mktemp("dcp")
-    workers.launch(shard.worker_dcp, 2, where, DCP_RUNS)
-    return [torch.load(where / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def dcp_runs(fsdp2_and_dcp):
+    return [results["dcp"] for results in fsdp2_and_dcp]
 
 
 @pytest.mark.parametrize("name", [n for n, run in DCP_RUNS.items() if "resume_as" not in run])

@@ -91,12 +91,9 @@ HOOK = ("w2-1bit-range-warmup", "w2-fused-1bit", "w2-bf16")
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    """HOOK's scenarios, run by 2 gloo processes: results[name][rank]."""
-    out = tmp_path_factory.mktemp("floor-hook")
-    workers.launch(workers.worker_synthetic, 2, out,
-                   [test_distributed.SYNTHETIC[n][1] for n in HOOK])
-    per_rank = [torch.load(out / f"synthetic-{r}.pt", weights_only=False) for r in range(2)]
-    return {n: [per_rank[r][i] for r in range(2)] for i, n in enumerate(HOOK)}
+    """HOOK's scenarios, run by 2 gloo processes: results[name][rank]. (Run once per session:
+    where tests/test_distributed.py runs too, the two read the same launch's results.)"""
+    return test_distributed.run_synthetic(HOOK, "gloo", tmp_path_factory)
 
 
 @pytest.mark.multiprocess
@@ -114,7 +111,10 @@ SHARDED = ("adamw-stochastic-fused-scaled-inf", "sgd-split-scaler-inf", "lamb-ka
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    """SHARDED's configurations on 2 gloo processes: results per rank."""
+    """SHARDED's configurations on 2 gloo processes: results per rank. (Where
+    tests/test_dtensor.py's runs came first in this session, its first 2-rank mesh's.)"""
+    if test_dtensor.RUN:
+        return [test_dtensor.RUN[r]["2"] for r in range(2)]
     out = tmp_path_factory.mktemp("floor-sharded")
     workers.launch(shard.worker_sharded, 2, out, {n: test_dtensor.CONFIGS[n] for n in SHARDED})
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -11,12 +11,14 @@ from lowprec.dfp import DFPConv2d, DFPLinear
 from lowprec.diagnostics import gradient_range
 
 STEPS = 150
-#: Each recipe's final training loss must be within this relative gap of FP32's.
+#: Each recipe's final training loss must be within this relative gap of FP32's. A "-release"
+#: recipe trains the bits of the recipe without the suffix
+#: (test_release_recipe_trains_the_same_bits_as_its_normal_step: every loss and the final one
+#: equal), so its gap is that recipe's, held here: it is not trained a third time for it.
 TOLERANCE = {
     "amp-bf16": 0.03, "amp-fp16": 0.03, "bf16": 0.10, "bf16-kahan": 0.03, "bf16-split": 0.03,
     "bf16-sr": 0.03, "bf16-kahan-8bit": 0.03, "bf16-split-8bit": 0.03, "fp16-master": 0.03,
-    "dfp16": 0.03, "bf16-kahan-8bit-release": 0.03, "bf16-kahan-4bit": 0.03,
-    "bf16-kahan-4bit-release": 0.03,
+    "dfp16": 0.03, "bf16-kahan-4bit": 0.03,
 }
 
 
@@ -65,8 +67,9 @@ def fp32_loss():
 
 @pytest.mark.parametrize("name", [
     # (the block-format recipes train in tests/test_blockfmt.py, eagerly: here each would
-    # compile its quantizer kernels)
-    n for n in recipes.RECIPES if n != "fp32" and recipes.get(n).gemms is None
+    # compile its quantizer kernels; the -release recipes: see TOLERANCE)
+    n for n in recipes.RECIPES
+    if n != "fp32" and not n.endswith("-release") and recipes.get(n).gemms is None
 ])
 def test_recipe_trains_within_tolerance_of_fp32(name, fp32_loss):
     final, losses, _, _ = _train(recipes.get(name))
@@ -79,6 +82,7 @@ def test_recipe_trains_within_tolerance_of_fp32(name, fp32_loss):
 @pytest.mark.parametrize("name", [n for n in recipes.RECIPES if n.endswith("-release")])
 def test_release_recipe_trains_the_same_bits_as_its_normal_step(name):
     # The update inside backward (lowprec.step_in_backward) is the same step, taken earlier.
+    # (Hence also within the recipe without the suffix's TOLERANCE of FP32's loss.)
     final, losses, model, opt = _train(recipes.get(name))
     ref_final, ref_losses, ref_model, _ = _train(recipes.get(name.removesuffix("-release")))
     assert opt._in_backward is not None
