@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowprec._swap import swap_layers
 from lowprec.blockfmt.formats import SCALE_RULES, BlockFormat, ScaleRule, get_format
 from lowprec.blockfmt.quantizer import ROUNDINGS, ElementRounding
 from lowprec.blockfmt.quantizer import fast_fake_quantize as _fq
@@ -269,33 +270,9 @@ def convert_to_blocks(
     Raises:
         ValueError: A ``skip`` name matches no module.
     """
-    skip = tuple(skip)
-    names = {name for name, _ in model.named_modules()}
-    unknown = [s for s in skip if s not in names]
-    if unknown:
-        raise ValueError(
-            f"convert_to_blocks(): skip names {unknown} match no module; use names from "
-            "model.named_modules(), e.g. 'head' or 'blocks.0.fc'."
-        )
-
-    def skipped(name: str) -> bool:
-        return any(name == s or name.startswith(s + ".") or s == "" for s in skip)
-
-    converted: dict[int, nn.Module] = {}
-
-    def convert(module: nn.Linear) -> nn.Module:
-        if id(module) not in converted:
-            converted[id(module)] = BlockLinear.from_linear(module, gemms)
-        return converted[id(module)]
-
-    if type(model) is nn.Linear:
-        return model if skipped("") else convert(model)
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for child_name, child in list(parent._modules.items()):
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is nn.Linear and not skipped(full):
-                setattr(parent, child_name, convert(child))
-    return model
+    return swap_layers(model, (nn.Linear,),
+                       lambda m: BlockLinear.from_linear(cast(nn.Linear, m), gemms), skip,
+                       "convert_to_blocks")
 
 
 def edge_linears(model: nn.Module) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowprec._swap import swap_layers
 from lowprec.dfp.ops import matmul
 from lowprec.dfp.tensor import DFPTensor, Rounding, _check_rounding, quantize
 
@@ -458,37 +459,11 @@ def convert_to_dfp(
             rounding mode is unknown.
     """
     rounding, grad_rounding = _resolve_roundings(rounding, grad_rounding, "convert_to_dfp")
-    skip = tuple(skip)
-    names = {name for name, _ in model.named_modules()}
-    unknown = [s for s in skip if s not in names]
-    if unknown:
-        raise ValueError(
-            f"convert_to_dfp(): skip names {unknown} match no module; use names from "
-            "model.named_modules(), e.g. 'features.0' or 'head'."
-        )
 
-    def skipped(name: str) -> bool:
-        return any(name == s or name.startswith(s + ".") or s == "" for s in skip)
+    def make(module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear:
+            return DFPLinear.from_linear(module, rounding=rounding, grad_rounding=grad_rounding)
+        return DFPConv2d.from_conv2d(cast(nn.Conv2d, module), rounding=rounding,
+                                     grad_rounding=grad_rounding)
 
-    converted: dict[int, nn.Module] = {}
-
-    def convert(module: nn.Module) -> nn.Module:
-        if id(module) not in converted:
-            if type(module) is nn.Linear:
-                new = DFPLinear.from_linear(module, rounding=rounding, grad_rounding=grad_rounding)
-            else:
-                new = DFPConv2d.from_conv2d(cast(nn.Conv2d, module), rounding=rounding,
-                                            grad_rounding=grad_rounding)
-            converted[id(module)] = new
-        return converted[id(module)]
-
-    targets = (nn.Linear, nn.Conv2d)
-    if type(model) in targets:
-        return model if skipped("") else convert(model)
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        # _modules, not named_children(): the latter hides a second name for the same child.
-        for child_name, child in list(parent._modules.items()):
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) in targets and not skipped(full):
-                setattr(parent, child_name, convert(child))
-    return model
+    return swap_layers(model, (nn.Linear, nn.Conv2d), make, skip, "convert_to_dfp")
