@@ -47,6 +47,15 @@ ONE_BUFFER = {  # SGD's momentum (0.9 by default here), Adagrad's sum
     "fp16-master": (2, 2, 4, 4),
     "dfp16": (4, 4, 4, 0),
 }
+# The block-format recipes hold what their master's BF16 recipe holds: the formats live only
+# inside the GEMMs.
+BLOCK_LIKE = {"mxfp8": "bf16-kahan", "mxfp8-split": "bf16-split", "mxfp8-8bit": "bf16-kahan-8bit",
+              "mxfp8-bf16": "bf16", "mxfp6": "bf16-kahan", "mxfp4": "bf16-kahan",
+              "nvfp4": "bf16-kahan", "nvfp4-bf16": "bf16", "nvfp4-bare": "bf16-kahan",
+              "nvfp4-no-2d": "bf16-kahan", "nvfp4-no-sr": "bf16-kahan",
+              "nvfp4-no-rht": "bf16-kahan", "nvfp4-no-edges": "bf16-kahan"}
+for _table in (ADAM_LIKE, ONE_BUFFER):
+    _table.update({name: _table[like] for name, like in BLOCK_LIKE.items()})
 # Adafactor: no moment per element (its row and column means are O(rows + cols)); Muon: the
 # momentum of the matrices it steps.
 NO_BUFFER = {r: (w, g, 0, m) for r, (w, g, _, m) in ONE_BUFFER.items()}

@@ -204,7 +204,10 @@ def test_every_named_recipe_is_buildable_and_listed():
                                     "bf16-split", "bf16-sr", "bf16-kahan-8bit",
                                     "bf16-split-8bit", "bf16-kahan-8bit-release",
                                     "bf16-kahan-4bit", "bf16-kahan-4bit-release",
-                                    "fp16-master", "dfp16"}
+                                    "fp16-master", "dfp16", "mxfp8", "mxfp8-split",
+                                    "mxfp8-8bit", "mxfp8-bf16", "mxfp6", "mxfp4", "nvfp4",
+                                    "nvfp4-bf16", "nvfp4-bare", "nvfp4-no-2d", "nvfp4-no-sr",
+                                    "nvfp4-no-rht", "nvfp4-no-edges"}
     for name in recipes.RECIPES:
         assert recipes.get(name).name == name
 

@@ -77,6 +77,10 @@ def probe(
            "--device", device]
     env = dict(os.environ)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    # BF16 products as torch computes them natively (recipes.BF16_PRODUCTS_ENV): the peak a
+    # recipe reaches on BF16 hardware, not with the FP32 copies of the operands that emulating
+    # them on a CPU without a fast BF16 matmul makes (which hid in-backward's saving).
+    env.setdefault("LOWPREC_BF16_PRODUCTS", "native")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_root(), env.get("PYTHONPATH")) if p)
     failed = {"recipe": recipe_name, "optimizer": optimizer_name, "in_backward": in_backward}
     try:
