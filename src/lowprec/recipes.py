@@ -31,7 +31,8 @@ The recipes (``RECIPES``):
 | ``bf16-kahan-4bit-release`` | BF16 | kahan, 4-bit state, stepped in backward | no | no |
 | ``fp16-master`` | FP16 | fp32 | no | dynamic (Micikevicius et al.) |
 | ``dfp16`` | FP32 (master) | none | no | no (shared exponents, Das et al.) |
-| ``mxfp8``, ``mxfp8-split``, ``mxfp8-8bit`` | BF16 | kahan / split / kahan, 8-bit state | no | no (Linear GEMMs in MXFP8) |
+| ``mxfp8``, ``mxfp8-split`` | BF16 | kahan / split | no | no (Linear GEMMs in MXFP8) |
+| ``mxfp8-8bit`` | BF16 | kahan, 8-bit state | no | no (Linear GEMMs in MXFP8) |
 | ``mxfp8-bf16`` | BF16 | none | no | no (Linear GEMMs in MXFP8) |
 | ``mxfp6``, ``mxfp4`` | BF16 | kahan | no | no (Linear GEMMs in MXFP6 E2M3 / MXFP4) |
 | ``nvfp4`` | BF16 | kahan | no | no (NVIDIA's NVFP4 recipe) |

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 
 __all__ = ["BLOCK_RECIPES", "DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR",
            "FINETUNE_RECIPES", "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "RECIPE_GROUPS",
-           "SIZES", "TASKS", "TASK_STEPS", "CompareConfig", "ModelConfig", "Size", "check_device", "sized"]
+           "SIZES", "TASKS", "TASK_STEPS", "CompareConfig", "ModelConfig", "Size", "check_device",
+           "sized"]
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
