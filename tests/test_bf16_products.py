@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec import recipes
+from lowprec import products, recipes
 from lowprec.numerics import ulp
 
 BF16 = torch.bfloat16
@@ -137,17 +137,20 @@ def test_a_models_forward_and_backward_match_torchs_bf16(name, monkeypatch):
     """The BF16 recipes' forward context without a fast BF16 matmul (the mode) against the one
     with (torch's own BF16 kernels, or torch.autocast): outputs and gradients of the weights and
     the input agree to within the order of the sums, carried through the layers."""
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: False)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: False)
     emulated = _model_run(name, lambda r: r.autocast("cpu"))
     kind = recipes.LowPrecisionProductsInFP32
     assert isinstance(recipes.get(name).autocast("cpu"), kind)
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: True)
     assert not isinstance(recipes.get(name).autocast("cpu"), kind)
     native = _model_run(name, lambda r: r.autocast("cpu"))
     out, x_grad, grads = emulated
     assert out.dtype == torch.float32 and x_grad.dtype == torch.float32
-    # (BF16 output rounded, carried through two residual blocks' worth of roundings)
-    _close_in_ulps(out, native[0], most=1, share=0.95, worst=4)
+    # (BF16 output rounded, carried through two residual blocks' worth of roundings. oneDNN's
+    # BF16 kernels on an AVX-512 BF16 CPU sum in their own order: on a Zen 5, 94.7% of the
+    # outputs were within 1 ulp of the emulation's and 96.7% within 2; on a Zen 3, without
+    # those kernels, over 95% within 1.)
+    _close_in_ulps(out, native[0], most=2, share=0.95, worst=4)
     _close_in_ulps(x_grad, native[1], most=1, share=0.8, worst=64)
     for n, g in grads.items():
         assert g.dtype == native[2][n].dtype
@@ -247,7 +250,7 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("fast", [False, True])
 def test_the_recipes_follow_the_detection(fast, monkeypatch):
     monkeypatch.delenv(recipes.BF16_PRODUCTS_ENV, raising=False)
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: fast)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: fast)
     assert recipes.bf16_products_in_fp32() is not fast
     for name in ("bf16", "bf16-kahan", "bf16-split", "bf16-sr", "bf16-kahan-8bit",
                  "bf16-kahan-4bit-release"):
@@ -274,7 +277,7 @@ def test_the_recipes_follow_the_detection(fast, monkeypatch):
 @pytest.mark.parametrize(("value", "in_fp32"), [("fp32", True), ("native", False),
                                                 ("auto", None), ("", None), (" FP32 ", True)])
 def test_the_environment_forces_either_way(value, in_fp32, monkeypatch):
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: True)
     monkeypatch.setenv(recipes.BF16_PRODUCTS_ENV, value)
     assert recipes.bf16_products_in_fp32() is (False if in_fp32 is None else in_fp32)
     assert isinstance(recipes.get("bf16").autocast("cpu"), Mode) is bool(in_fp32)

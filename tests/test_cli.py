@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from lowprec import memory, recipes
+from lowprec import memory, products, recipes
 from lowprec.cli import compare, compare_cmd, plot, run
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
@@ -115,7 +115,7 @@ def test_compare_says_where_bf16_products_were_computed_in_fp32(fast, tmp_path, 
     and for the device. With one, none of it (a width-32 model: torch's BF16 kernels are slow
     where the detection is faked fast)."""
     monkeypatch.delenv(recipes.BF16_PRODUCTS_ENV, raising=False)
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: fast)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: fast)
     path = tmp_path / "c.json"
     assert main(["compare", "--device", "cpu", "--recipes", "fp32,amp-bf16,bf16,fp16-master",
                  *TINY, "--json", str(path), "--no-plot", "--no-fused"]) == 0
@@ -123,15 +123,15 @@ def test_compare_says_where_bf16_products_were_computed_in_fp32(fast, tmp_path, 
     data = json.loads(path.read_text())
     assert data["device"]["fast_bf16_matmul"] is fast
     assert data["device"]["bf16_products"] == ("native" if fast else "fp32")
-    products = {r["recipe"]: r["products_in_fp32"] for r in data["records"]}
-    assert products == {"fp32": None, "amp-bf16": None if fast else "bfloat16",
+    in_fp32 = {r["recipe"]: r["products_in_fp32"] for r in data["records"]}
+    assert in_fp32 == {"fp32": None, "amp-bf16": None if fast else "bfloat16",
                         "bf16": None if fast else "bfloat16", "fp16-master": "float16"}
     rows = {line.split()[1]: line for line in out.splitlines()
-            if line.startswith("│") and line.split()[1] in products}
+            if line.startswith("│") and line.split()[1] in in_fp32}
     mark = compare_cmd.EMULATED_MARK
     for name, line in rows.items():
         # (the step time, speed-up and its IQR: three marks on an emulated row)
-        assert line.count(mark) == (3 if products[name] == "bfloat16" else 0), line
+        assert line.count(mark) == (3 if in_fp32[name] == "bfloat16" else 0), line
     note = " ".join(out.split())
     said = ("BF16 products computed in FP32 and rounded to BF16: this CPU has no fast BF16 "
             "matmul (oneDNN needs AVX-512 BF16 or AMX); the step times and speed-ups of "

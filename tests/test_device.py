@@ -19,7 +19,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lowprec import memory, recipes
+from lowprec import memory, products, recipes
 from lowprec.cli import compare, compare_cmd, config, parser, run
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
@@ -182,7 +182,7 @@ def test_bad_device_in_the_config_is_a_value_error():
 def test_autocast_follows_the_converted_models_device(monkeypatch):
     # (torch.autocast on the CPU too: where the CPU has no fast BF16 matmul, amp-bf16's CPU
     # context is recipes.LowPrecisionProductsInFP32, tested in tests/test_bf16_products.py)
-    monkeypatch.setattr(recipes, "cpu_has_fast_bf16_matmul", lambda: True)
+    monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda: True)
     monkeypatch.delenv(recipes.BF16_PRODUCTS_ENV, raising=False)
     autocast_types = []  # (a fake: torch has no autocast for the meta device)
     monkeypatch.setattr(torch, "autocast", lambda device_type, **_k: (

@@ -39,6 +39,7 @@ PUBLIC_MODULES = (
     "lowprec.scaling",
     "lowprec.accumulation",
     "lowprec.recipes",
+    "lowprec.products",
     "lowprec.distributed",
     "lowprec.dfp",
     "lowprec.blockfmt",

@@ -77,7 +77,7 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
 
 
 #: The mark on the step-time and speed-up cells of a row whose BF16 products were computed in
-#: FP32 (``recipes.LowPrecisionProductsInFP32``), explained by ``_products_note``.
+#: FP32 (``products.LowPrecisionProductsInFP32``), explained by ``_products_note``.
 EMULATED_MARK = "†"
 
 
@@ -130,7 +130,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from lowprec.cli.summary import WARMUP_STEPS
 
     device = _resolve_device(args.device)
-    from lowprec.recipes import bf16_products_in_fp32
+    from lowprec.products import bf16_products_in_fp32
 
     try:  # (LOWPREC_BF16_PRODUCTS read before any work: a bad value costs nothing)
         in_fp32 = bf16_products_in_fp32()
@@ -367,7 +367,7 @@ def _load_note(console: Console, load: dict[str, Any], threads: int,
 def _products_note(console: Console, rows: Sequence[dict[str, Any]],
                    device: dict[str, Any]) -> None:
     """One line where some recipes' BF16 products were computed in FP32 and rounded to BF16
-    (``recipes.LowPrecisionProductsInFP32``): their step times, marked in the table, are not
+    (``products.LowPrecisionProductsInFP32``): their step times, marked in the table, are not
     BF16 hardware's."""
     names = [r["recipe"] for r in rows if r.get("products_in_fp32") == "bfloat16"]
     if not names:

@@ -77,7 +77,7 @@ def probe(
            "--device", device]
     env = dict(os.environ)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
-    # BF16 products as torch computes them natively (recipes.BF16_PRODUCTS_ENV): the peak a
+    # BF16 products as torch computes them natively (products.BF16_PRODUCTS_ENV): the peak a
     # recipe reaches on BF16 hardware, not with the FP32 copies of the operands that emulating
     # them on a CPU without a fast BF16 matmul makes (which hid in-backward's saving).
     env.setdefault("LOWPREC_BF16_PRODUCTS", "native")

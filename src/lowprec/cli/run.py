@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from lowprec import diagnostics, memory
+from lowprec import diagnostics, memory, products
 from lowprec import recipes as recipes_mod
 from lowprec.cli import config
 from lowprec.cli.config import CompareConfig, ModelConfig, check_device
@@ -83,8 +83,8 @@ def device_info(device: torch.device) -> dict[str, Any]:
         info["name"] = _cpu_name()
         # Whether torch's BF16 matmul has a fast kernel on this CPU (oneDNN, with AVX-512 BF16
         # or AMX); where not, Recipe.autocast computes BF16 products in FP32
-        # (recipes.bf16_products_in_fp32, which LOWPREC_BF16_PRODUCTS may set either way).
-        info["fast_bf16_matmul"] = recipes_mod.cpu_has_fast_bf16_matmul()
+        # (products.bf16_products_in_fp32, which LOWPREC_BF16_PRODUCTS may set either way).
+        info["fast_bf16_matmul"] = products.cpu_has_fast_bf16_matmul()
     return info
 
 
@@ -286,7 +286,7 @@ class _Run:
             "master": recipe.master,
             "rounding": "stochastic" if recipe.master == "stochastic" else "nearest",
             # "bfloat16"/"float16" where the steps' products of that dtype were computed in FP32
-            # and rounded to it (recipes.LowPrecisionProductsInFP32: a CPU without that
+            # and rounded to it (products.LowPrecisionProductsInFP32: a CPU without that
             # arithmetic), so their step times are not the dtype's hardware's; else None.
             "products_in_fp32": self.products_in_fp32,
         }
@@ -295,7 +295,7 @@ class _Run:
 def _products_in_fp32(context: Any) -> str | None:
     """The dtype (``"bfloat16"``, ``"float16"``) whose products the forward context ``context``
     (``Recipe.autocast``'s) computes in FP32, or None."""
-    if isinstance(context, recipes_mod.LowPrecisionProductsInFP32):
+    if isinstance(context, products.LowPrecisionProductsInFP32):
         return str(context.dtype).removeprefix("torch.")
     return None
 
