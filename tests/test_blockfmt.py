@@ -252,6 +252,43 @@ def test_the_quantizer_compiles_to_the_same_bits():
                                                                             scale_rule=rule))
 
 
+@pytest.mark.parametrize("name", [*MX, "mxint8"])
+def test_bf16_holds_every_value_of_a_format_without_a_tensor_scale(name):
+    """The compiled quantizer's BF16 output (what BlockLinear multiplies in BF16) is its FP32
+    output exactly, for every MX format, along either dimension: elements of at most 8
+    significant bits under a power-of-two scale. Only values below BF16's smallest subnormal
+    (2**-133) could round: the row of FP32 subnormals is left out."""
+    from lowprec.blockfmt.quantizer import fast_fake_quantize
+
+    x = _edge_cases()
+    x = x[torch.arange(len(x)) != 1]
+    fmt = blockfmt.get_format(name)
+    for dim in (0, 1):
+        want = blockfmt.fake_quantize(x, fmt, dim=dim)
+        # (compiled once: the kernel's cast is the eager one's; each variant costs ~10 s)
+        compiled = name == "mxfp8" and dim == 1
+        got = fast_fake_quantize(x, fmt, dim=dim, dtype=torch.bfloat16, compiled=compiled)
+        assert got.dtype == torch.bfloat16
+        assert _same(got.float(), want), (name, dim)
+
+
+def test_one_compiled_kernel_serves_every_shape_of_a_variant():
+    """A variant compiles once, its tensors' sizes dynamic from the first call, whatever the
+    layer (the settings are constants of the kernel: a recompile per shape would cost each
+    layer ~10 s). (A width of a single block, a guard on the layout, compiles its own.)"""
+    from torch._dynamo.utils import counters
+
+    from lowprec.blockfmt.quantizer import fast_fake_quantize
+
+    fmt = blockfmt.get_format("mxfp4")
+    before = counters["stats"]["unique_graphs"]
+    for shape in ((64, 96), (40, 160), (7, 3, 160)):
+        x = torch.randn(*shape)
+        got = fast_fake_quantize(x, fmt, dim=-1, scale_rule="even")
+        assert _same(got, blockfmt.fake_quantize(x, fmt, dim=-1, scale_rule="even"))
+    assert counters["stats"]["unique_graphs"] - before == 2  # (2-D, then 3-D)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -313,6 +350,44 @@ def test_block_linear_quantizes_each_gemm_along_its_reduction_dimension(gemms, c
     wrong = fq(gy.reshape(80, 48), gemms.fmt, dim=1).t() @ fq(x.detach().reshape(80, 64),
                                                             gemms.fmt, dim=1)
     assert not torch.allclose(wrong, ref_gw, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_gemms_where_the_cpu_multiplies_bf16_fast(monkeypatch):
+    """A BF16 layer's MX GEMMs multiply the quantized values in BF16 where the CPU has a fast
+    BF16 matmul (oneDNN: exact products summed in FP32, rounded once), with the results of
+    the FP32 GEMMs rounded to BF16; NVFP4 (a tensor scale BF16 cannot hold), FP32 layers and
+    CPUs without the kernels multiply in FP32."""
+    from lowprec import products
+    from lowprec.blockfmt.linear import _gemm_dtype
+
+    mx, nv = blockfmt.get_format("mxfp8"), blockfmt.get_format("nvfp4")
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    monkeypatch.delenv(products.BF16_PRODUCTS_ENV, raising=False)
+    for fast in (True, False):
+        monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda fast=fast: fast)
+        assert _gemm_dtype(mx, bf16, cpu) == (bf16 if fast else torch.float32)
+        assert _gemm_dtype(nv, bf16, cpu) == torch.float32
+        assert _gemm_dtype(mx, torch.float32, cpu) == torch.float32
+    assert _gemm_dtype(mx, bf16, torch.device("meta")) == torch.float32
+
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(96, 64).bfloat16()
+    x = torch.randn(3, 40, 96, generator=g).bfloat16()
+    gy = torch.randn(3, 40, 64, generator=g).bfloat16()
+    runs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(products, "cpu_has_fast_bf16_matmul", lambda fast=fast: fast)
+        gemms = blockfmt.BlockGemms("mxfp8", compiled=False)
+        layer = blockfmt.BlockLinear.from_linear(lin, gemms)
+        xi = x.clone().requires_grad_()
+        lin.zero_grad()
+        y = layer(xi)
+        y.backward(gy)
+        runs[fast] = [t.detach().clone() for t in (y, xi.grad, lin.weight.grad, lin.bias.grad)]
+    for got, want in zip(runs[True], runs[False], strict=True):
+        assert got.dtype == want.dtype == torch.bfloat16
+        # (the same products, summed in FP32 in another order: at most one rounding apart)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-6)
 
 
 def test_block_linear_keeps_no_quantized_operand_for_backward():

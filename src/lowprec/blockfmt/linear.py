@@ -40,6 +40,7 @@ from lowprec._swap import swap_layers
 from lowprec.blockfmt.formats import SCALE_RULES, BlockFormat, ScaleRule, get_format
 from lowprec.blockfmt.quantizer import ROUNDINGS, ElementRounding
 from lowprec.blockfmt.quantizer import fast_fake_quantize as _fq
+from lowprec.products import bf16_products_in_fp32
 
 __all__ = [
     "BlockGemms", "BlockLinear", "convert_to_blocks", "edge_linears", "hadamard_matrix",
@@ -135,6 +136,18 @@ def _signs(gemms: BlockGemms) -> torch.Tensor | None:
     return torch.randint(0, 2, (_HADAMARD,), generator=g).float() * 2 - 1
 
 
+def _gemm_dtype(fmt: BlockFormat, result: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a GEMM's quantized operands are multiplied in: BF16 where its result is BF16,
+    the format has no tensor scale (so BF16 holds its values exactly) and the CPU has a fast
+    BF16 matmul (oneDNN's: exact products summed in FP32, rounded once to BF16, 4x an FP32
+    GEMM on a Zen 5); FP32 elsewhere, the result rounded to its dtype after. (On a GPU, cuBLAS
+    may reduce BF16 in BF16: FP32 there.)"""
+    if (result == torch.bfloat16 and fmt.scale == "e8m0" and device.type == "cpu"
+            and not bf16_products_in_fp32()):
+        return torch.bfloat16
+    return torch.float32
+
+
 class _BlockLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -147,9 +160,10 @@ class _BlockLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fmt, rule, tiles, c = gemms.format, gemms.scale_rule, gemms.weight_tiles, gemms.compiled
         x2 = x.reshape(-1, weight.shape[1])
-        qx = _fq(x2, fmt, dim=1, scale_rule=rule, compiled=c)
-        qw = _fq(weight, fmt, dim=1, scale_rule=rule, tile=tiles, compiled=c)
-        y = F.linear(qx, qw, None if bias is None else bias.to(torch.float32))
+        dt = _gemm_dtype(fmt, x.dtype, x.device)
+        qx = _fq(x2, fmt, dim=1, scale_rule=rule, compiled=c, dtype=dt)
+        qw = _fq(weight, fmt, dim=1, scale_rule=rule, tile=tiles, compiled=c, dtype=dt)
+        y = F.linear(qx, qw, None if bias is None else bias.to(dt))
         ctx.save_for_backward(x, weight, signs)
         ctx.gemms = gemms
         ctx.has_bias = bias is not None
@@ -164,16 +178,18 @@ class _BlockLinearFunction(torch.autograd.Function):
         gy = grad_y.reshape(-1, weight.shape[0]).to(torch.float32)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            qg = _fq(gy, fmt, dim=1, rounding=gr, scale_rule=rule, compiled=c)
-            qw = _fq(weight, fmt, dim=0, scale_rule=rule, tile=tiles, compiled=c)
+            dt = _gemm_dtype(fmt, x.dtype, x.device)
+            qg = _fq(gy, fmt, dim=1, rounding=gr, scale_rule=rule, compiled=c, dtype=dt)
+            qw = _fq(weight, fmt, dim=0, scale_rule=rule, tile=tiles, compiled=c, dtype=dt)
             grad_x = (qg @ qw).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
+            dt = _gemm_dtype(fmt, weight.dtype, weight.device)
             a, b = gy, x.reshape(-1, weight.shape[1]).to(torch.float32)
             if gemms.hadamard:
                 h = hadamard_matrix(_HADAMARD, signs)
                 a, b = _rotate_tokens(a, h), _rotate_tokens(b, h)
-            qa = _fq(a, fmt, dim=0, rounding=gr, scale_rule=rule, compiled=c)
-            qb = _fq(b, fmt, dim=0, scale_rule=rule, compiled=c)
+            qa = _fq(a, fmt, dim=0, rounding=gr, scale_rule=rule, compiled=c, dtype=dt)
+            qb = _fq(b, fmt, dim=0, scale_rule=rule, compiled=c, dtype=dt)
             grad_w = (qa.t() @ qb).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0)
