@@ -175,7 +175,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         gemms: BlockGemms = ctx.gemms
         fmt, rule, gr = gemms.format, gemms.scale_rule, gemms.grad_rounding
         tiles, c = gemms.weight_tiles, gemms.compiled
-        gy = grad_y.reshape(-1, weight.shape[0]).to(torch.float32)
+        gy = grad_y.reshape(-1, weight.shape[0])  # (the quantizer reads any float dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             dt = _gemm_dtype(fmt, x.dtype, x.device)
@@ -184,15 +184,15 @@ class _BlockLinearFunction(torch.autograd.Function):
             grad_x = (qg @ qw).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dt = _gemm_dtype(fmt, weight.dtype, weight.device)
-            a, b = gy, x.reshape(-1, weight.shape[1]).to(torch.float32)
+            a, b = gy, x.reshape(-1, weight.shape[1])
             if gemms.hadamard:
                 h = hadamard_matrix(_HADAMARD, signs)
-                a, b = _rotate_tokens(a, h), _rotate_tokens(b, h)
+                a, b = _rotate_tokens(a.float(), h), _rotate_tokens(b.float(), h)
             qa = _fq(a, fmt, dim=0, rounding=gr, scale_rule=rule, compiled=c, dtype=dt)
             qb = _fq(b, fmt, dim=0, scale_rule=rule, compiled=c, dtype=dt)
             grad_w = (qa.t() @ qb).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = gy.sum(0)
+            grad_b = gy.to(torch.float32).sum(0)
         return grad_x, grad_w, grad_b, None, None
 
 
