@@ -8,9 +8,7 @@ become eager raise instead:
 * the fallback warnings (``FALLBACK_WARNING``: ``compiled._disable_fused``, the 1-bit hook's
   ``stages.run``, and ``compiled._fused_enabled``'s "no compiler" warning for ``fused=None``)
   raise as ``RuntimeWarning`` exceptions;
-* the "no compiler" warning, which lowprec gives once per process, is given again inside;
-* a shared call of several parameters (``plan._Many``) that fails to compile, which the optimizer
-  replaces by a compiled call per parameter without any warning, raises ``AssertionError``.
+* the "no compiler" warning, which lowprec gives once per process, is given again inside.
 
 tests/conftest.py applies it to every test marked ``fused`` (not ``fallback``); the multi-process
 workers apply it to their fused runs (tests/_shard_workers.py).
@@ -19,7 +17,6 @@ workers apply it to their fused runs (tests/_shard_workers.py).
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections.abc import Iterator
 
@@ -35,22 +32,13 @@ FALLBACK_WARNING = (
 @contextlib.contextmanager
 def fallbacks_are_errors() -> Iterator[None]:
     """Inside, a compiled step that falls back to eager raises (see the module's docstring)."""
-    from lowprec.optim import compiled, plan
+    from lowprec.optim import compiled
 
-    def broken(self) -> None:
-        error = sys.exc_info()[1]  # (called in the handler of the compile error)
-        name = getattr(self.kernel, "name", self.kernel)
-        raise AssertionError(
-            f"a shared compiled call ({name}) failed to compile and fell back to one call per "
-            f"parameter: {type(error).__name__}: {error}"
-        )
-
-    saved = compiled._WARNED, plan._Many.broken
+    saved = compiled._WARNED
     compiled._WARNED = set()
-    plan._Many.broken = broken
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", FALLBACK_WARNING, RuntimeWarning)
             yield
     finally:
-        compiled._WARNED, plan._Many.broken = saved
+        compiled._WARNED = saved

@@ -85,13 +85,15 @@ def new_scaler(cfg: dict[str, Any]) -> Any:
 
 
 def compiled_calls(opt: Any) -> tuple[int, int]:
-    """How the last recorded step ran: (parameters or batches stepped by compiled kernels, those
-    whose random bits start past index 0 of a larger parameter: a shard's ``base``)."""
-    plan = opt.__dict__.get("_step_plan")
-    if plan is None:
+    """How the steps ran: (compiled calls the buckets and the parameters stepped on their own
+    prepared, those whose random bits start past index 0 of a larger parameter: a shard's
+    ``base``)."""
+    layout = opt.__dict__.get("_buckets")
+    if layout is None:
         return 0, 0
-    fused = [e.fused for e in plan.entries if e.fused is not None]
-    return len(fused) + len(plan.batches), sum(f.base is not None for f in fused)
+    fused = [f for bucket in layout.buckets for f in bucket.prepared.values()]
+    fused += [e.fused for entries in layout.entries.values() for e in entries.values()]
+    return len(fused), sum(f.base is not None for f in fused)
 
 
 def _compiled_only(fused: Any) -> contextlib.AbstractContextManager[None]:

@@ -16,7 +16,7 @@ from tests._fallback import fallbacks_are_errors
 
 # The suite steps optimizers eagerly unless a test asks for the fused step (fused=True) or tests
 # the default itself (tests/test_fused_default.py): the fused step's equality with the eager one
-# is what tests/test_fused.py and tests/test_replay.py check, and compiling a kernel for every
+# is what tests/test_fused.py and tests/test_buckets.py check, and compiling a kernel for every
 # test's variant would multiply the suite's time on a cold Inductor cache. Subprocesses
 # (distributed workers, the CLI) inherit it.
 os.environ.setdefault("LOWPREC_FUSED", "0")
@@ -102,11 +102,11 @@ def kernel_calls(monkeypatch):
 
 
 @pytest.fixture
-def no_buckets(monkeypatch):
-    """Steps that never go through buckets (``lowprec.optim.buckets``): for the tests of what a
-    step does where buckets do not apply (the recorded step, batches of small parameters, shared
-    calls), on layouts that buckets would take."""
-    from lowprec.optim import buckets
+def no_buckets():
+    """Steps that never go through buckets (``lowprec.optim.buckets``): every parameter by its
+    full step (``tests/_steps.py``'s ``full_steps``), for the tests of a parameter's own step on
+    layouts that buckets would take."""
+    from tests._steps import full_steps
 
-    monkeypatch.setattr(buckets, "step_buckets", lambda opt, *scaler: False)
-    monkeypatch.setattr(buckets, "flatten", lambda opt: None)
+    with full_steps():
+        yield

@@ -1,15 +1,19 @@
-"""Buckets (``lowprec.optim.buckets``): after the first step, a group's parameters and state are
-views of flat buffers and a step takes a few compiled calls per bucket, whatever the number of
-tensors.
+"""Buckets (``lowprec.optim.buckets``): from the first step, a group's state is views of flat
+buffers and a step takes a few compiled calls per bucket, whatever the number of tensors; the
+parameters no bucket takes keep their prepared compiled call.
 
-The reference is the step without buckets (``no_buckets``: the full step, compiled per tensor),
-itself checked against eager and torch.optim elsewhere; every comparison is bit for bit.
+The reference is the step without buckets (``tests/_steps.py``'s ``full_steps``: every
+parameter's full step, compiled per tensor), itself checked against eager and torch.optim
+elsewhere; every comparison is bit for bit. Each change between two steps that the buckets must
+notice or carry through (``CHANGES``) is applied to both.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import pathlib
+import weakref
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ import torch
 from lowprec.optim import (
     SGD,
     Adafactor,
+    Adagrad,
     AdamW,
     Lamb,
     Lion,
@@ -24,11 +29,10 @@ from lowprec.optim import (
     buckets,
     compiled,
     loss_scale,
-    replay,
 )
-from tests._same import assert_same
-from tests.test_replay import CHANGES, STEPS
-from tests.test_replay import _run as replay_run
+from tests import _steps
+from tests._same import assert_same, bits
+from tests._steps import CHANGES, STEPS, full_steps
 
 # (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
 pytestmark = pytest.mark.fused
@@ -42,27 +46,10 @@ def _adamw_kahan(params):
 
 
 def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None, **shapes):
-    """``test_replay._run``'s steps (fresh random gradients, ``change`` before step CHANGE_AT),
-    with buckets or without them. Returns the parameters, the optimizer and how many steps went
-    through the buckets."""
-    taken = 0
-    with monkeypatch.context() as m:
-        real = buckets.step_buckets
-
-        def spy(o, *scaler):
-            nonlocal taken
-            done = real(o, *scaler)
-            taken += done
-            return done
-
-        if use_buckets:
-            m.setattr(buckets, "step_buckets", spy)
-        else:
-            m.setattr(buckets, "step_buckets", lambda o, *scaler: False)
-            m.setattr(buckets, "flatten", lambda o: None)
-        params, opt, _ = replay_run(make, change, replay=True, steps=steps, scaled=scaled,
-                                    **shapes)
-    return params, opt, taken
+    """``_steps.run``'s steps (fresh random gradients, ``change`` before step CHANGE_AT), with
+    buckets or without them. Returns the parameters, the optimizer and how many steps the
+    buckets took as they were laid out."""
+    return _steps.run(make, change, use_buckets=use_buckets, steps=steps, scaled=scaled, **shapes)
 
 
 # Changes after which the next step still goes through the buckets (the others take a full
@@ -74,9 +61,9 @@ KEPT = ("nothing", "momentum_in_place", "lr_and_betas", "step_count_written",
 
 @pytest.mark.parametrize("name", list(CHANGES))
 def test_buckets_equal_the_step_without_them_across_a_change(name, monkeypatch):
-    """Each change the recorded step must notice (tests/test_replay.py): a step through the
-    buckets gives the bits of the full step, before and after it; the buckets are used from the
-    second step on, and again after a change that forced a full step."""
+    """Each change a step must notice or carry through: a step through the buckets gives the
+    bits of the full step, before and after it; the buckets laid out at the first step are used
+    from the second on, and again after a change that made the step lay them out anew."""
     pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch)
     pb, ob, taken = _run(_adamw_kahan, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch)
     assert_same(pa, oa, pb, ob)
@@ -154,9 +141,9 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
 
 def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
     """LAMB with 8-bit state: its small parameters (FP32 state) go into a bucket, its 8-bit one
-    stays out of it; from the buckets' second step under each loss-scaler mode on, that one
-    redoes the compiled step prepared at the first (whose kernels are the mode's), where it was
-    prepared anew at every step; the bits are the step's without buckets."""
+    stays out of it; from its second step under each loss-scaler mode on, that one redoes the
+    compiled step prepared at the first (whose kernels are the mode's), where it was prepared
+    anew at every step; the bits are the step's without buckets."""
     shapes = [(32, 256), (64,), (8, 8), (128,), (16, 8), (30,)]  # (the first: 8-bit state)
     make = lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True)  # noqa: E731
     pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch,
@@ -171,8 +158,8 @@ def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1, taken
     assert len(ob._buckets.buckets) == 1 and len(ob._buckets.rest) == 1
-    # Steps 0 (the full step, scaled), 1 (plain) and 2 (scaled) prepare it; 3-5 redo.
-    assert prepared.count(32 * 256) == 3, prepared
+    # Steps 0 (scaled) and 1 (plain) prepare it, one call per loss-scaler mode; 2-5 redo.
+    assert prepared.count(32 * 256) == 2, prepared
 
 
 def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
@@ -192,9 +179,7 @@ def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
             if use:
                 opt.step()
             else:
-                with pytest.MonkeyPatch.context() as m:  # (the step without buckets)
-                    m.setattr(buckets, "step_buckets", lambda o, *scaler: False)
-                    m.setattr(buckets, "flatten", lambda o: None)
+                with full_steps():  # (the step without buckets)
                     opt.step()
     (bucket,) = opts[0]._buckets.buckets
     assert [b - a for a, b in bucket._pieces(0, len(bucket.params))] == [1, 2, 2]
@@ -209,27 +194,24 @@ def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
     lambda ps: Adafactor(ps, lr=1e-2, master="kahan", fused=True),
     lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
 ], ids=["adafactor", "lamb-8bit"])
-def test_a_step_no_bucket_takes_is_recorded_and_redone(make, monkeypatch):
-    """Where no parameter goes into a bucket, laying the buckets out after a full step keeps that
-    step's record, and the next steps redo it (laying them out dropped it after every step: each
-    step was a full one: 128 x 4096, LAMB with 8-bit state 122 ms a step, redone 68)."""
-    params = [torch.randn(4096, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-    opt = make(params)
-    redone, real = 0, replay.redo
-
-    def spy(*args):
-        nonlocal redone
-        done = real(*args)
-        redone += done
-        return done
-
-    monkeypatch.setattr(replay, "redo", spy)
-    for _ in range(4):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    assert opt._buckets is None
-    assert redone == 3
+def test_a_step_no_bucket_takes_goes_through_the_layout(make, monkeypatch):
+    """Where no parameter goes into a bucket (whole-tensor rules; norms with 8-bit state), every
+    step, the first included, still goes through the layout, each parameter by its own step,
+    prepared once (128 x 4096, LAMB with 8-bit state: 122 ms a step prepared anew, 68 kept); the
+    bits are those of the full step."""
+    shapes = [(4096,)] * 3
+    pa, oa, _ = _run(make, CHANGES["nothing"], use_buckets=False, monkeypatch=monkeypatch,
+                     steps=4, shapes=shapes)
+    prepared = []
+    real = compiled.prepare_fused
+    monkeypatch.setattr(compiled, "prepare_fused",
+                        lambda *a, **k: prepared.append(1) or real(*a, **k))
+    pb, ob, taken = _run(make, CHANGES["nothing"], use_buckets=True, monkeypatch=monkeypatch,
+                         steps=4, shapes=shapes)
+    assert_same(pa, oa, pb, ob)
+    assert ob._buckets.buckets == [] and len(ob._buckets.rest) == 3
+    assert taken == 3, taken
+    assert len(prepared) == (0 if isinstance(ob, Adafactor) else 3), prepared
 
 
 @pytest.mark.parametrize("limit", [1 << 20, 1024], ids=["gathered", "large-alone"])
@@ -323,9 +305,7 @@ def test_buckets_with_quantized_state_equal_the_step_without_them(state_dtype, s
                                                                    monkeypatch):
     """8-bit and 4-bit state: codes and their scales (one per block) are laid out in flat
     buffers as the other state is, with the bits of the full step, under a loss scaler too."""
-    import tests.test_replay as test_replay
-
-    monkeypatch.setattr(test_replay, "SHAPES", QUANTIZED_SHAPES)
+    monkeypatch.setattr(_steps, "SHAPES", QUANTIZED_SHAPES)
 
     def make(ps):
         return AdamW(ps, lr=1e-2, weight_decay=0.1, master="kahan", state_dtype=state_dtype,
@@ -359,13 +339,15 @@ def test_buckets_under_a_loss_scaler_on_the_device(mode, device):
             scale = 256.0 if mode == "unscale" else 1.0
             for p in params:
                 p.grad = torch.full_like(p, 0.01 * (step + 1) * scale)
-            if not use:
-                opt._buckets = None
             found = torch.full((), float(step == 2), device=device)
+            kw = {"found_inf": found}
             if mode == "unscale":
-                opt.step(grad_scale=torch.full((), scale, device=device), found_inf=found)
+                kw["grad_scale"] = torch.full((), scale, device=device)
+            if use:
+                opt.step(**kw)
             else:
-                opt.step(found_inf=found)
+                with full_steps():
+                    opt.step(**kw)
         if use:
             assert opt._buckets is not None
         assert all(opt.state[p]["step"].item() == 4 for p in params)
@@ -468,9 +450,11 @@ def test_a_hogwild_model_in_shared_memory_is_stepped_in_place():
         for step in range(3):
             for p in params:
                 p.grad = torch.full_like(p, 0.01 * (step + 1))
-            if not use:
-                opt._buckets = None
-            opt.step()
+            if use:
+                opt.step()
+            else:
+                with full_steps():
+                    opt.step()
         assert [p.data_ptr() for p in params] == ptrs and all(p.is_shared() for p in params)
         if use:
             assert opt._buckets is not None
@@ -507,9 +491,144 @@ def test_a_large_non_contiguous_gradient_is_gathered_on_its_own(monkeypatch):
             for p in params:
                 g = torch.full(p.shape[::-1], 0.01 * (step + 1), dtype=torch.bfloat16)
                 p.grad = g.t() if p.dim() == 2 else g
-            if not use:
-                opt._buckets = None
-            opt.step()
+            if use:
+                opt.step()
+            else:
+                with full_steps():
+                    opt.step()
         runs.append((params, opt))
     assert runs[1][1]._buckets is not None
     assert_same(*runs[0], *runs[1])
+
+
+def test_invalid_option_set_between_steps_raises_and_writes_nothing(monkeypatch):
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], use_buckets=True,
+                          monkeypatch=monkeypatch, steps=3)
+    before = [p.detach().clone() for p in params]
+    state = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"parameter group 0.*lr"):
+        opt.step()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before, params, strict=True))
+    after = opt.state_dict()
+    for k, st in state["state"].items():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, after["state"][k][name]), name
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()  # and it goes on
+
+
+@pytest.mark.fallback
+def test_a_compile_failure_in_the_buckets_falls_back_to_their_eager_step(monkeypatch):
+    """A kernel that fails to compile (here: every kernel, from the third step on) leaves
+    nothing written; the buckets then step eagerly, with the bits of an eager optimizer."""
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], use_buckets=True,
+                          monkeypatch=monkeypatch, steps=2)
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    ref = AdamW(ref_params, lr=1e-2, weight_decay=0.1, master="kahan", fused=False, seed=3)
+    ref.load_state_dict(opt.state_dict())
+    ref.param_groups[0]["fused"] = False  # (the checkpoint's group brings the saver's fused=True)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled._Kernel, "__call__", broken)
+    for step in range(2):
+        for p, q in zip(params, ref_params, strict=True):
+            p.grad = torch.full_like(p, 0.5 - step)
+            q.grad = torch.full_like(q, 0.5 - step)
+        if step == 0:
+            with pytest.warns(RuntimeWarning, match="fused .* unavailable"):
+                opt.step()
+        else:
+            opt.step()
+        ref.step()
+        assert_same(params, opt, ref_params, ref)
+    assert opt._buckets.buckets
+
+
+def test_step_counts_past_2_24_are_read_as_the_full_step_reads_them(monkeypatch):
+    """Adagrad's lr decays with the step number, so a count that ran on past what an FP32 count
+    holds (a step reads back 2**24) would change the update. From the change on, an lr this
+    large (3e7: the decayed lrs of steps 2**24 + 1 and 2**24 + 2 differ in FP32) makes that show
+    in FP32 masters."""
+    def make(ps):
+        return Adagrad(ps, lr=0.1, lr_decay=1.0, master="fp32", fused=True)
+
+    def change(params, opt, saved):
+        CHANGES["step_counts_past_2_24"](params, opt, saved)
+        opt.param_groups[0]["lr"] = 3e7
+
+    steps = _steps.CHANGE_AT + 4
+    pa, oa, _ = _run(make, change, use_buckets=False, monkeypatch=monkeypatch, steps=steps)
+    pb, ob, taken = _run(make, change, use_buckets=True, monkeypatch=monkeypatch, steps=steps)
+    assert_same(pa, oa, pb, ob)
+    assert taken == steps - 1, taken
+    assert {ob.state[p]["step"].item() for p in pb} == {2.0**24}
+
+
+def test_the_buckets_keep_no_gradient_alive(monkeypatch):
+    """zero_grad(set_to_none=True) frees the gradients before the next backward; buckets that
+    held them would add a gradient's memory to every step's peak."""
+    params, opt, taken = _run(_adamw_kahan, CHANGES["nothing"], use_buckets=True,
+                              monkeypatch=monkeypatch, steps=3)
+    assert taken == 2
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    assert all(g() is None for g in grads)
+
+
+def test_a_step_that_raises_midway_leaves_counts_matching_what_was_stepped(monkeypatch):
+    monkeypatch.setitem(buckets._GATHERED, "cpu", 1024)  # (the large parameter a piece alone)
+    params, opt, _ = _run(_adamw_kahan, CHANGES["nothing"], use_buckets=True,
+                          monkeypatch=monkeypatch, steps=3)
+    before = [p.detach().clone() for p in params]
+    counts = [opt.state[p]["step"].item() for p in params]
+    real, pieces = buckets._Bucket._run, []
+
+    def out_of_memory(self, *args, **kwargs):  # (the bucket's second piece fails)
+        pieces.append(1)
+        if len(pieces) == 2:
+            raise MemoryError("simulated")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(buckets._Bucket, "_run", out_of_memory)
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    with pytest.raises(MemoryError):
+        opt.step()
+    for p, old, count in zip(params, before, counts, strict=True):
+        changed = not torch.equal(bits(p), bits(old))
+        assert opt.state[p]["step"].item() == count + changed, (tuple(p.shape), changed)
+    assert not torch.equal(bits(params[0]), bits(before[0]))
+
+
+def test_a_parameter_without_gradient_is_still_validated(monkeypatch):
+    params, opt, _ = _run(lambda ps: AdamW(ps, lr=1e-2, master="split", fused=True),
+                          CHANGES["nothing"], use_buckets=True, monkeypatch=monkeypatch, steps=3)
+    for _ in range(2):
+        for p in params:
+            p.grad = None if p is params[2] else torch.ones_like(p)
+        opt.step()
+    params[2].data = params[2].data.half()  # split refuses FP16: the step raises
+    for p in params:
+        p.grad = None if p is params[2] else torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"parameter group 0, parameter 2"):
+        opt.step()
+
+
+def test_state_memory_stays_the_states_size_when_gradients_come_and_go():
+    """Parameters that have no gradient now and then must not leave old flat buffers alive
+    behind their views: the storages holding state add up to the state's size."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).to(torch.bfloat16).requires_grad_() for s in SHAPES]
+    opt = _adamw_kahan(params)
+    for step in range(8):
+        for i, p in enumerate(params):
+            p.grad = None if (i + step) % 3 == 0 else torch.randn(p.shape, generator=gen).to(
+                torch.bfloat16)
+        opt.step()
+    tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in tensors)

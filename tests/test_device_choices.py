@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.optim import batches, compiled, update
-from lowprec.optim.storage import STORAGES
+from lowprec.optim import buckets, compiled, update
 
 
 @pytest.mark.parametrize("device, chunk", [("cpu", 1 << 16), ("cuda", 1 << 22), ("xpu", 1 << 22)])
@@ -19,16 +18,7 @@ def test_eight_bit_rows_per_call():
     assert compiled._QROWS["cpu"] == 2048 and compiled._QROWS["cuda"] == 1 << 15
 
 
-@pytest.mark.parametrize("device, master, dtype, batched", [
-    ("cpu", "kahan", torch.bfloat16, True),
-    ("cpu", "split", torch.bfloat16, True),
-    ("cpu", "stochastic", torch.bfloat16, True),  # (on pairs: per-word keys)
-    ("cpu", "stochastic", torch.float16, False),  # (no pairs for FP16)
-    ("cuda", "kahan", torch.bfloat16, True),
-    ("cuda", "none", torch.float16, True),
-    ("cuda", "stochastic", torch.bfloat16, False),  # (pairs are a CPU layout)
-    ("meta", "kahan", torch.bfloat16, False),
-])
-def test_which_small_parameters_batch(device, master, dtype, batched):
-    storage = STORAGES[master]
-    assert batches._batches_on(torch.device(device), storage, dtype) is batched
+@pytest.mark.parametrize("device, gathered", [("cpu", 1 << 20), ("cuda", 1 << 26),
+                                              ("xpu", 1 << 26)])
+def test_bucket_pieces_stay_in_cache_on_the_cpu_and_are_large_elsewhere(device, gathered):
+    assert buckets._gathered(torch.device(device)) == gathered

@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from lowprec.numerics import split
-from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, batches, compiled, update
+from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, update
 from tests._cases import pairwise
 from tests._same import assert_same, bits
+from tests._steps import full_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.fused]
 
@@ -211,11 +212,11 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype, m
     Inductor drops its round trip off the pairs takes it (``compiled._pairs_pay``).
 
     Odd lengths (the last element goes eager), BF16 and FP32 moments, BF16 and FP32 gradients,
-    small parameters (batched), and a large one viewed at an odd offset of its storage (no
-    pairs: the elementwise kernel).
+    small parameters (gathered in a bucket), and a large one viewed at an odd offset of its
+    storage (no pairs: the elementwise kernel).
     """
     monkeypatch.setattr(compiled, "_PAIRS_FASTER", ("kahan", "split", "stochastic"))
-    n = batches._SMALL + 301
+    n = (1 << 16) + 301
     storage = torch.randn(n + 1).to(torch.bfloat16)
     def run(fused):
         odd_view = storage.clone()[1:].requires_grad_()  # storage offset 1
@@ -243,20 +244,14 @@ def test_fused_on_pairs_equals_eager(cls, kw, master, state_dtype, grad_dtype, m
         assert "_param_sums_pairs" in used and "_param_sums" in used, used
 
 
-@pytest.mark.parametrize("use_buckets", [False, True], ids=["batches", "buckets"])
-def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits(use_buckets,
-                                                                               request):
-    """(CPU only, as every test of small parameters' shared calls: only the CPU batches them.
-    Through buckets, from the second step on, they share a gathered call the same way:
-    ``buckets._Bucket._keys``; the call structure below is the batches'.)
+def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits():
+    """(CPU only: the CPU's BF16 pairs.)
 
-    Small BF16 parameters under stochastic rounding are stepped in one compiled call, each
-    word hashed with its own parameter's key and index: bit for bit the eager step, for a seed
-    whose keys use all 64 bits. Odd lengths stay out of the batch. A parameter without a gradient
-    for a step changes the batch (and then its step count differs from the others', so it is
-    stepped on its own): still the eager bits."""
-    if not use_buckets:
-        request.getfixturevalue("no_buckets")
+    Small BF16 parameters under stochastic rounding share a gathered call in their bucket, each
+    word hashed with its own parameter's key and index (``buckets._Bucket._keys``): bit for bit
+    the eager step, for a seed whose keys use all 64 bits. Odd lengths stay out of the bucket. A
+    parameter without a gradient for a step is left out of it (and then its step count differs
+    from the others', so it is stepped in a piece of its own): still the eager bits."""
     shapes = [(96, 40), (6,), (2, 3, 5), (33,), (8, 2)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     calls, params, opt = _eager_and_fused(
@@ -265,14 +260,13 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits(u
         init, steps=4, seed=3, drop=(1, 1),
     )
     assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
-    if use_buckets:
-        assert opt._buckets.buckets[0].keyed
-        return
-    batched = [words for _, key, words in calls if key and ("keys", "batched") in key]
-    # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call, then without the
-    # (6,) parameter, which is a step behind the others from then on.
-    assert batched == [(3840 + 6 + 30 + 16) // 2] + [(3840 + 30 + 16) // 2] * 3, calls
-    assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
+    assert opt._buckets.buckets[0].keyed
+    # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call (words of two);
+    # from the step the (6,) parameter missed on, the runs around it (which then has a count of
+    # its own): 3840, 6 and 30 + 16; the (33,) one alone, its last element eager.
+    words = [n for name, key, n in calls if name == "_param_update_pairs"]
+    assert words[0] == (3840 + 6 + 30 + 16) // 2, calls
+    assert set(words[1:]) == {3840 // 2, 6 // 2, (30 + 16) // 2, 33 // 2}, calls
 
 
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic", "fp32"])
@@ -294,8 +288,8 @@ def test_small_lamb_parameters_take_their_own_calls(master):
     opt = make(params, True)
     for p in params:
         p.grad = torch.randn(p.shape).to(p.dtype)
-    with _kernel_calls() as calls:
-        opt.step()  # (the first step: every parameter through the full step)
+    with _kernel_calls() as calls, full_steps():
+        opt.step()  # (every parameter through its own step)
     on_pairs = master in compiled._PAIRS_FASTER
     sums = sorted((n for name, _, n in calls
                    if name == ("_param_sums_pairs" if on_pairs else "_param_sums")), reverse=True)
@@ -479,7 +473,7 @@ def test_step_inside_torch_compile_is_the_step_itself(cls, master, fused, device
     """``torch.compile(opt.step)`` (or a compiled training step around it) runs the step as it
     is: traced, a fused step failed to compile, and an eager Kahan step lost its compensation
     (Inductor folds the BF16 round trip away without emulate_precision_casts)."""
-    shapes = [(64, 40), (40,), (batches._SMALL + 2,)]
+    shapes = [(64, 40), (40,), ((1 << 16) + 2,)]
 
     def run(compiled):
         torch.manual_seed(0)
@@ -502,8 +496,7 @@ def test_step_inside_torch_compile_is_the_step_itself(cls, master, fused, device
 
 # ------------------------------------------------ compiled kernels ran, and a fallback is an error
 
-#: Two large parameters of one kernel variant (a recorded step redoes them with one shared call,
-#: plan._Many) and a small one (batched on the CPU).
+#: Two large parameters of one kernel variant and a small one, in one bucket.
 RAN_SHAPES = [(300, 256), (256, 300), (64,)]
 
 
@@ -515,12 +508,12 @@ def _steps(params, opt, steps, device):
         opt.step()
 
 
-def test_a_fused_step_runs_compiled_kernels(kernel_calls, device, no_buckets):
+def test_a_fused_step_runs_compiled_kernels(kernel_calls, device):
     """``fused=True`` compiles and runs compiled code, which the bits alone cannot show (a step
     that fell back to eager gives the same): every ``compiled._Kernel`` the steps made was called
-    and finished its first call (``warm``: compiled without error), among them the shared call of
-    a recorded step; Dynamo captured a graph for each and Inductor generated kernels for them
-    (C++ on the CPU, Triton on CUDA); and the parameters and state are the eager step's."""
+    and finished its first call (``warm``: compiled without error); Dynamo captured a graph for
+    each and Inductor generated kernels for them (C++ on the CPU, Triton on CUDA); and the
+    parameters and state are the eager step's."""
     from torch._dynamo.utils import counters
     from torch._inductor import metrics
 
@@ -537,26 +530,22 @@ def test_a_fused_step_runs_compiled_kernels(kernel_calls, device, no_buckets):
     kernels = set(kernel_calls)
     assert kernels == set(compiled._KERNELS.values()), "a kernel was made but never called"
     assert all(k.warm for k in kernels), [k.name for k in kernels if not k.warm]
-    assert any("update_many" in k.name for k in kernels), [k.name for k in kernels]
+    assert kernels, "no kernel ran"
     assert counters["stats"]["unique_graphs"] - graphs >= len(kernels)
     assert metrics.generated_kernel_count - generated >= len(kernels)
 
 
-def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device, no_buckets):
+def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device):
     """What the ``fused`` mark does (this module has it): a kernel that fails to compile, whose
     step would fall back to eager with the same bits, makes the step raise its warning (having
     written nothing); so does ``fused=None`` finding no compiler, even where the once-per-process
-    warning was already given; and a shared call that fails to compile, which falls back to a
-    call per parameter without a warning, raises too."""
-    from lowprec.optim import plan
+    warning was already given."""
     from tests._fallback import fallbacks_are_errors
 
     def make(fused):
         params = [torch.randn(s).to(torch.bfloat16).to(device).requires_grad_()
                   for s in RAN_SHAPES]
         return params, AdamW(params, lr=1e-2, master="kahan", fused=fused)
-
-    real = compiled._compiled_kernel
 
     def failing(*args, **kwargs):
         def kernel(*a, **k):
@@ -589,22 +578,6 @@ def test_under_the_fused_mark_a_fallback_fails_the_test(monkeypatch, device, no_
                 continue
             with fallbacks_are_errors(), pytest.raises(RuntimeWarning, match=r"no C\+\+ compiler"):
                 opt.step()
-
-    # A shared call that cannot compile (the other kernels compile): the recorded step's first
-    # redo raises.
-    def shared_fails(*args, **kwargs):
-        fn = kwargs.get("fn")
-        return failing() if fn is not None and fn.__name__ == "_update_many" else real(
-            *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(compiled, "_compiled_kernel", shared_fails)
-        m.setattr(plan, "_MANY_SEEN", {})
-        m.setattr(plan, "_MANY_BROKEN", set())
-        params, opt = make(True)
-        _steps(params, opt, 1, device)  # (the full step: the parameters' own calls)
-        with pytest.raises(AssertionError, match=r"shared compiled call .* fell back"):
-            _steps(params, opt, 1, device)
 
 
 @pytest.mark.fallback

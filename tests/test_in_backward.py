@@ -28,7 +28,7 @@ STRATEGIES = ["none", "fp32", "split", "kahan", "stochastic"]
 
 
 def _model(dtype=torch.bfloat16, device="cpu") -> nn.Module:
-    # A large matrix (> batches._SMALL elements: stepped in its hook), small ones and vectors
+    # A large matrix (> in_backward._SMALL elements: stepped in its hook), small ones and vectors
     # (stepped together at the end of backward), a norm.
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 300), nn.GELU(), nn.Linear(300, 256), nn.LayerNorm(256),
@@ -81,7 +81,7 @@ COMPILED = [(name, "kahan") for name in sorted(OPTIMIZERS)] + [
 @pytest.mark.parametrize(("name", "master"), COMPILED)
 def test_inside_backward_equals_the_normal_step_compiled(name, master, device):
     # The default path (fused=None compiles where it can): large parameters redo their prepared
-    # compiled step in their hooks from the second step on, small ones the recorded batches.
+    # compiled step in their hooks from the second step on, small ones the buckets at the end.
     # (On CUDA the hooks run on autograd's device thread.)
     ref = _train(name, False, master=master, fused=True, device=device)
     got = _train(name, True, master=master, fused=True, device=device)

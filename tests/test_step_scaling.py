@@ -18,9 +18,10 @@ import sys
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, batches, loss_scale
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, loss_scale
 from tests._cases import axes
 from tests._host import no_host_reads
+from tests._steps import full_steps
 
 # A compiled step that falls back to eager fails these tests (tests/_fallback.py).
 pytestmark = [pytest.mark.fused]
@@ -143,24 +144,19 @@ def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, 
 
 @pytest.mark.parametrize(("name", "master"),
                          axes(sorted(OPTIMIZERS), MASTERS, at=("adamw", "stochastic")))
-def test_scaled_batches_of_small_parameters_step_as_each_alone(name, master, monkeypatch,
-                                                              no_buckets):
-    # (CPU only: batches of small parameters are the CPU fused step's; where buckets do not
-    # take them: tests/test_buckets.py checks buckets under a loss scaler.)
-    # On CPU, small parameters share a compiled call under a loss scaler too (parameters of even
-    # length, so that stochastic rounding batches as well; LAMB's take their own calls); with
-    # batching off, each takes its own. Skipped steps included, the bits agree. Every optimizer
-    # with stochastic rounding (each parameter's own random bits inside the shared call) and
-    # AdamW with every master (tests/_cases.py: axes).
+def test_scaled_buckets_of_small_parameters_step_as_each_alone(name, master, monkeypatch):
+    # Small parameters share a bucket's compiled call under a loss scaler too (parameters of
+    # even length, so that stochastic rounding takes them as well; LAMB's as rows); each by its
+    # own full step (full_steps) is the reference. Skipped steps included, the bits agree.
+    # Every optimizer with stochastic rounding (each parameter's own random bits inside the
+    # shared call) and AdamW with every master (tests/_cases.py: axes).
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(32, 18), (6,), (4, 4), (0,), (1,)])
     params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5))
-    assert bool(opt._step_plan.batches) == (name != "lamb")
-    with monkeypatch.context() as m:
-        m.setattr(batches, "_SMALL", 0)
+    assert opt._buckets.buckets
+    with full_steps():
         alone_params, alone_opt, alone_found = _run(
             name, master, fused=True, scaled=True, bad_steps=(2, 5)
         )
-        assert not alone_opt._step_plan.batches
     assert found == alone_found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
     _assert_same(_snapshot(params, opt), _snapshot(alone_params, alone_opt))
 
@@ -262,11 +258,10 @@ def test_torch_grad_scaler_with_fp16_weights_and_fp32_master(device):
 )
 @pytest.mark.parametrize("master", ["kahan", "stochastic", "split"])
 def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch, device):
-    # What a GPU step does: step counts read and used on the device, every parameter stepped by
-    # its own call. (On the CPU, where a host read is no synchronisation, counts are read on the
-    # host and small parameters batched: the tests around this one check they step the same.)
+    # What a GPU step does: step counts read and used on the device, the buckets' numbers made
+    # there from their one count. (On the CPU, where a host read is no synchronisation, counts
+    # are read on the host: the tests around this one check they step the same.)
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    monkeypatch.setattr(batches, "_SMALL", 0)
     params = _params(torch.bfloat16, device)
     opt = AdamW(params, master=master, fused=fused)
     for step in range(3):

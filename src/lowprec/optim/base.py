@@ -19,15 +19,9 @@ dtype).
 ``LowPrecisionOptimizer`` (this module) holds what a subclass and a caller meet: the subclass
 interface, parameter groups and their validation, lazy state, ``step()``, ``master_weight``, and
 ``master_state_dict`` beside it. ``step()`` runs its closure and hands a ``driver.StepContext``
-(the loss scaler's inputs) to ``driver.run``, a pipeline of stages, each a function of the
-optimizer and the context in a module of its own, the first that takes the step ending it:
-
-* ``buckets.step_buckets``: the group's tensors in flat buffers, a few compiled calls per group;
-* ``replay.redo``: the step the last full step recorded (``plan``), or decline, having written
-  nothing;
-* ``driver.full_step``: validate, check the gradients under a loss scaler, step the large
-  parameters one by one (``param_step.step_param``: eager, in chunks, or compiled) and the small
-  ones in batches (``batches``), record the step; ``buckets.flatten`` then lays buckets out.
+(the loss scaler's inputs) to ``driver.run``: every step goes through the buckets
+(``buckets``: a group's state laid out in flat buffers when it is created, a few calls per
+bucket; the parameters no bucket takes each by its own prepared step, ``param_step``).
 
 Below them: ``param_step`` (one parameter's step and the step's numbers), ``compiled`` (a
 tensor's compiled step, prepared and run; the kernels and their cache), and, taking plain tensors
@@ -36,12 +30,9 @@ steps both run), ``loss_scale`` (the loss-scaler contract's inputs), ``options``
 ``shards``. ``checkpoint`` holds ``state_dict`` and ``load_state_dict``, which this class's
 methods call.
 
-Each module imports only those below it, and none imports this one (``shards`` and ``plan`` name
-the class for type checking only), so ``lowprec.optim`` has no import circle. A stage calls
-another through its module (``replay.redo``, not ``redo``), and a module-level name that tests
-replace (``replay.redo``, ``loss_scale._host_counts``, ``compiled._compiled_kernel``,
-``update._INT32_MAX``) is read through the module that holds it, so that one
-``monkeypatch.setattr`` reaches every caller.
+A module-level name that tests replace (``buckets.step_buckets``, ``loss_scale._host_counts``,
+``compiled._compiled_kernel``, ``update._INT32_MAX``) is read through the module that holds it,
+so that one ``monkeypatch.setattr`` reaches every caller.
 """
 
 from __future__ import annotations
@@ -80,7 +71,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
     from lowprec.optim.buckets import _Layout
     from lowprec.optim.in_backward import StepInBackward
-    from lowprec.optim.plan import _Plan
     from lowprec.optim.shards import _Shard
 
 __all__ = ["LowPrecisionOptimizer", "master_state_dict"]
@@ -120,7 +110,6 @@ class LowPrecisionOptimizer(Optimizer):
     # ``__dict__.get`` before that): declared here for type checkers, no class attributes.
     _has_dtensors: bool
     _fused_broken: bool
-    _step_plan: _Plan | None
     _buckets: _Layout | None
     _in_backward: StepInBackward | None
     _shards: dict[int, _Shard]
@@ -177,7 +166,7 @@ class LowPrecisionOptimizer(Optimizer):
         """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
         Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes
         one call of ``_math`` on its unflattened tensors, compiled where ``_whole_compiles`` and
-        the step is fused, else eager (never chunks, pairs, batches or shared compiled calls),
+        the step is fused, else eager (never chunks, pairs or buckets),
         and a DTensor parameter sharded across ranks is refused."""
         return False
 
@@ -343,8 +332,8 @@ class LowPrecisionOptimizer(Optimizer):
             raise type(e)(f"{where}: {e}") from None
 
     def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """A group's options that shape a step beyond its ``_flags`` and coefficients: a recorded
-        step (``replay.redo``) is redone only while they stay the same."""
+        """A group's options that shape a step beyond its ``_flags`` and coefficients: the
+        buckets (``buckets.step_buckets``) step a group only while they stay the same."""
         return (group["master"], group["state_dtype"], group["fused"], group["seed"],
                 self._math_buffers(group))
 

@@ -9,7 +9,7 @@ of the bucket's buffer of that name), and their step counts in one count tensor
 gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
 step's kernel on the flat buffers (``compiled.run_fused``: the kernel a single tensor's step
 runs; the update is elementwise, so the bits are the same), one copy of the new values back into
-the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
+the parameters (``torch._foreach_copy_``), and per piece one write of the counts, whatever the
 number of tensors (``step_buckets``). The parameters keep their own storage: made views of one
 buffer (as apex's, DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in
 Accelerate's checkpoints, which drop tensors that share a storage.
@@ -66,10 +66,11 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import batches, compiled, loss_scale, param_step, qstate, replay
+from lowprec.optim import compiled, loss_scale, param_step, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
-from lowprec.optim.plan import _Entry, _Recorder
+from lowprec.optim.param_step import _Entry
+from lowprec.optim.shards import reduce_groups
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ if TYPE_CHECKING:
     from lowprec.optim.driver import StepContext
     from lowprec.optim.storage import MasterStorage
 
-__all__ = ["flatten", "step_buckets"]
+__all__ = ["flatten", "laid_out", "step_buckets"]
 
 # Elements per compiled call of a bucket's small parameters, whose values and gradients are
 # gathered into one buffer each for it; a parameter this large or larger takes a call of its
@@ -113,6 +114,11 @@ def _kind(
     keyed = storage.needs_random_bits
     if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)):
         return None  # (random bits keyed per word of a piece of many parameters: on pairs)
+    shard = opt.__dict__.get("_shard_offsets") or {}
+    if id(p) in shard and (keyed or reduce_groups(opt, p)):
+        # (a DTensor's shard whose random bits are keyed from its offset in the whole
+        # parameter, or whose whole-tensor sums add every rank's: a step of its own)
+        return None
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):
@@ -148,7 +154,7 @@ class _Bucket:
     flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = ("counts", "device_index", "entries", "flat_params", "flats", "group",
-                 "index_tensors", "indices", "keyed", "kind", "made", "names", "norms", "offsets",
+                 "index_tensors", "indices", "keyed", "kind", "layouts", "made", "names", "norms", "offsets",
                  "params", "per", "prepared", "ptrs", "qstate", "same", "sbufs", "scratch",
                  "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
                  "views")
@@ -206,6 +212,7 @@ class _Bucket:
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, _Fused] = {}
         self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
+        self.layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
@@ -259,7 +266,7 @@ class _Bucket:
             numbers = self._device_numbers(opt, memo)
             for a, b in self._pieces(0, len(grads)):
                 self._run(opt, a, b, grads, numbers, memo, scaling)
-            self.counts.add_(scaling.taken_on(self.counts.device))
+                self.counts[a:b].add_(scaling.taken_on(self.counts.device))
             self.version = self.counts._version  # (their values moved alike)
             return
         counts = self.counts.tolist()
@@ -274,10 +281,12 @@ class _Bucket:
             step = int(counts[i]) + 1
             for a, b in self._pieces(i, j):
                 self._run(opt, a, b, grads, step, memo, scaling)
-            if scaling is None:
-                self.counts[i:j].fill_(step)
-            else:
-                self.counts[i:j].add_(scaling.taken_on(self.counts.device))
+                # (per piece: a step that raises part way leaves each count matching what was
+                # stepped)
+                if scaling is None:
+                    self.counts[a:b].fill_(step)
+                else:
+                    self.counts[a:b].add_(scaling.taken_on(self.counts.device))
             i = j
 
     def on_device(self, scaling: _Scaling | None) -> TypeGuard[_Scaling]:
@@ -433,16 +442,18 @@ class _Bucket:
         """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
         alone, its key's halves (``_keys``); a gathered piece, one key half per parameter
         (int64, made for all of them at once: ``numerics.stream_key_halves``) with each word's
-        parameter and index within it (``owner``, ``idx``: ``batches.batch_layout``), so that every
-        element gets the bits it gets in a step of its own."""
+        parameter and index within it (``owner``, ``idx``: ``_word_owners``, kept per piece),
+        so that every element gets the bits it gets in a step of its own."""
         if b - a == 1:
             return param_step.random_keys(self.group, self.storage, step, self.indices[a]), {}
         index = self.index_tensors.get((a, b))
         if index is None:
             index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64)
         keys = stream_key_halves(self.group["seed"], step, index)
-        owner, idx = batches.batch_layout(opt, tuple(n // 2 for n in self.sizes[a:b]))
-        return keys, {"owner": owner, "idx": idx}
+        layout = self.layouts.get((a, b))
+        if layout is None:
+            layout = self.layouts[a, b] = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
+        return keys, {"owner": layout[0], "idx": layout[1]}
 
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
         """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
@@ -479,6 +490,19 @@ class _Bucket:
         return views
 
 
+def _word_owners(words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a piece on pairs of parameters of ``words`` words each: every word's parameter (its
+    position in the piece) and its index within that parameter (int32 each), for
+    ``update._param_update_pairs``'s per-word random keys."""
+    counts = torch.tensor(words, dtype=torch.int64)
+    total = sum(words)
+    owner = torch.repeat_interleave(torch.arange(len(words), dtype=torch.int64), counts,
+                                    output_size=total)
+    starts = torch.cumsum(counts, 0) - counts
+    idx = torch.arange(total, dtype=torch.int64) - starts[owner]
+    return owner.to(torch.int32), idx.to(torch.int32)
+
+
 class _Layout:
     """An optimizer's buckets, and what they were made for: its groups, their parameters, options
     and flags, and the parameters stepped on their own (``rest``: group, position, index)."""
@@ -503,19 +527,14 @@ class _Layout:
 
 
 def flatten(opt: LowPrecisionOptimizer) -> None:
-    """After a full step: lay the buckets out again where anything they were made for changed (or
-    the first time, once the state exists)."""
-    if (opt.__dict__.get("_has_dtensors") or opt.__dict__.get("_in_backward") is not None
-            or getattr(opt, "_fused_broken", False)):
-        opt._buckets = None
-        return
+    """Lay the buckets out once the state exists (``driver.stages``: before the first step,
+    and again where anything they were made for changed); keeps the buckets that still hold."""
     old = opt.__dict__.get("_buckets")
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets if b.current(opt)}
     layout = _Layout(opt)
     index = -1
-    changed = False  # (a bucket made anew: state entries rebound, the recorded step stale)
     for gi, group in enumerate(opt.param_groups):
         storages = opt._validate_group(group, gi)
         kinds: dict[Any, list[tuple[torch.Tensor, int, int, MasterStorage]]] = {}
@@ -538,14 +557,21 @@ def flatten(opt: LowPrecisionOptimizer) -> None:
             members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
             bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
             if bucket is None:
-                changed = True
                 bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
                                  members[0][3])
             layout.buckets.append(bucket)
     layout.rest.sort()
-    if changed:
-        opt._step_plan = None  # (its state tensors were replaced by the buckets' views)
-    opt._buckets = layout if layout.buckets else None
+    if old is not None and old.same_groups(opt):
+        layout.entries = old.entries  # (the rest's prepared steps, each checked before use)
+    opt._buckets = layout
+
+
+def laid_out(opt: LowPrecisionOptimizer) -> bool:
+    """Whether the buckets ``flatten`` laid out still hold: the same groups and parameters, and
+    every bucket's parameters and state entries its own."""
+    layout = opt.__dict__.get("_buckets")
+    return (layout is not None and layout.same_groups(opt)
+            and all(b.current(opt) for b in layout.buckets))
 
 
 def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
@@ -556,8 +582,7 @@ def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
     (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
     the full step computes each parameter's numbers on its device."""
     layout = opt.__dict__.get("_buckets")
-    if (layout is None or opt.__dict__.get("_in_backward") is not None
-            or not layout.same_groups(opt)):
+    if layout is None or not layout.same_groups(opt):
         return False
     storages: list[list[MasterStorage]] = []
     for gi, (group, (_, _, options, flags)) in enumerate(
@@ -621,17 +646,17 @@ def _step_rest(
     scaling: _Scaling | None,
 ) -> None:
     """The parameters outside buckets, each by its compiled step as prepared at its last step
-    (``layout.entries``, redone by ``replay.redo_entry``) where nothing it
+    (``layout.entries``, redone by ``param_step.redo_entry``) where nothing it
     relied on changed, else by its full step, which prepares it anew. Without the entries each
     step prepared every such call again: LAMB with 8-bit state, whose 8-bit parameters stay out
     of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
     buckets (``benchmarks/fast_path.py``)."""
     entries = layout.entries.setdefault(_mode(scaling), {})  # (kernels per scaler mode)
-    memo["plan"] = _Recorder(entries)
+    memo["entries"] = entries
     fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
     try:
         for group, p, index, storage in rest:
-            if not replay.redo_entry(opt, entries.get(id(p)), memo, scaling, fused):
+            if not param_step.redo_entry(opt, entries.get(id(p)), memo, scaling, fused):
                 param_step.step_param(opt, group, p, index, storage, scaling, memo)
     finally:
         if fused:  # (also when a later parameter raised: these were stepped)

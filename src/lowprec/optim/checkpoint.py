@@ -3,9 +3,9 @@
 torch.optim's ``load_state_dict`` casts floating-point state to the parameter's dtype, which would
 round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dict`` here keeps
 every state tensor's dtype, checks the whole checkpoint against the parameters before changing
-anything, adopts a torch.optim checkpoint (``_adopt_state``), runs torch.optim's load hooks, and
-lays the small parameters' loaded state out as a step batches it (``_lay_out_loaded``, with
-``batches.small_buckets`` and ``plan._flat_state``). ``state_dict`` is torch.optim's, each
+anything, adopts a torch.optim checkpoint (``_adopt_state``) and runs torch.optim's load hooks;
+the next step lays the loaded state out in buckets (``buckets.flatten``). ``state_dict`` is
+torch.optim's, each
 ``state_dtype`` by its name; the export of the FP32 masters, ``master_state_dict``, is in ``base``,
 beside ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module
 does not import ``base``.
@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import batches, qstate
-from lowprec.optim.batches import _by_size
+from lowprec.optim import qstate
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
-from lowprec.optim.plan import _flat_state
 from lowprec.optim.shards import (
     check_loaded_state,
     is_dtensor,
@@ -35,7 +33,6 @@ from lowprec.optim.shards import (
 from lowprec.optim.storage import STORAGES, convert
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim._typing import WorkItem
     from lowprec.optim.base import LowPrecisionOptimizer
     from lowprec.optim.storage import MasterStorage
 
@@ -137,14 +134,12 @@ def load_state_dict(opt: LowPrecisionOptimizer, state_dict: dict[str, Any]) -> N
     with torch.no_grad():  # (every check has passed: now the parameters may change)
         for p, value in writes:
             local(p).copy_(value)
-    opt._step_plan = None
     opt.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
     # What torch's load_state_dict does once it has cast the state, which here keeps its
     # dtypes: the live parameters in the loaded groups, the state keyed by them.
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     state.update(new_state)
     opt.__setstate__({"state": state, "param_groups": loaded_groups})
-    _lay_out_loaded(opt)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
 
@@ -289,33 +284,6 @@ def _adopt_state(
         step = 1.0 if any(st.get(name) is not None for name in names) else 0.0
     state["step"] = torch.tensor(float(step), dtype=torch.float32)
     return state
-
-
-def _lay_out_loaded(opt: LowPrecisionOptimizer) -> None:
-    """Lay out the small parameters' loaded state as a fused step batches them (one flat
-    tensor per batch and buffer name, each parameter's entry a view of it: ``_flat_state``),
-    so that a resumed run steps it in place as a fresh one does, rather than concatenating it
-    and copying it back every step. The tensors were just copied from the checkpoint, so
-    nothing outside the optimizer holds them yet. Where the next step batches differently
-    (a parameter without a gradient, a gradient of another dtype) it concatenates as before.
-    """
-    work: list[WorkItem] = []
-    index = -1
-    for gi, group in enumerate(opt.param_groups):
-        for p, storage in zip(group["params"], opt._validate_group(group, gi), strict=True):
-            index += 1
-            if opt.state.get(p) and not is_dtensor(p):  # (DTensor state stays as loaded)
-                work.append((group, p, index, storage))
-    buckets, _ = batches.small_buckets(opt, _by_size(work)[1], None)
-    for _step, items in buckets:
-        group, _, _, storage = items[0]
-        states = [opt.state[p] for _, p, _, _ in items]
-        sizes = [p.numel() for _, p, _, _ in items]
-        for name in (*storage.buffers(items[0][1]), *opt._math_buffers(group, items[0][1])):
-            if all(st.get(name) is not None for st in states) and len(
-                {(st[name].dtype, st[name].device) for st in states}
-            ) == 1:
-                _flat_state(states, name, sizes, True)
 
 
 def _saved_width(t: Any, scale: Any, p: torch.Tensor) -> int | None:

@@ -5,24 +5,22 @@ per variant: optimizer, strategy, flags, loss-scaler mode and the tensors' devic
 (``_signature``), with the Inductor settings the step's numerics need; ``_KERNELS`` caches them.
 ``prepare_fused`` gathers what a compiled step of one contiguous tensor needs besides its
 gradient and the step's numbers (``_Fused``: flat views or words of pairs, ``pairs_plan``, and
-the kernels), which depends on layouts and dtypes alone, so a recorded step keeps it;
+the kernels), which depends on layouts and dtypes alone, so a bucket keeps it;
 ``run_fused`` runs it (a sums pass first for a rule with norms; the odd last element of pairs
 eagerly). A compilation failure (``_COMPILE_ERRORS``) leaves nothing written: the caller
 falls back to the eager step and ``_disable_fused`` turns the fused step off with a warning.
-``_one_cpp_kernel_per_loop`` is a compile setting of the shared calls (``plan._Many``).
 Tests replace ``_compiled_kernel`` and ``pairs_plan``; other modules call them through this one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -369,34 +367,6 @@ def _disable_fused(opt: LowPrecisionOptimizer, error: BaseException) -> None:
     )
 
 
-@contextlib.contextmanager
-def _one_cpp_kernel_per_loop() -> Iterator[None]:
-    """While compiling a shared call (``_Many``), Inductor's C++ backend ends its kernel after each
-    loop instead of gathering every loop of the graph into one C++ function.
-
-    Gathered, a call over 12 parameters is one function with 12 copies of the update (~0.5 MB of
-    C++), which took 63-95 s to compile with a cold cache. Ended per loop, the copies come out as
-    a few distinct sources (2-3 there: they differ only in Inductor's buffer numbering), each
-    compiled once and called for its parameters: 7-33 s with a cold cache for calls of 12
-    parameters, 4-13 s for calls of at most 4 (``_MANY_MAX``). The setting is Inductor's class
-    attribute ``CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM`` (the argument count past which it ends a
-    kernel); where a version of torch lacks it, nothing is changed. Only compilation reads it."""
-    try:
-        from torch._inductor.codegen.cpp import CppScheduling
-    except Exception:  # (no Inductor C++ backend here: nothing to set)
-        yield
-        return
-    old = getattr(CppScheduling, "MAX_FUSED_KERNEL_ARGS_NUM", None)
-    if not isinstance(old, int):
-        yield
-        return
-    CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = 1
-    try:
-        yield
-    finally:
-        CppScheduling.MAX_FUSED_KERNEL_ARGS_NUM = old
-
-
 def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
     words of pairs of elements. Always a new view of ``t`` detached, even of a 1-d ``t``: handed
@@ -494,7 +464,7 @@ def prepare_fused(
     """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
     numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
     It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
-    (``replay.redo``).
+    (``buckets``, ``param_step._Entry``).
 
     ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
     index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
@@ -546,7 +516,7 @@ def prepare_fused(
     # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
     # The whole-tensor sums in a compiled pass of their own, so that the update pass
     # recomputes what it needs instead of keeping full-size temporaries.
-    # The functions the kernels compile (a shared call, _Many, runs the same ones).
+    # The functions the kernels compile.
     f.update_fn = _param_update if pairs is None else _param_update_pairs
     f.sums_fn = None
     f.sums_kernel = None

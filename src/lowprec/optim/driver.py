@@ -1,22 +1,20 @@
-"""The step as a pipeline: what ``step()`` does after its closure.
+"""What ``step()`` does after its closure: one grouping, the buckets, from the first step on.
 
-``step()`` (``base``) makes a ``StepContext`` of the loss scaler's inputs and calls ``run``,
-which hands it to three stages in turn; the first that takes the step ends it:
+``step()`` (``base``) makes a ``StepContext`` of the loss scaler's inputs and calls ``run``. A
+group's parameters are laid out in buckets (``buckets.flatten``) as soon as their state exists,
+so every step, the first included, goes through ``buckets.step_buckets``: a few calls per bucket
+whatever the number of tensors, and the parameters no bucket takes (whole-tensor rules, odd
+sizes, ...) each by its own step, prepared once and kept (``param_step._Entry``). The first step,
+or one after something the buckets were made for changed (a parameter rebound, state loaded),
+validates every parameter (``_collect``, raising before anything is written), creates the
+missing state, lays the buckets out again and steps through them. ``full_step``, every parameter
+on its own, is left for what the buckets decline: buffers an option turned on since a
+parameter's last step (``param_step.step_late``), and a step under a loss scaler on a GPU whose
+bucket counts differ. Nothing is recorded and replayed: a bucket keeps its compiled calls, and
+that is the whole cache.
 
-1. ``buckets.step_buckets``: the parameters laid out in flat buffers, a few compiled calls per
-   group of tensors (``compiled.run_fused``), whatever their count;
-2. ``replay.redo``: the step the last full step recorded, redone where nothing it relied on
-   changed (the rules and layouts buckets do not take: Adafactor, Muon, DTensor shards...);
-3. ``full_step``: validate, check the gradients under a loss scaler, step each parameter
-   (``param_step.step_param``: compiled or eager) and the small ones in batches
-   (``batches.step_small``), and record the step; ``buckets.flatten`` then lays the buckets out
-   for the next one.
-
-A stage that declines has written nothing. Each stage is a function of the optimizer and the
-context (``full_step`` here, the others in their modules); below them, ``param_step`` (one parameter's step and the step's
-numbers), ``compiled`` (the kernels), ``update`` (the arithmetic), ``loss_scale`` (the scaler's
-check). The update inside backward (``in_backward``) ends its step here too, and a DTensor's
-parameters are stepped as their local shards (``shards.local_shards``).
+The update inside backward (``in_backward``) ends its step here too, and a DTensor's parameters
+are stepped as their local shards (``shards.local_shards``), in buckets of their own.
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # (called through their modules: tests replace these functions and loss_scale._host_counts)
-from lowprec.optim import batches, buckets, loss_scale, param_step, replay
-from lowprec.optim.batches import _by_size
+from lowprec.optim import buckets, loss_scale, param_step
 from lowprec.optim.loss_scale import _Scaling
-from lowprec.optim.plan import _Plan
 from lowprec.optim.shards import local_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,7 +53,7 @@ class StepContext:
 
 
 def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
-    """``step()`` after its closure: the pipeline."""
+    """``step()`` after its closure."""
     in_backward = opt.__dict__.get("_in_backward")
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
     if in_backward is not None and not in_backward._end_step(ctx.grad_scale, ctx.found_inf):
@@ -70,22 +66,31 @@ def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
 
 
 def stages(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
-    """The three stages in turn, until one takes the step."""
-    if buckets.step_buckets(opt, ctx) or replay.redo(opt, ctx):
+    """The buckets' step; where they decline (the first step, or something they were made for
+    changed), validate, create the missing state, lay them out and try again; ``full_step``
+    only for what they still decline."""
+    if buckets.step_buckets(opt, ctx):
         return
-    full_step(opt, ctx)
+    late: list[WorkItem] = []
+    work = opt._collect(late)  # (raises before anything is written)
+    if not late:
+        for group, p, _, storage in work:
+            state = opt.state[p]
+            if not state:  # (lazily, with only the buffers its strategy needs)
+                state.update(opt._init_state(group, p, storage))
+        buckets.flatten(opt)
+        if buckets.step_buckets(opt, ctx):
+            return
+    full_step(opt, ctx, work, late)
     buckets.flatten(opt)
 
 
-def full_step(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
-    """The step that always applies: validate every parameter (``_collect``, raising before
-    anything is written), check the gradients under a loss scaler, create the buffers an option
-    turned on (``param_step.step_late``), step the large parameters one by one
-    (``param_step.step_param``) and the small ones in batches (``batches.step_small``), and
-    record what was done (``plan._Plan``) for ``replay.redo``."""
-    opt._step_plan = None
-    late: list[WorkItem] = []
-    work = opt._collect(late)
+def full_step(
+    opt: LowPrecisionOptimizer, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
+) -> None:
+    """Every parameter of ``work`` (validated by ``_collect``) on its own: check the gradients
+    under a loss scaler, create the buffers an option turned on (``late``:
+    ``param_step.step_late``), step the others (``param_step.step_param``)."""
     memo: Memo = {}
     scaling = None
     if ctx.scaled:
@@ -96,18 +101,9 @@ def full_step(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
                    if "step" in opt.state.get(p, ()) and not loss_scale._host_counts(p.device)]
         if counted:  # (every parameter's numbers at once, per group: not one by one)
             param_step.scaled_numbers_many(opt, counted, scaling, memo)
-    if late:  # (rare: a step that creates buffers is not recorded)
+    if late:
         param_step.step_late(opt, late, scaling)
         ids = {id(p) for _, p, _, _ in late}
         work = [item for item in work if id(item[1]) not in ids]
-        plan = None
-    else:
-        plan = _Plan(opt, ctx.scaled)  # (for the next steps to redo: replay.redo)
-    memo["plan"] = plan
-    large, small = _by_size(work)
-    for group, p, index, storage in large:
+    for group, p, index, storage in work:
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
-    small = batches.step_small(opt, small, memo, scaling)
-    for group, p, index, storage in small:
-        param_step.step_param(opt, group, p, index, storage, scaling, memo)
-    opt._step_plan = plan

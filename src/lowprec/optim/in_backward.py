@@ -8,12 +8,13 @@ the gradients autograd is still producing exist at any moment (optimi's "gradien
 torch's private ``_apply_optimizer_in_backward``).
 
 It runs the optimizer's own per-parameter step (``param_step.step_param``, compiled where the step
-is fused), with the numbers of the parameter's group made once per step, so the result equals
+is fused, its prepared call kept and run again: ``param_step.redo_entry``), with the numbers of
+the parameter's group made once per step, so the result equals
 the same optimizer stepped normally bit for bit, for every optimizer and ``master=`` strategy:
 each parameter's update depends on its own gradient and state alone (LAMB's and StableAdamW's
 norms are per tensor; stochastic rounding's key is the parameter's index and step). Small
-parameters (biases, norms: ``batches._SMALL`` elements or fewer) are stepped together at the
-end of backward (``queue_callback``), in the compiled batches of a normal step; their gradients
+parameters (biases, norms: ``_SMALL`` elements or fewer) are stepped together at the end of
+backward (``queue_callback``), by the normal step's buckets (``driver.stages``); their gradients
 are a few KB.
 
 ``optimizer.step()`` must still be called once after each backward: it finds no gradient on
@@ -46,10 +47,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lowprec.optim import driver, param_step, replay
+from lowprec.optim import buckets, driver, param_step, qstate
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.batches import _by_size
-from lowprec.optim.plan import _Entry, _Recorder
+from lowprec.optim.param_step import _Entry
 from lowprec.optim.shards import is_dtensor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,6 +60,9 @@ __all__ = ["StepInBackward", "step_in_backward"]
 
 #: The attribute marking a parameter stepped inside backward (``lowprec.accumulate`` refuses it).
 MARK = "_lowprec_in_backward"
+#: Parameters of up to this many elements (biases, norms) wait for the end of backward, where
+#: the buckets step them together: a call each in their hooks would cost most of their step.
+_SMALL = 1 << 16
 
 
 class _Item:
@@ -77,7 +80,8 @@ class _Item:
     ) -> None:
         self.group, self.p, self.index, self.storage, self.where = group, p, index, storage, where
         self.dtype = p.dtype
-        self.small = not _by_size([(group, p, index, storage)])[0]
+        self.small = p.numel() <= _SMALL and not (group["state_dtype"] in qstate.BITS
+                                                   and qstate.qualifies(p))
 
 
 class StepInBackward:
@@ -141,6 +145,7 @@ class StepInBackward:
                 for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                     index += 1
                     self._items[id(p)] = _Item(group, p, index, storage, (gi, pi))
+        new = []
         for it in cast("dict[int, _Item]", self._items).values():  # (made above)
             state = opt.state.get(it.p)
             if state:  # (state tensors as at the last check: not checked again)
@@ -148,7 +153,17 @@ class StepInBackward:
                 if self._checked.get(id(it.p)) != key:
                     opt._check_state(state, it.group, it.p, it.storage, it.where)
                     self._checked[id(it.p)] = key
-        return {"plan": _Recorder(self._entries)}
+            elif it.p.requires_grad:
+                new.append(it)
+        # (the state of the parameters this backward steps, created before any is stepped and
+        # laid out in the buckets at once, or again where the layout no longer holds: the
+        # small ones' step at the end of backward, and the large ones' kept calls, find it
+        # where it stays)
+        for it in new:
+            opt.state[it.p].update(opt._init_state(it.group, it.p, it.storage))
+        if new or not buckets.laid_out(opt):
+            buckets.flatten(opt)
+        return {"entries": self._entries}
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -179,17 +194,16 @@ class StepInBackward:
 
     def _redo(self, p: torch.Tensor, memo: Memo) -> bool:
         """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
-        ``step()`` redoes a recorded one (``replay.redo_entry``), if nothing it relied on changed;
-        False, having written nothing, otherwise."""
+        the buckets redo the parameters they step on their own (``param_step.redo_entry``), if
+        nothing it relied on changed; False, having written nothing, otherwise."""
         opt = self.optimizer
         if getattr(opt, "_fused_broken", False):  # (compilation failed: eager from now on)
             self._entries.clear()
         e = self._entries.get(id(p))
         fused: list[_Entry] = []
-        if not replay.redo_entry(opt, e, memo, None, fused):
+        if not param_step.redo_entry(opt, e, memo, None, fused):
             return False
-        if fused:  # (e was redone: an entry)
-            cast(_Entry, e).count.fill_(cast(_Entry, e).step + 1)
+        cast(_Entry, e).count.add_(1)  # (redone: an entry)
         return True
 
     def _step(self, it: _Item, memo: Memo) -> None:
@@ -206,7 +220,7 @@ class StepInBackward:
     @torch.no_grad()
     def _flush(self) -> None:
         """The end of backward: the small parameters, the only ones left with gradients, take
-        the optimizer's own step (recorded and redone as ever: their batches)."""
+        the optimizer's own step (the buckets')."""
         if not self._small_waiting:
             return
         self._small_waiting = False

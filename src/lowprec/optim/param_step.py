@@ -1,5 +1,5 @@
-"""One parameter's step, and the step's numbers: what every stage of the pipeline (``driver``)
-runs for a parameter it steps on its own.
+"""One parameter's step, and the step's numbers: what the step (``driver``, ``buckets``) runs
+for a parameter it steps on its own, and the numbers every call of a step shares.
 
 ``step_param`` steps one parameter: compiled (``compiled.prepare_fused``, ``compiled.run_fused``;
 one call in the parameter's shape for a rule that needs it whole, ``_step_whole_fused``) where
@@ -11,11 +11,14 @@ coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coeffic
 stochastic rounding's keys (``random_keys``) and, under a loss scaler off the CPU, all of them
 made on the device from the step counts kept there (``scaled_numbers_many``). ``advance``
 advances a parameter's count once it is stepped (by ``1 - skip`` under a loss scaler, decided on
-the device).
+the device). A parameter stepped on its own keeps its prepared compiled call (``_Entry``, in the
+``memo``'s ``"entries"``, which the buckets' layout and the update inside backward hold from
+step to step), and ``redo_entry`` runs it again while nothing it relied on changed.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
@@ -26,7 +29,6 @@ from lowprec.numerics import stream_key, stream_key_halves
 from lowprec.optim import compiled, loss_scale, qstate, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
-from lowprec.optim.plan import _Entry
 from lowprec.optim.shards import all_reduce_sums, reduce_groups
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
@@ -34,6 +36,7 @@ from lowprec.optim.update import _param_sums, _param_update
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import Memo, WorkItem
     from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.compiled import _Fused
 
 #: A parameter's numbers for a step under a loss scaler, on its device (``scaled_numbers``):
 #: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
@@ -250,9 +253,10 @@ def step_param(
 ) -> None:
     """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
     group shares (flags, coefficients and their tensors for a given step number), so that a
-    model of many small tensors does not pay for them per tensor; its ``"plan"`` records the
-    step for ``replay.redo``. ``first_use``: the first step of buffers created late
-    (``step_late``), eager, with ``_first_use_coefficients``."""
+    model of many small tensors does not pay for them per tensor; its ``"entries"`` (where
+    present) keeps the parameter's prepared compiled call for ``redo_entry``. ``first_use``: the
+    first step of buffers created late (``step_late``), eager, with
+    ``_first_use_coefficients``."""
     memo = {} if memo is None else memo
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
@@ -274,7 +278,6 @@ def step_param(
         )
     if first_use:
         coeffs = opt._first_use_coefficients(group, step)
-    plan = memo.get("plan")
     # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
     shards = reduce_groups(opt, p) if not opt._elementwise else ()
     # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
@@ -310,8 +313,6 @@ def step_param(
                           math=opt._math, flags=flags, offset=start, **extra, **qkw,
                           **shape)
         advance(state, step, scaling, p.device)
-        if plan is not None:
-            plan.add(_Entry(group, p, index, storage, state, None))
         return
     if (p.numel() > 1 and contiguous and fusable and not first_use
             and _fused_enabled(opt, group, p)):
@@ -326,8 +327,9 @@ def step_param(
             _disable_fused(opt, e)
         else:
             advance(state, step, scaling, p.device)
-            if plan is not None:
-                plan.add(_Entry(group, p, index, storage, state, fused))
+            entries = memo.get("entries")
+            if entries is not None:  # (kept for the next step: redo_entry)
+                entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
     chunkable = opt._elementwise or opt._norm_terms is not None
     chunk = update._eager_chunk(p.device)
@@ -360,8 +362,6 @@ def step_param(
         _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
                       math=opt._math, flags=flags, offset=offset, **extra, **qkw)
     advance(state, step, scaling, p.device)
-    if plan is not None:
-        plan.add(_Entry(group, p, index, storage, state, None))
 
 
 def _step_whole_fused(
@@ -413,3 +413,83 @@ def advance(
         state["step"].fill_(step)
     else:  # one more step unless this one was skipped, decided on the device
         state["step"].add_(scaling.taken_on(device))
+
+
+def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
+    """What a step's path depends on in a gradient besides its shape."""
+    return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
+
+
+class _Entry:
+    """A parameter's compiled step as ``step_param`` prepared it (``compiled._Fused``: views and
+    kernels), with what ``current`` checks before ``redo_entry`` runs it again: the parameter,
+    the layout of its gradient, its state tensors. It holds no gradient, so that a gradient the
+    training loop drops is freed. Without it, each step of a parameter stepped on its own
+    prepared the call again: LAMB with 8-bit state, whose 8-bit parameters stay out of buckets,
+    lost 14% of a step of ``lowprec compare``'s model to it."""
+
+    __slots__ = ("count", "dtype", "fused", "gkind", "group", "index", "names", "p", "ptr",
+                 "shape", "size", "state", "storage", "stride", "tensors")
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        index: int,
+        storage: MasterStorage,
+        state: dict[str, Any],
+        fused: _Fused,
+    ) -> None:
+        self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
+        self.state, self.count = state, state["step"]
+        self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
+        self.tensors = tuple(state[k] for k in self.names)
+        self.size = len(state)
+        self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
+        self.gkind = _grad_kind(cast(torch.Tensor, p.grad))  # (a stepped parameter's)
+
+    def current(self, state: dict[Any, Any]) -> bool:
+        p = self.p
+        g = p.grad  # (checked every step: an entry that held it would keep it alive)
+        if g is None or g.shape != self.shape or _grad_kind(g) != self.gkind:
+            return False
+        st = state.get(p)
+        return (
+            st is self.state and p.data_ptr() == self.ptr and p.dtype == self.dtype
+            and p.shape == self.shape and p.stride() == self.stride and len(st) == self.size
+            and all(map(operator.is_, map(st.get, self.names), self.tensors))
+        )
+
+
+def redo_entry(
+    opt: LowPrecisionOptimizer,
+    e: _Entry | None,
+    memo: Memo,
+    scaling: _Scaling | None,
+    fused: list[_Entry],
+) -> bool:
+    """A parameter's compiled step as prepared at its last step (its ``_Entry``), run again with
+    this step's numbers if nothing it relied on changed; False, having written nothing,
+    otherwise. ``fused`` collects it: its count is the caller's to advance
+    (``loss_scale._advance_counts``, one call for all of them)."""
+    if e is None or not e.current(opt.state) or not _fused_enabled(opt, e.group, e.p):
+        return False
+    grad = cast(torch.Tensor, e.p.grad)  # (present: checked by e.current)
+    try:
+        if scaling is None or loss_scale._host_counts(e.p.device):
+            step = int(e.count.item()) + 1
+            compiled.run_fused(
+                opt, e.fused, grad, *step_coefficients(opt, e.group, step, memo),
+                *random_keys(e.group, e.storage, step, e.index),
+                {} if scaling is None else scaling.kernel_args(e.p.device),
+            )
+        else:  # (the count on the device: the numbers made there)
+            _, lo, hi, coeffs, extra = scaled_numbers(
+                opt, e.group, e.p, e.index, e.storage, e.state, scaling, memo
+            )
+            compiled.run_fused(opt, e.fused, grad, coeffs, coeffs, lo, hi, extra)
+    except _COMPILE_ERRORS as err:  # (compilation failed before anything was written)
+        _disable_fused(opt, err)
+        return False
+    fused.append(e)
+    return True

@@ -126,8 +126,8 @@ def flat_offset(p: DTensor) -> int:
 
 class _Shard:
     """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
-    its local tensor and placements stay the same: its local state dict (kept from step to step
-    for ``replay.redo``), the index of its first element in the whole parameter (keying stochastic
+    its local tensor and placements stay the same: its local state dict (kept from step to step,
+    so that its buckets, ``buckets``, hold as a plain parameter's do), the index of its first element in the whole parameter (keying stochastic
     rounding's random bits), and the process groups its shards span."""
 
     __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
@@ -229,8 +229,9 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
     """For the length of a step: every DTensor parameter replaced, in ``opt.param_groups``, by its
     local tensor carrying its local gradient, and ``opt.state`` by a map whose entries for those
     tensors hold local views of the DTensor state (the other entries are the optimizer's own dicts).
-    The state dicts of the local tensors are kept from step to step, so that a recorded step
-    (``replay.redo``) is redone as for plain parameters. Afterwards every parameter-shaped state
+    The state dicts of the local tensors are kept from step to step, and so are their tensors
+    while they hold the DTensor state's memory (a DTensor made from a local tensor holds a new
+    view of it), so that the buckets (``buckets``) hold as for plain parameters. Afterwards every parameter-shaped state
     tensor is a DTensor of the parameter's placements. Nothing is changed if a check fails."""
     groups = opt.param_groups
     old: dict[int, _Shard] = opt.__dict__.get("_shards") or {}
@@ -277,7 +278,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             del lstate[k]
         for k, v in dstate.items():
             v = local(v)
-            if lstate.get(k) is not v:
+            if not _aliases(lstate.get(k), v):
                 lstate[k] = v
         state[lp] = lstate
         params[gi][pi] = lp
@@ -313,11 +314,17 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             dstate = saved_state[p]
             for k, v in list(lstate.items()):
                 d = dstate.get(k)
-                if is_dtensor(d) and local(d) is v:
+                if is_dtensor(d) and _aliases(v, local(d)):
                     continue
-                d = dstate[k] = wrap_state(k, v, lp, p)
-                if is_dtensor(d):
-                    lstate[k] = local(d)
+                dstate[k] = wrap_state(k, v, lp, p)
+
+
+def _aliases(a: Any, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b``, or a tensor viewing the same elements of the same memory."""
+    return a is b or (
+        isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+        and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
+    )
 
 
 def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[ProcessGroup]:

@@ -4,10 +4,9 @@ apply the rule, store, write.
 ``_param_update`` is the whole step of one tensor (or a chunk of one): the eager step calls it,
 the compiled step (``compiled``) runs it under ``torch.compile``. ``_param_update_pairs`` is the
 same on words of two elements (the compiled CPU step of 16-bit strategies), ``_param_sums`` and
-``_param_sums_pairs`` the read-only pass of a rule with whole-tensor norms (``_norm_terms``), and
-``_update_many`` several parameters' updates in one compiled call (``plan._Many``). They take
-plain tensors and the rule's pure ``_math``, never the optimizer, and are pure but for their
-writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by the
+``_param_sums_pairs`` the read-only pass of a rule with whole-tensor norms (``_norm_terms``).
+They take plain tensors and the rule's pure ``_math``, never the optimizer, and are pure but for
+their writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by the
 element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
 """
 
@@ -329,7 +328,7 @@ def _param_update_pairs(
     ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
     ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's parameter
     and ``idx`` its index within that parameter, which replaces the word's own index in the random
-    bits' hash (``batches.batch_layout``). ``base`` (0-d int64) is added to every word's index: a
+    bits' hash (``buckets._word_owners``). ``base`` (0-d int64) is added to every word's index: a
     DTensor shard's first word's index in the whole parameter (``_random_bits``).
     """
     kinds = dict(dtypes)
@@ -359,34 +358,6 @@ def _param_update_pairs(
     p.copy_(new_p)
     if unscaled is not None:  # (the gradient written back unscaled: _param_update)
         grad.copy_(unscaled)
-
-
-def _update_many(
-    pvs: list[torch.Tensor],
-    gvs: list[torch.Tensor],
-    svs: list[dict[str, torch.Tensor]],
-    mvs: list[dict[str, torch.Tensor]],
-    c: dict[str, Any],
-    los: list[int | torch.Tensor],
-    his: list[int | torch.Tensor],
-    *,
-    fn: Callable[..., None],
-    sums_fn: Callable[..., torch.Tensor] | None = None,
-    norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None,
-    **kw: Any,
-) -> None:
-    """``fn`` (``_param_update`` or ``_param_update_pairs``) on each of several parameters, for
-    one compiled call that steps them all (``_Many``); ``c`` is shared, the keys are each one's.
-
-    A rule with whole-tensor norms passes ``sums_fn`` (``_param_sums`` or ``_param_sums_pairs``)
-    and its ``norm_terms``: each parameter's sums, then its update, before the next parameter's,
-    so that the update finds the parameter's tensors still in cache from its own sums pass."""
-    sums_kw = {k: kw[k] for k in ("storage", "flags", "dtypes", "inv_scale", "qstate") if k in kw}
-    for pv, gv, sv, mv, lo, hi in zip(pvs, gvs, svs, mvs, los, his, strict=True):
-        cp = c
-        if sums_fn is not None:
-            cp = {**c, "sums": sums_fn(pv, gv, sv, mv, c, norm_terms=norm_terms, **sums_kw)}
-        fn(pv, gv, sv, mv, cp, lo, hi, **kw)
 
 
 _WORDS = {2: torch.int32, 4: torch.int64}
