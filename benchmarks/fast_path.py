@@ -4,23 +4,18 @@ model.
 
 The mechanisms (``docs/architecture.md``, "The fused step"):
 
-* ``buckets``: from the second step on, a group's tensors in flat buffers, a few compiled calls
-  per group whatever their number (the pipeline's first stage, ``buckets.step_buckets``); off,
-  the recorded step or the full one, as for a rule or layout buckets do not take;
+* ``buckets``: from the first step, a group's tensors in flat buffers, a few compiled calls per
+  group whatever their number (``buckets.step_buckets``); off, every parameter by its own full
+  step (``driver.full_step``), as before buckets;
 * ``pairs``: on CPU, 16-bit tensors stepped as 32-bit words of two elements (vectorized C++);
   off, the elementwise kernel (``compiled.pairs_plan`` returns None);
-* ``batches``: parameters of up to ``batches._SMALL`` elements stepped by one compiled call per
-  batch; off, one call each (``_SMALL`` = 0 during the step);
-* ``replay``: from the second step on, the recorded step's prepared work redone after checking
-  that nothing it relied on changed; off, a full step every time (which still records: a small
-  overestimate of what dropping it would cost);
-* ``shared calls``: a redone step's large parameters of one kernel variant, up to 4 per compiled
-  call (``plan._Many``); off, one call each.
+* ``kept calls``: a parameter no bucket takes keeps its prepared compiled call
+  (``param_step._Entry``) and runs it again while nothing it relied on changed; off, it is
+  prepared anew at every step (``param_step.redo_entry`` declines).
 
 Each is switched off by patching its module during the switched-off optimizer's step alone
-(``SWITCHES``). Where buckets take a step, the mechanisms of the steps they replace (batches after
-the first step, replay, shared calls) do not run: ``lamb-8bit`` and ``adafactor`` are rules
-buckets do not take, the steps that replay and shared calls still serve.
+(``SWITCHES``). ``lamb-8bit`` and ``adafactor`` are rules whose parameters no bucket takes (8-bit
+codes with whole-tensor sums; whole tensors), the steps the kept calls serve.
 
 The optimizers stepped with and without a mechanism are alive side by side and stepped in turn
 (which goes first alternates), each with its own parameters and the same fixed gradients; a
@@ -53,7 +48,7 @@ import torch
 
 import lowprec
 from lowprec.cli.task import CharTransformer, ModelConfig
-from lowprec.optim import batches, buckets, compiled, replay
+from lowprec.optim import buckets, compiled, param_step
 
 CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-kahan": (lowprec.AdamW, {"lr": 1e-3, "master": "kahan"}),
@@ -71,18 +66,16 @@ _kind = buckets._kind
 
 def _kind_off_pairs(opt, group, p, storage):
     """``buckets._kind`` without pairs: stochastic rounding's parameters left out of buckets (a
-    gathered piece's per-word random keys need the pairs kernel), stepped as before buckets."""
+    gathered piece's per-word random keys need the pairs kernel), each stepped on its own."""
     return None if storage.needs_random_bits else _kind(opt, group, p, storage)
 
 # What switches a mechanism off, patched into its module for the switched-off optimizer's step
-# alone (the stages are functions: lowprec.optim.driver).
+# alone.
 SWITCHES: dict[str, list[tuple[Any, str, Any]]] = {
     "buckets": [(buckets, "step_buckets", _never), (buckets, "flatten", lambda opt: None)],
     "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None),
               (buckets, "_kind", _kind_off_pairs)],
-    "batches": [(batches, "_SMALL", 0)],
-    "replay": [(replay, "redo", _never)],
-    "shared calls": [(replay, "run_many", _never)],
+    "kept calls": [(param_step, "redo_entry", _never)],
 }
 
 

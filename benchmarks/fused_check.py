@@ -138,12 +138,11 @@ QUICK = ("AdamW/kahan/bf16", "SGD/split/bf16")
 
 
 def shapes(device: torch.device, quick: bool) -> list[tuple[int, ...]]:
-    """Small tensors (stepped in batches on the CPU): two that 8-bit state quantizes (>= 4096
+    """Small tensors (gathered in a bucket's pieces): two that 8-bit state quantizes (>= 4096
     elements, whole blocks of 256), an odd length, a 3-d one, one element (stepped eagerly), an
-    empty one. Without --quick also large ones: two past ``batches._SMALL`` (64K elements; a
-    redone step steps large tensors of one variant in a shared call, ``plan._Many``), and on
-    CUDA one of 33280 rows of 256, past the 32768 rows of an 8-bit call (``compiled._QROWS``)
-    and several eager pieces; on the CPU one of 2112 rows, past its 2048."""
+    empty one. Without --quick also large ones: two past 64K elements, and on CUDA one of 33280
+    rows of 256, past the 32768 rows of an 8-bit call (``compiled._QROWS``) and several eager
+    pieces; on the CPU one of 2112 rows, past its 2048."""
     out = [(128, 72), (64, 144), (33,), (2, 3, 5), (1,), (0,)]
     if not quick:
         out += [(272, 256), (256, 288), (4160, 2048) if device.type == "cuda" else (2112, 256)]

@@ -76,7 +76,7 @@ def measure(name: str, base: BaseTensors, device: str, steps: int, top: int, war
     dtype = CONFIGS[name][0]
     params = base.params(dtype)
     opt = _make(name, params, device)
-    for _ in range(warmup):  # (compiles, records the step for replay)
+    for _ in range(warmup):  # (compiles the buckets' kernels)
         opt.step()
     _sync(device)
     walls, hosts = [], []
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3,
-                    help="untimed steps first (the compiled step compiles, then is replayed)")
+                    help="untimed steps first (the compiled step compiles)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler")
     ap.add_argument("--top", type=int, default=12, help="rows of each profiler table")
     args = ap.parse_args(argv)

@@ -127,6 +127,8 @@ CHANGES = {
     "grad_non_contiguous": _set_grads(lambda params: [
         p.grad.t().contiguous().t() if p.dim() == 2 else p.grad for p in params]),
     "weight_decay_off": lambda params, opt, saved: opt.param_groups[0].update(weight_decay=0.0),
+    # A flag of the rule's code (its kernels are compiled for it) that adds no buffer.
+    "maximize_on": lambda params, opt, saved: opt.param_groups[0].update(maximize=True),
     "master_changed_on_a_new_group": lambda params, opt, saved: opt.add_param_group(
         {"params": [torch.zeros(6, dtype=torch.bfloat16, requires_grad=True)],
          "master": "split"}),

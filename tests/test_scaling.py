@@ -470,9 +470,9 @@ def test_skipped_iteration_is_invisible(cls, master, dtype, device):
 def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(use_buckets, monkeypatch,
                                                                          device, request):
     # As on a GPU: the optimizer's step counts are read on the device (on the CPU they are read
-    # on the host, which is no synchronisation there). Through buckets, the first step of a new
-    # layout reads its counts once (whether they are all the same: buckets.same_counts); every
-    # later step reads nothing.
+    # on the host, which is no synchronisation there). Through buckets, the first step, which
+    # lays them out, reads their counts once (whether they are all the same:
+    # buckets.same_counts); every later step reads nothing.
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     if not use_buckets:
         request.getfixturevalue("no_buckets")
@@ -483,7 +483,7 @@ def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(use_buck
         opt.zero_grad()
         loss = scaler.scale(_loss(model, i, torch.bfloat16, poison="inf" if i == 2 else None))
         loss.backward()
-        reads = contextlib.nullcontext() if use_buckets and i == 1 else no_host_reads()
+        reads = contextlib.nullcontext() if use_buckets and i == 0 else no_host_reads()
         with reads:
             stepped = scaler.step(opt)  # unscale, inf/NaN check and skip all on the device
         assert bool(stepped) == (i != 2)

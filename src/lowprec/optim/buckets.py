@@ -70,7 +70,6 @@ from lowprec.optim import compiled, loss_scale, param_step, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.param_step import _Entry
-from lowprec.optim.shards import reduce_groups
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
@@ -114,10 +113,11 @@ def _kind(
     keyed = storage.needs_random_bits
     if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)):
         return None  # (random bits keyed per word of a piece of many parameters: on pairs)
-    shard = opt.__dict__.get("_shard_offsets") or {}
-    if id(p) in shard and (keyed or reduce_groups(opt, p)):
-        # (a DTensor's shard whose random bits are keyed from its offset in the whole
-        # parameter, or whose whole-tensor sums add every rank's: a step of its own)
+    if id(p) in (opt.__dict__.get("_shard_offsets") or {}):
+        # (a DTensor's shard, ``shards.local_shards``: its state kept in tensors of its own, with
+        # its kept call; as views of a flat buffer, torch 2.13 could not deep-copy the DTensor
+        # state that wraps them, as copy.deepcopy(opt.state_dict()) does: "Attempted to call
+        # copy_() on an invalid python storage")
         return None
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
@@ -532,7 +532,12 @@ def flatten(opt: LowPrecisionOptimizer) -> None:
     old = opt.__dict__.get("_buckets")
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
-        kept = {(b.kind, *map(id, b.params)): b for b in old.buckets if b.current(opt)}
+        # (a bucket's prepared calls were compiled for its group's options and flags: kept
+        # only where those are the same, e.g. not after maximize=True)
+        same = {id(g) for g, _, options, flags in old.groups
+                if opt._plan_options(g) == options and opt._flags(g) == flags}
+        kept = {(b.kind, *map(id, b.params)): b for b in old.buckets
+                if id(b.group) in same and b.current(opt)}
     layout = _Layout(opt)
     index = -1
     for gi, group in enumerate(opt.param_groups):
@@ -561,8 +566,8 @@ def flatten(opt: LowPrecisionOptimizer) -> None:
                                  members[0][3])
             layout.buckets.append(bucket)
     layout.rest.sort()
-    if old is not None and old.same_groups(opt):
-        layout.entries = old.entries  # (the rest's prepared steps, each checked before use)
+    # (the rest's prepared calls are not carried over: they were prepared under the options and
+    # flags of the old layout, which may have changed)
     opt._buckets = layout
 
 
