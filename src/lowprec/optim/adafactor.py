@@ -31,7 +31,7 @@ import torch
 
 from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative
+from lowprec.optim.options import _check_nonnegative, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -42,7 +42,7 @@ _FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def adafactor_coefficients(
-    *, lr: float, beta2_decay: float, eps: tuple[float | None, float], d: float,
+    *, lr: float | torch.Tensor, beta2_decay: float, eps: tuple[float | None, float], d: float,
     weight_decay: float, step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``adafactor_math``: host floats, or 0-d tensors for a tensor step.
@@ -52,6 +52,9 @@ def adafactor_coefficients(
     eps1 = _FP32_EPS if eps[0] is None else eps[0]
     if isinstance(step, torch.Tensor):
         rho = torch.clamp(step.rsqrt(), max=lr)
+    elif isinstance(lr, torch.Tensor):  # (a capturable optimizer's: not read on the host)
+        rho = torch.clamp(torch.tensor(1 / step**0.5, dtype=torch.float64, device=lr.device),
+                          max=lr)
     else:
         rho = min(lr, 1 / step**0.5)
     new = step**beta2_decay
@@ -180,7 +183,11 @@ class Adafactor(LowPrecisionOptimizer):
             with the same results as the eager step (default: None, meaning compiled wherever
             torch.compile has a compiler; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Must be False (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False (default: False).
     """
 
@@ -246,7 +253,7 @@ class Adafactor(LowPrecisionOptimizer):
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return adafactor_coefficients(
-            lr=_as_float(group["lr"], "lr"), beta2_decay=group["beta2_decay"],
+            lr=_lr(group), beta2_decay=group["beta2_decay"],
             eps=tuple(group["eps"]), d=group["d"], weight_decay=group["weight_decay"], step=step,
         )
 

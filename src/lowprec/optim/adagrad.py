@@ -12,7 +12,7 @@ import torch
 
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative
+from lowprec.optim.options import _check_nonnegative, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -21,7 +21,7 @@ __all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
 
 
 def adagrad_coefficients(
-    *, lr: float, lr_decay: float, weight_decay: float, eps: float, step: Any
+    *, lr: float | torch.Tensor, lr_decay: float, weight_decay: float, eps: float, step: Any
 ) -> dict[str, Any]:
     """The per-step scalars of ``adagrad_math``, computed once on the host."""
     return {"clr": lr / (1 + (step - 1) * lr_decay), "weight_decay": weight_decay, "eps": eps}
@@ -114,8 +114,11 @@ class Adagrad(LowPrecisionOptimizer):
             has a compiler, C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).
-        capturable: Must be False: the step decides on the host what to run, so it cannot be
-            captured in a CUDA graph (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
     """
@@ -163,7 +166,7 @@ class Adagrad(LowPrecisionOptimizer):
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return adagrad_coefficients(
-            lr=_as_float(group["lr"], "lr"), lr_decay=group["lr_decay"],
+            lr=_lr(group), lr_decay=group["lr_decay"],
             weight_decay=group["weight_decay"], eps=group["eps"], step=step,
         )
 

@@ -15,7 +15,7 @@ import torch
 
 from lowprec.optim.adamw import adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -24,7 +24,7 @@ __all__ = ["Adam", "adam_coefficients", "adam_math", "adam_update"]
 
 
 def adam_coefficients(
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
 ) -> dict[str, Any]:
     """The per-step scalars of ``adam_math``: ``adamw_coefficients`` (the same bias corrections,
     and the decoupled decay factor) and the L2 coefficient ``weight_decay``."""
@@ -142,8 +142,11 @@ class Adam(LowPrecisionOptimizer):
             has a compiler, C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).
-        capturable: Must be False: the step decides on the host what to run, so it cannot be
-            captured in a CUDA graph (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
     """
@@ -190,7 +193,7 @@ class Adam(LowPrecisionOptimizer):
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return adam_coefficients(
-            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 

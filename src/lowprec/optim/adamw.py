@@ -14,7 +14,7 @@ import torch
 
 from lowprec.numerics import sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -23,7 +23,7 @@ __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 
 
 def adamw_coefficients(
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
 ) -> dict[str, Any]:
     """The per-step scalars of ``adamw_math``: host floats, or 0-d tensors for a tensor step.
 
@@ -151,8 +151,11 @@ class AdamW(LowPrecisionOptimizer):
             has a compiler, C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).
-        capturable: Must be False: the step decides on the host what to run, so it cannot be
-            captured in a CUDA graph (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
 
@@ -219,7 +222,7 @@ class AdamW(LowPrecisionOptimizer):
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return adamw_coefficients(
-            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
 

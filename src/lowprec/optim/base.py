@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import checkpoint, driver, qstate
+from lowprec.optim import checkpoint, driver, param_step, qstate
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.compiled import _default_mode
 from lowprec.optim.options import (
@@ -97,7 +97,11 @@ class LowPrecisionOptimizer(Optimizer):
         defaults: The subclass's hyperparameter defaults; ``master``, ``state_dtype``, ``seed``
             and ``fused`` are added to them.
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Must be False: the step decides on the host what to run (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
 
@@ -109,6 +113,7 @@ class LowPrecisionOptimizer(Optimizer):
     # What the step's stages keep on the optimizer, set where first needed (and read with
     # ``__dict__.get`` before that): declared here for type checkers, no class attributes.
     _has_dtensors: bool
+    _capturable: bool
     _fused_broken: bool
     _buckets: _Layout | None
     _in_backward: StepInBackward | None
@@ -133,6 +138,8 @@ class LowPrecisionOptimizer(Optimizer):
                 "changes between runs, and checkpoints map state to parameters by position."
             )
         _check_torch_options(type(self).__name__, foreach, capturable, differentiable)
+        # (read by param_step.host_counts: set before the groups, whose state it places)
+        self._capturable = bool(capturable)
         super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
 
     # ------------------------------------------------------------------ subclass interface
@@ -529,8 +536,11 @@ class LowPrecisionOptimizer(Optimizer):
         if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
             return init_state_local(self, group, p, storage)
         sd = self._state_dtype(group, p, storage)
+        # (the count on the host where the step reads it there, else on the parameter's device,
+        # where the step's numbers are made from it: param_step.host_counts)
+        device = None if param_step.host_counts(self, p.device) else p.device
         state: dict[str, Any] = {
-            "step": torch.tensor(0.0, dtype=torch.float32),
+            "step": torch.tensor(0.0, dtype=torch.float32, device=device),
             "master": storage.name,
         }
         state.update(storage.init(p))

@@ -61,12 +61,12 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import compiled, loss_scale, param_step, qstate
+from lowprec.optim import compiled, param_step, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.param_step import _Entry
@@ -111,8 +111,11 @@ def _kind(
     if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
     keyed = storage.needs_random_bits
-    if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)):
-        return None  # (random bits keyed per word of a piece of many parameters: on pairs)
+    if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)
+                      and param_step.host_counts(opt, p.device)):
+        # (random bits keyed per word of a piece of many parameters: on pairs, from the count
+        # on the host; else each parameter's own key, made on the device: scaled_numbers)
+        return None
     if id(p) in (opt.__dict__.get("_shard_offsets") or {}):
         # (a DTensor's shard, ``shards.local_shards``: its state kept in tensors of its own, with
         # its kept call; as views of a flat buffer, torch 2.13 could not deep-copy the DTensor
@@ -261,12 +264,16 @@ class _Bucket:
         count (all of them, in a plain loop), a compiled call per piece (``_pieces``). Under a
         loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device;
         where they are kept there (``on_device``), every parameter has a gradient and one count
-        (``same_counts``), and the step's numbers are made there from it."""
-        if self.on_device(scaling):
+        (``same_counts``, checked by ``step_buckets``), and the step's numbers are made there
+        from it: no value is read on the host."""
+        if self.on_device(opt):
+            if all(g is None for g in grads):  # (a frozen bucket: nothing to step)
+                return
             numbers = self._device_numbers(opt, memo)
+            taken = 1 if scaling is None else scaling.taken_on(self.counts.device)
             for a, b in self._pieces(0, len(grads)):
                 self._run(opt, a, b, grads, numbers, memo, scaling)
-                self.counts[a:b].add_(scaling.taken_on(self.counts.device))
+                self.counts[a:b].add_(taken)
             self.version = self.counts._version  # (their values moved alike)
             return
         counts = self.counts.tolist()
@@ -289,10 +296,10 @@ class _Bucket:
                     self.counts[a:b].add_(scaling.taken_on(self.counts.device))
             i = j
 
-    def on_device(self, scaling: _Scaling | None) -> TypeGuard[_Scaling]:
-        """Whether a step under ``scaling`` takes its numbers on the device: the parameters'
-        device keeps a scaled step's counts (``loss_scale._host_counts``)."""
-        return scaling is not None and not loss_scale._host_counts(self.params[0].device)
+    def on_device(self, opt: LowPrecisionOptimizer) -> bool:
+        """Whether a step takes its numbers on the device from the counts kept there
+        (``param_step.host_counts``: off the CPU, or a capturable optimizer)."""
+        return not param_step.host_counts(opt, self.params[0].device)
 
     def same_counts(self) -> bool:
         """Whether every count of the bucket is the same, read on the host only where they were
@@ -618,25 +625,25 @@ def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
         rest.append((group, p, index, storage))
     scaling = None
     memo: Memo = {}
-    if ctx.scaled:
-        work: list[WorkItem] = []
-        for bucket, gs in zip(layout.buckets, grads, strict=True):
-            if not loss_scale._host_counts(bucket.params[0].device) and (
-                bucket.keyed  # (its keys would be made on the device: the full step's way)
-                or bucket.counts.device != bucket.params[0].device or any(g is None for g in gs)
-                or not bucket.same_counts()
-            ):  # (the full step moves the counts there, or steps the parameters one by one)
-                return False
+    work: list[WorkItem] = []
+    for bucket, gs in zip(layout.buckets, grads, strict=True):
+        present = [g is not None for g in gs]
+        if bucket.on_device(opt) and any(present) and (
+            bucket.counts.device != bucket.params[0].device or not all(present)
+            or not bucket.same_counts()
+        ):  # (the full step moves the counts there, or steps the parameters one by one)
+            return False
+        if ctx.scaled:
             work += [(bucket.group, p, i, bucket.storage)
-                     for p, i, g in zip(bucket.params, bucket.indices, gs, strict=True)
-                     if g is not None]
+                     for p, i, g in zip(bucket.params, bucket.indices, present, strict=True) if g]
+    if ctx.scaled:
         work += rest
         scaling = _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf,
                                    opt.__dict__.get("_shard_reduce"))
-        counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
-                   if "step" in opt.state[p] and not loss_scale._host_counts(p.device)]
-        if counted:  # (their numbers on the device, all at once: as the full step makes them)
-            param_step.scaled_numbers_many(opt, counted, scaling, memo)
+    counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
+               if "step" in opt.state[p] and not param_step.host_counts(opt, p.device)]
+    if counted:  # (their numbers on the device, all at once: as the full step makes them)
+        param_step.scaled_numbers_many(opt, counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         bucket.step(opt, g, memo, scaling)
     _step_rest(opt, layout, rest, memo, scaling)

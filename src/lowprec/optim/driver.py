@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-# (called through their modules: tests replace these functions and loss_scale._host_counts)
-from lowprec.optim import buckets, loss_scale, param_step
+# (called through their modules: tests replace these functions)
+from lowprec.optim import buckets, param_step
 from lowprec.optim.loss_scale import _Scaling
+from lowprec.optim.options import in_step
 from lowprec.optim.shards import local_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,11 +59,12 @@ def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
     if in_backward is not None and not in_backward._end_step(ctx.grad_scale, ctx.found_inf):
         return
-    if opt.__dict__.get("_has_dtensors"):
-        with local_shards(opt):
+    with in_step():  # (a tensor hyperparameter's value is not read on the host)
+        if opt.__dict__.get("_has_dtensors"):
+            with local_shards(opt):
+                stages(opt, ctx)
+        else:
             stages(opt, ctx)
-    else:
-        stages(opt, ctx)
 
 
 def stages(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
@@ -97,10 +99,10 @@ def full_step(
         scaling = _Scaling.prepare(
             work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
         )
-        counted = [(g, p, i, s, opt.state[p]) for g, p, i, s in work
-                   if "step" in opt.state.get(p, ()) and not loss_scale._host_counts(p.device)]
-        if counted:  # (every parameter's numbers at once, per group: not one by one)
-            param_step.scaled_numbers_many(opt, counted, scaling, memo)
+    counted = [(g, p, i, s, opt.state[p]) for g, p, i, s in work
+               if "step" in opt.state.get(p, ()) and not param_step.host_counts(opt, p.device)]
+    if counted:  # (every parameter's numbers at once, per group: not one by one)
+        param_step.scaled_numbers_many(opt, counted, scaling, memo)
     if late:
         param_step.step_late(opt, late, scaling)
         ids = {id(p) for _, p, _, _ in late}

@@ -49,6 +49,7 @@ from torch import nn
 
 from lowprec.optim import buckets, driver, param_step, qstate
 from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.options import in_step
 from lowprec.optim.param_step import _Entry
 from lowprec.optim.shards import is_dtensor
 
@@ -167,6 +168,10 @@ class StepInBackward:
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
+        with in_step():  # (a tensor hyperparameter's value is not read on the host)
+            self._step_in_hook(p)
+
+    def _step_in_hook(self, p: torch.Tensor) -> None:
         if id(p) in self._stepped:
             raise RuntimeError(
                 "step_in_backward: a second backward ran before optimizer.step(). Each backward "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative, _validate_betas
+from lowprec.optim.options import _as_float, _check_nonnegative, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -32,7 +32,7 @@ __all__ = ["Lion", "lion_coefficients", "lion_math", "lion_update"]
 
 
 def lion_coefficients(
-    *, lr: float, beta1: float, beta2: float, weight_decay: float, max_lr: float | None = None
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, weight_decay: float, max_lr: float | None = None
 ) -> dict[str, Any]:
     """The per-step scalars of ``lion_math`` (host floats). ``max_lr`` given: the decay is fully
     decoupled from the learning rate's scale, ``1 - (lr / max_lr) * weight_decay``."""
@@ -149,7 +149,11 @@ class Lion(LowPrecisionOptimizer):
             (default: None, meaning compiled wherever torch.compile has a compiler; see
             ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Must be False: the step decides on the host what to run (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
     """
@@ -193,7 +197,7 @@ class Lion(LowPrecisionOptimizer):
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return lion_coefficients(
-            lr=_as_float(group["lr"], "lr"), beta1=float(beta1), beta2=float(beta2),
+            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             weight_decay=group["weight_decay"],
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )

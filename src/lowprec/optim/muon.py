@@ -30,7 +30,7 @@ from torch import nn
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.adamw import AdamW, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative
+from lowprec.optim.options import _check_nonnegative, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -197,7 +197,11 @@ class Muon(LowPrecisionOptimizer):
         fused: For ``use_muon=False`` groups, as ``lowprec.AdamW``'s; a Muon group's step is
             matmuls, run as ATen calls per parameter (default: None).
         foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Must be False (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False (default: False).
     """
 
@@ -292,7 +296,7 @@ class Muon(LowPrecisionOptimizer):
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         if not group["use_muon"]:
             return AdamW._coefficients(cast(AdamW, self), group, step)
-        lr = _as_float(group["lr"], "lr")
+        lr = _lr(group)
         momentum = float(group["momentum"])
         return {"lr": lr, "decay": 1 - lr * group["weight_decay"], "momentum": momentum,
                 "one_minus_momentum": 1 - momentum}

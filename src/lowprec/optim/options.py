@@ -4,14 +4,19 @@ the loss-scaler inputs share.
 ``_COMMON_DEFAULTS`` are the options every lowprec group has beside its rule's hyperparameters
 (``base`` adds them to a subclass's defaults); ``_TORCH_ONLY_OPTIONS`` are torch.optim's
 implementation options, accepted and kept out of the groups. The update rules (``sgd.py``, ...)
-check their hyperparameters with ``_as_float``, ``_check_nonnegative`` and ``_validate_betas``;
+check their hyperparameters with ``_as_float``, ``_check_nonnegative`` and ``_validate_betas``
+(a tensor's value left unread inside a step, ``in_step``) and take the learning rate with
+``_lr`` (a tensor kept a tensor);
 ``_step_tensor`` turns a step count saved as a number into the tensor lowprec keeps
 (``base.__setstate__``, ``checkpoint``). Imports nothing from the rest of ``lowprec.optim``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,6 +67,45 @@ def _as_float(value: Any, name: str) -> float:
     return float(value)
 
 
+#: Set for the length of a step (``driver.run``): a hyperparameter given as a tensor then has its
+#: shape and dtype checked but not its value, which was checked when its group was added
+#: (``add_param_group``, as torch.optim checks a tensor ``lr``), so that the step reads nothing
+#: on the host.
+_IN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lowprec_in_step", default=False)
+
+
+@contextlib.contextmanager
+def in_step() -> Iterator[None]:
+    token = _IN_STEP.set(True)
+    try:
+        yield
+    finally:
+        _IN_STEP.reset(token)
+
+
+def _unread(value: Any, name: str) -> bool:
+    """Whether ``value`` is a tensor whose value a step leaves unread (``_IN_STEP``); checks that
+    it is a one-element floating-point tensor."""
+    if not isinstance(value, torch.Tensor) or not _IN_STEP.get():
+        return False
+    if value.numel() != 1 or not value.is_floating_point():
+        raise ValueError(f"{name} must be a number or a one-element floating-point tensor, got "
+                         f"a {tuple(value.shape)} {value.dtype} tensor.")
+    return True
+
+
+def _lr(group: dict[str, Any]) -> float | torch.Tensor:
+    """A group's learning rate for its coefficients: a number as a float, a tensor (a capturable
+    optimizer's, which a scheduler changes in place) as a 0-d FP64 tensor on its device, never
+    read on the host; the coefficients made from it are then tensors too, with the bits the
+    same value as a number gives."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        _unread(lr, "lr")  # (its shape; its value was checked when its group was added)
+        return lr.detach().to(torch.float64).reshape(())
+    return _as_float(lr, "lr")
+
+
 def _check_torch_options(
     name: str, foreach: bool | None, capturable: bool, differentiable: bool
 ) -> None:
@@ -76,12 +120,6 @@ def _check_torch_options(
             f"lowprec.{name} does not support differentiable=True: its step updates the stored "
             "weights in place without autograd; use torch.optim for differentiating through "
             "an optimizer step."
-        )
-    if capturable:
-        raise ValueError(
-            f"lowprec.{name} does not support capturable=True: its step decides on the host "
-            "which kernels to run, so it cannot be captured in a CUDA graph; leave capturable "
-            "at False."
         )
     # foreach: torch's choice between its loop and multi-tensor kernels; lowprec's step has its
     # own (fused=), so any value is accepted and changes nothing.
@@ -101,7 +139,7 @@ def _step_tensor(value: Any, where: str) -> torch.Tensor:
 
 def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
     for name in names:
-        if _as_float(group[name], name) < 0:
+        if not _unread(group[name], name) and _as_float(group[name], name) < 0:
             raise ValueError(f"invalid {name}={group[name]}: must be >= 0.")
 
 
@@ -109,5 +147,5 @@ def _validate_betas(betas: Any) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}.")
     for i, b in enumerate(betas):
-        if not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
+        if not _unread(b, f"betas[{i}]") and not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
             raise ValueError(f"invalid betas[{i}]={b}: must be in [0, 1).")

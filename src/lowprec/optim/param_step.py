@@ -38,7 +38,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.base import LowPrecisionOptimizer
     from lowprec.optim.compiled import _Fused
 
-#: A parameter's numbers for a step under a loss scaler, on its device (``scaled_numbers``):
+def host_counts(opt: LowPrecisionOptimizer, device: torch.device) -> bool:
+    """Whether a step reads the step counts of ``opt``'s parameters on ``device`` on the host and
+    takes the group's host numbers: on the CPU (``loss_scale._host_counts``), where that costs no
+    synchronisation, unless the optimizer was made ``capturable``. Elsewhere every step, plain or
+    scaled, makes its numbers on the device from the counts kept there (``scaled_numbers``), so
+    that it reads no tensor value on the host and a CUDA graph can hold it."""
+    return not opt.__dict__.get("_capturable", False) and loss_scale._host_counts(device)
+
+
+#: A parameter's numbers for a step counted on its device (``scaled_numbers``):
 #: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
 _ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
                        dict[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -168,13 +177,13 @@ def scaled_numbers(
     index: int,
     storage: MasterStorage,
     state: dict[str, Any],
-    scaling: _Scaling,
+    scaling: _Scaling | None,
     memo: Memo,
 ) -> _ScaledNumbers:
-    """A parameter's step under a loss scaler: its step number (FP64), random key halves,
-    FP32 coefficients and the scaler's tensors, all on its device. The step count lives there
-    and advances only when the step is taken, so everything that depends on it is computed
-    there too. The coefficients that do not depend on it (lr, weight decay...) are the same
+    """A parameter's step counted on its device (``host_counts`` False; under a loss scaler or
+    not): its step number (FP64), random key halves, FP32 coefficients and the scaler's tensors,
+    all on its device. The step count lives there (and under a loss scaler advances only when
+    the step is taken), so everything that depends on it is computed there too. The coefficients that do not depend on it (lr, weight decay...) are the same
     tensors for the group's parameters within a ``step()``."""
     done: _ScaledNumbers | None = memo.get(("scaled", id(p)))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
@@ -186,7 +195,7 @@ def scaled_numbers(
 def scaled_numbers_many(
     opt: LowPrecisionOptimizer,
     items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
-    scaling: _Scaling,
+    scaling: _Scaling | None,
     memo: Memo,
 ) -> None:
     """``scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
@@ -218,13 +227,14 @@ def scaled_numbers_many(
         shared = memo.setdefault(("constants", id(group), device), {})
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
         for k, v in opt._coefficients(group, step).items():
-            if isinstance(v, torch.Tensor):
-                per[k] = _aligned_views(torch.as_tensor(v, dtype=torch.float32, device=device))
+            if isinstance(v, torch.Tensor):  # (of the counts, or a tensor lr's: one for all)
+                t = torch.as_tensor(v, dtype=torch.float32, device=device)
+                per[k] = _aligned_views(t.expand(step.shape) if t.dim() == 0 else t)
             else:
                 if k not in shared:
                     shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
                 per[k] = None
-        extra = scaling.kernel_args(device)
+        extra = {} if scaling is None else scaling.kernel_args(device)
         for i, (p, _, storage) in enumerate(members):
             coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
             lo_i, hi_i = (los[i], his[i]) if storage.needs_random_bits else (0, 0)
@@ -267,7 +277,7 @@ def step_param(
     quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     flags = group_flags(opt, group, memo)
-    if scaling is None or loss_scale._host_counts(p.device):
+    if host_counts(opt, p.device):
         step = int(state["step"].item()) + 1
         lo, hi = random_keys(group, storage, step, index)
         coeffs, _ = step_coefficients(opt, group, step, memo, tensors=False)
@@ -476,7 +486,7 @@ def redo_entry(
         return False
     grad = cast(torch.Tensor, e.p.grad)  # (present: checked by e.current)
     try:
-        if scaling is None or loss_scale._host_counts(e.p.device):
+        if host_counts(opt, e.p.device):
             step = int(e.count.item()) + 1
             compiled.run_fused(
                 opt, e.fused, grad, *step_coefficients(opt, e.group, step, memo),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative
+from lowprec.optim.options import _check_nonnegative, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -22,7 +22,7 @@ __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
 
 def sgd_coefficients(
-    *, lr: float, momentum: float, dampening: float, weight_decay: float,
+    *, lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float,
     first_step: bool | torch.Tensor,
 ) -> dict[str, Any]:
     """The per-step scalars of ``sgd_math``: host floats, or 0-d tensors for a tensor step.
@@ -145,8 +145,11 @@ class SGD(LowPrecisionOptimizer):
             has a compiler, C++ or Triton, and eager elsewhere; see ``lowprec.optim``).
         foreach: Accepted for code written for ``torch.optim``, and ignored: lowprec picks
             its own implementation (``fused``) (default: None).
-        capturable: Must be False: the step decides on the host what to run, so it cannot be
-            captured in a CUDA graph (default: False).
+        capturable: Keep the step counts on the parameters' device and make every step's
+            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
+            the step; ``lr`` may then be a one-element tensor (on that device), which a
+            scheduler changes in place without a recompile. Off the CPU every step already
+            works so; on the CPU it steps bit for bit as without it (default: False).
         differentiable: Must be False: the step writes the weights in place, outside autograd
             (default: False).
 
@@ -208,7 +211,7 @@ class SGD(LowPrecisionOptimizer):
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         return sgd_coefficients(
-            lr=_as_float(group["lr"], "lr"), momentum=group["momentum"],
+            lr=_lr(group), momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"],
             first_step=step == 1,
         )
