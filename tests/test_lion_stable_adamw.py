@@ -303,7 +303,7 @@ BAD = [
     (lambda w: StableAdamW([w], lr=-1.0), "invalid lr=-1.0"),
     (lambda w: StableAdamW([w], weight_decay=-1.0), "invalid weight_decay=-1.0"),
     (lambda w: StableAdamW([w], decouple_lr=True, max_lr=-1.0), "invalid max_lr=-1.0"),
-    (lambda w: StableAdamW([w], capturable=True), "capturable=True"),
+    (lambda w: StableAdamW([w], differentiable=True), "differentiable=True"),
 ]
 
 
