@@ -9,7 +9,7 @@ of the bucket's buffer of that name), and their step counts in one count tensor
 gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
 step's kernel on the flat buffers (``compiled.run_fused``: the kernel a single tensor's step
 runs; the update is elementwise, so the bits are the same), one copy of the new values back into
-the parameters (``torch._foreach_copy_``), and per piece one write of the counts, whatever the
+the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
 number of tensors (``step_buckets``). The parameters keep their own storage: made views of one
 buffer (as apex's, DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in
 Accelerate's checkpoints, which drop tensors that share a storage.
@@ -270,11 +270,15 @@ class _Bucket:
             if all(g is None for g in grads):  # (a frozen bucket: nothing to step)
                 return
             numbers = self._device_numbers(opt, memo)
-            taken = 1 if scaling is None else scaling.taken_on(self.counts.device)
-            for a, b in self._pieces(0, len(grads)):
-                self._run(opt, a, b, grads, numbers, memo, scaling)
-                self.counts[a:b].add_(taken)
-            self.version = self.counts._version  # (their values moved alike)
+            done = 0
+            try:
+                for a, b in self._pieces(0, len(grads)):
+                    self._run(opt, a, b, grads, numbers, memo, scaling)
+                    done = b
+            finally:  # (as below: the counts of what was stepped)
+                self.counts[:done].add_(1 if scaling is None
+                                        else scaling.taken_on(self.counts.device))
+                self.version = self.counts._version  # (their values moved alike)
             return
         counts = self.counts.tolist()
         i, n = 0, len(grads)
@@ -286,14 +290,17 @@ class _Bucket:
             while j < n and grads[j] is not None and counts[j] == counts[i]:
                 j += 1
             step = int(counts[i]) + 1
-            for a, b in self._pieces(i, j):
-                self._run(opt, a, b, grads, step, memo, scaling)
-                # (per piece: a step that raises part way leaves each count matching what was
-                # stepped)
-                if scaling is None:
-                    self.counts[a:b].fill_(step)
-                else:
-                    self.counts[a:b].add_(scaling.taken_on(self.counts.device))
+            done = i
+            try:
+                for a, b in self._pieces(i, j):
+                    self._run(opt, a, b, grads, step, memo, scaling)
+                    done = b
+            finally:  # (one write per run; a step that raises part way leaves each count
+                # matching what was stepped)
+                if done > i and scaling is None:
+                    self.counts[i:done].fill_(step)
+                elif done > i:
+                    self.counts[i:done].add_(scaling.taken_on(self.counts.device))
             i = j
 
     def on_device(self, opt: LowPrecisionOptimizer) -> bool:
