@@ -154,6 +154,8 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     )
                 out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
                 out["compiled"] = compiled_calls(opt)
+                layout = opt.__dict__.get("_buckets")  # (shards in buckets: their state gathered)
+                out["bucketed"] = sum(len(b.params) for b in layout.buckets) if layout else 0
                 if step == 1 and cfg.get("resume"):
                     # A checkpoint in the middle: copied, saved to bytes and loaded back (as each
                     # rank's torch.save and torch.load would), into a new optimizer.

@@ -206,6 +206,12 @@ def check_sharded(cfg, ranks, name, unsharded):
         assert "error" not in got, got.get("error")
         assert got["found"] == found, rank  # (an inf in one shard: every rank skips)
         calls, based = got["compiled"]
+        if (cfg["kw"].get("master") == "kahan" and not cfg["kw"].get("state_dtype")
+                and cfg["cls"] in ("AdamW", "SGD")):
+            # (the even-sized shards of a group go into a bucket, their state gathered per
+            # piece, so that a checkpoint can deep-copy it, as the resume runs do; LAMB's,
+            # whose sums add every rank's, are stepped on their own)
+            assert got["bucketed"] >= 2, (rank, got["bucketed"])
         if cfg["kw"].get("fused"):  # (not silently eager: the same bits would pass)
             assert calls > 0, rank
             # A shard past the start of a stochastic parameter keys its bits in the kernel (in

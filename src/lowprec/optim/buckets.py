@@ -70,6 +70,7 @@ from lowprec.optim import compiled, param_step, qstate
 from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.param_step import _Entry
+from lowprec.optim.shards import reduce_groups
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
@@ -116,11 +117,13 @@ def _kind(
         # (random bits keyed per word of a piece of many parameters: on pairs, from the count
         # on the host; else each parameter's own key, made on the device: scaled_numbers)
         return None
-    if id(p) in (opt.__dict__.get("_shard_offsets") or {}):
-        # (a DTensor's shard, ``shards.local_shards``: its state kept in tensors of its own, with
-        # its kept call; as views of a flat buffer, torch 2.13 could not deep-copy the DTensor
-        # state that wraps them, as copy.deepcopy(opt.state_dict()) does: "Attempted to call
-        # copy_() on an invalid python storage")
+    # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
+    # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
+    # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
+    # python storage"; one keyed from its offset in the whole parameter, or whose whole-tensor
+    # sums add every rank's, is a step of its own)
+    shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
+    if shard and (keyed or (opt._norm_terms is not None and reduce_groups(opt, p))):
         return None
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
@@ -146,7 +149,7 @@ def _kind(
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
         layout.append((name, t.dtype, n))
-    return (p.device, p.dtype, storage.name, step.dtype, step.device, tuple(layout))
+    return (p.device, p.dtype, storage.name, step.dtype, step.device, shard, tuple(layout))
 
 
 _GRAD, _SHAPE, _DTYPE, _LAYOUT = map(operator.attrgetter, ("grad", "shape", "dtype", "layout"))
@@ -154,13 +157,45 @@ _GRAD, _SHAPE, _DTYPE, _LAYOUT = map(operator.attrgetter, ("grad", "shape", "dty
 
 class _Bucket:
     """One group's parameters of one kind (``_kind``): their state and step counts laid out in
-    flat buffers, the state entries views of them; the parameters keep their storage."""
+    flat buffers, the state entries views of them; the parameters keep their storage. DTensor
+    shards' state (``gather_state``) stays in tensors of its own, gathered into the bucket's
+    scratch per piece and copied back, as the parameters are."""
 
-    __slots__ = ("counts", "device_index", "entries", "flat_params", "flats", "group",
-                 "index_tensors", "indices", "keyed", "kind", "layouts", "made", "names", "norms", "offsets",
-                 "params", "per", "prepared", "ptrs", "qstate", "same", "sbufs", "scratch",
-                 "shapes", "sizes", "split_views", "states", "steps", "storage", "version",
-                 "views")
+    __slots__ = (
+        "counts",
+        "device_index",
+        "entries",
+        "flat_params",
+        "flat_state",
+        "flats",
+        "gather_state",
+        "group",
+        "index_tensors",
+        "indices",
+        "keyed",
+        "kind",
+        "layouts",
+        "made",
+        "names",
+        "norms",
+        "offsets",
+        "params",
+        "per",
+        "prepared",
+        "ptrs",
+        "qstate",
+        "same",
+        "sbufs",
+        "scratch",
+        "shapes",
+        "sizes",
+        "split_views",
+        "states",
+        "steps",
+        "storage",
+        "version",
+        "views",
+    )
 
     #: The counts' version when ``same`` was last read (None: not read yet)
     version: int | None
@@ -185,9 +220,15 @@ class _Bucket:
         # buffer at a time (the old tensors are freed as it goes).
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
+        self.gather_state = bool(kind[-2])
+        self.flat_state: dict[str, list[torch.Tensor]] = {}  # (gather_state: flat views, kept)
         for name in self.names:
             src = [st[name] for st in self.states]
             n = self.per[name]
+            if self.gather_state:  # (each its own tensor: _state gathers a piece's)
+                self.views[name] = src
+                self.flat_state[name] = [t.view(-1) for t in src]
+                continue
             flat = torch.empty(self.offsets[-1] // n, dtype=src[0].dtype, device=p0.device)
             views = [flat[a // n:b // n].view(t.shape)
                      for t, a, b in zip(src, self.offsets, self.offsets[1:], strict=False)]
@@ -297,10 +338,11 @@ class _Bucket:
                     done = b
             finally:  # (one write per run; a step that raises part way leaves each count
                 # matching what was stepped)
-                if done > i and scaling is None:
-                    self.counts[i:done].fill_(step)
-                elif done > i:
-                    self.counts[i:done].add_(scaling.taken_on(self.counts.device))
+                if done > i:
+                    if scaling is None:
+                        self.counts[i:done].fill_(step)
+                    else:
+                        self.counts[i:done].add_(scaling.taken_on(self.counts.device))
             i = j
 
     def on_device(self, opt: LowPrecisionOptimizer) -> bool:
@@ -379,6 +421,7 @@ class _Bucket:
         flags = param_step.group_flags(opt, group, memo)
         names = (self.sbufs, self.names[len(self.sbufs):])
         per = self.per
+        state = self._state(a, b)  # (the piece's state, flat: lo to hi)
         mode = _mode(scaling)
         extra: dict[str, Any] = {} if scaling is None else scaling.kernel_args(p.device)
         rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
@@ -393,12 +436,12 @@ class _Bucket:
                            if isinstance(step, int) else (step, step))
             try:
                 key = (a, b, g.dtype, mode)
+                if self.gather_state:  # (where the gathered state lies: the scratch, or new)
+                    key += tuple(t.data_ptr() for t in state.values())
                 fused = self.prepared.get(key)
                 if fused is None:
                     fused = self.prepared[key] = compiled.prepare_fused(
-                        opt, storage, flags, p, g,
-                        *({k: self.flats[k][lo // per[k]:hi // per[k]] for k in ks}
-                          for ks in names),
+                        opt, storage, flags, p, g, *({k: state[k] for k in ks} for ks in names),
                         scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
@@ -418,8 +461,7 @@ class _Bucket:
                 # (elements sl of the piece, and their state)
                 return cast("tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], "
                             "dict[str, torch.Tensor]]",
-                            (p[sl], g[sl], *({k: self.flats[k][(lo + sl.start) // per[k]:
-                                                               (lo + sl.stop) // per[k]]
+                            (p[sl], g[sl], *({k: state[k][sl.start // per[k]:sl.stop // per[k]]
                                               for k in ks} for ks in names)))
 
             # (with random bits or whole-tensor sums: each parameter's elements on their own,
@@ -446,6 +488,10 @@ class _Bucket:
                                   offset=sl.start - first, **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
+            if self.gather_state:  # (the new state back into each shard's own tensors)
+                for k, flat in state.items():
+                    torch._foreach_copy_(self.flat_state[k][a:b],
+                                         list(flat.split([n // per[k] for n in self.sizes[a:b]])))
         if gathered and mode == "unscale":  # (the kernel wrote the gradients back unscaled)
             views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
             torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
@@ -469,6 +515,17 @@ class _Bucket:
             layout = self.layouts[a, b] = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
         return keys, {"owner": layout[0], "idx": layout[1]}
 
+    def _state(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        """The state of parameters ``a`` to ``b``, flat, one tensor per buffer name: views of the
+        flat buffers, or (``gather_state``) a parameter's own tensors, or the piece's gathered."""
+        lo, hi, per = self.offsets[a], self.offsets[b], self.per
+        if not self.gather_state:
+            return {k: self.flats[k][lo // per[k]:hi // per[k]] for k in self.names}
+        if b - a == 1:
+            return {k: self.flat_state[k][a] for k in self.names}
+        return {k: self._gather(self.flat_state[k][a:b], (hi - lo) // per[k], f"state:{k}")
+                for k in self.names}
+
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
         """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
         (``scratch``, reused by every step: a fresh one of megabytes page-faults on every step,
@@ -482,8 +539,8 @@ class _Bucket:
             out = buf[:n]
         else:
             out = torch.empty(n, dtype=t0.dtype, device=t0.device)
-        if role == "param":  # (the parameters' flat views, kept: torch.cat takes 1-d tensors
-            torch.cat(tensors, out=out)  # and on the CPU is 2x faster than _chunk_cat here)
+        if role != "grad":  # (flat views, kept: torch.cat takes 1-d tensors, and on the CPU
+            torch.cat(tensors, out=out)  # is 2x faster than _chunk_cat here)
         else:  # (gradients are new tensors of any shape every step: _chunk_cat flattens them)
             torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
         return out
