@@ -5,7 +5,7 @@ model.
 The mechanisms (``docs/architecture.md``, "The fused step"):
 
 * ``buckets``: from the first step, a group's tensors in flat buffers, a few compiled calls per
-  group whatever their number (``buckets.step_buckets``); off, every parameter by its own full
+  group whatever their number (``driver.step_buckets``); off, every parameter by its own full
   step (``driver.full_step``), as before buckets;
 * ``pairs``: on CPU, 16-bit tensors stepped as 32-bit words of two elements (vectorized C++);
   off, the elementwise kernel (``compiled.pairs_plan`` returns None);
@@ -48,7 +48,7 @@ import torch
 
 import lowprec
 from lowprec.cli.task import CharTransformer, ModelConfig
-from lowprec.optim import buckets, compiled, param_step
+from lowprec.optim import compiled, driver, param_step
 
 CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-kahan": (lowprec.AdamW, {"lr": 1e-3, "master": "kahan"}),
@@ -61,20 +61,20 @@ CONFIGS = {  # name -> (optimizer class, keywords)
 
 
 _never = lambda *args, **kwargs: False  # noqa: E731
-_kind = buckets._kind
+_kind = driver._kind
 
 
 def _kind_off_pairs(opt, group, p, storage):
-    """``buckets._kind`` without pairs: stochastic rounding's parameters left out of buckets (a
+    """``driver._kind`` without pairs: stochastic rounding's parameters left out of buckets (a
     gathered piece's per-word random keys need the pairs kernel), each stepped on its own."""
     return None if storage.needs_random_bits else _kind(opt, group, p, storage)
 
 # What switches a mechanism off, patched into its module for the switched-off optimizer's step
 # alone.
 SWITCHES: dict[str, list[tuple[Any, str, Any]]] = {
-    "buckets": [(buckets, "step_buckets", _never), (buckets, "flatten", lambda opt: None)],
+    "buckets": [(driver, "step_buckets", _never), (driver, "flatten", lambda opt: None)],
     "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None),
-              (buckets, "_kind", _kind_off_pairs)],
+              (driver, "_kind", _kind_off_pairs)],
     "kept calls": [(param_step, "redo_entry", _never)],
 }
 

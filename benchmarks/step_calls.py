@@ -14,8 +14,9 @@ Per layout and row it prints
 
 Layouts: ``N x E`` is N tensors of E elements; ``25M`` is ``optimizer_step.py``'s transformer
 layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``), ``per-tensor``
-the same optimizer with buckets turned off (a compiled call per tensor, the recorded step and
-batches of small tensors: the step before buckets), ``eager`` the default step without
+the same optimizer with buckets turned off (every parameter's full step, a compiled call per
+tensor prepared anew each step: what takes the step where the buckets decline; before issue 53
+the recorded step, batches and shared calls made it faster), ``eager`` the default step without
 ``torch.compile``, ``scaled`` the default step under the loss-scaler contract (``grad_scale`` and
 ``found_inf`` set as GradScaler sets them), ``8bit`` with 8-bit moments; ``lamb`` and
 ``stable-adamw`` (rules with whole-tensor sums, in buckets as rows of equal-sized parameters)
@@ -42,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 import lowprec
-from lowprec.optim import buckets
+from lowprec.optim import driver
 from optimizer_step import layout
 
 
@@ -97,16 +98,16 @@ def shapes_of(name: str) -> list[tuple[int, ...]]:
 
 @contextlib.contextmanager
 def buckets_off(off: bool):
-    """The step without buckets (``buckets.step_buckets`` declining, ``flatten`` a no-op)."""
+    """The step without buckets (``driver.step_buckets`` declining, ``flatten`` a no-op)."""
     if not off:
         yield
         return
-    real = buckets.step_buckets, buckets.flatten
-    buckets.step_buckets, buckets.flatten = (lambda opt, *scaler: False), (lambda opt: None)
+    real = driver.step_buckets, driver.flatten
+    driver.step_buckets, driver.flatten = (lambda opt, *scaler: False), (lambda opt: None)
     try:
         yield
     finally:
-        buckets.step_buckets, buckets.flatten = real
+        driver.step_buckets, driver.flatten = real
 
 
 def host_calls(step) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from unittest import mock
 
 import torch
 
-from lowprec.optim import AdamW, buckets
+from lowprec.optim import AdamW, driver
 
 # One parameter of 2**16 elements or more, small ones, an odd-length one (its last element takes
 # the eager step) and a one-element one (eager).
@@ -29,8 +29,8 @@ def full_steps():
     """Every parameter stepped on its own by its full step (``driver.full_step``:
     ``param_step.step_param``) at every step: no bucket and no kept call, the reference of the
     buckets' step (and ``tests/conftest.py``'s ``no_buckets``)."""
-    with mock.patch.object(buckets, "step_buckets", lambda *args: False), \
-            mock.patch.object(buckets, "flatten", lambda opt: None):
+    with mock.patch.object(driver, "step_buckets", lambda *args: False), \
+            mock.patch.object(driver, "flatten", lambda opt: None):
         yield
 
 
@@ -49,7 +49,7 @@ def run(make, change, *, use_buckets=True, steps=STEPS, scaled=None, shapes=None
     ]
     opt = make(params)
     taken = 0
-    real = buckets.step_buckets
+    real = driver.step_buckets
     first = [True]
 
     def spy(o, ctx):  # (the first try of each step: the buckets as they were)
@@ -61,7 +61,7 @@ def run(make, change, *, use_buckets=True, steps=STEPS, scaled=None, shapes=None
         return done
 
     saved = None
-    with (mock.patch.object(buckets, "step_buckets", spy) if use_buckets
+    with (mock.patch.object(driver, "step_buckets", spy) if use_buckets
           else full_steps()):
         for step in range(steps):
             first[0] = True

@@ -1,5 +1,5 @@
 """The step (``lowprec.optim.driver``): ``step()`` hands a ``StepContext`` to ``driver.run``, and
-every step, the first included, goes through the buckets (``buckets.step_buckets``), laid out
+every step, the first included, goes through the buckets (``driver.step_buckets``), laid out
 once the state exists; ``driver.full_step`` takes only what they decline. These tests watch what
 took each step; what it computes is compared with every parameter's full step bit for bit in
 ``test_buckets.py``."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adafactor, AdamW, buckets, driver
+from lowprec.optim import SGD, Adafactor, AdamW, driver
 
 # (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
 pytestmark = pytest.mark.fused
@@ -19,7 +19,7 @@ def _watch(monkeypatch) -> list[tuple[str, bool | str]]:
     """Record, per call of the buckets' step that took a step or of the full step, its name and
     what the context said of the loss scaler."""
     taken: list[tuple[str, bool | str]] = []
-    for module, name in [(buckets, "step_buckets"), (driver, "full_step")]:
+    for module, name in [(driver, "step_buckets"), (driver, "full_step")]:
         real = getattr(module, name)
 
         def spy(opt, ctx, *args, real=real, name=name):
@@ -54,8 +54,8 @@ def test_every_step_goes_through_the_buckets(make, monkeypatch):
     whole); the state is laid out once, before the first step."""
     taken = _watch(monkeypatch)
     laid = []
-    real = buckets.flatten
-    monkeypatch.setattr(buckets, "flatten", lambda opt: laid.append(1) or real(opt))
+    real = driver.flatten
+    monkeypatch.setattr(driver, "flatten", lambda opt: laid.append(1) or real(opt))
     params = _params()
     opt = make(params)
     for _ in range(3):

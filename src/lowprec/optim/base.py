@@ -30,7 +30,7 @@ steps both run), ``loss_scale`` (the loss-scaler contract's inputs), ``options``
 ``shards``. ``checkpoint`` holds ``state_dict`` and ``load_state_dict``, which this class's
 methods call.
 
-A module-level name that tests replace (``buckets.step_buckets``, ``loss_scale._host_counts``,
+A module-level name that tests replace (``driver.step_buckets``, ``loss_scale._host_counts``,
 ``compiled._compiled_kernel``, ``update._INT32_MAX``) is read through the module that holds it,
 so that one ``monkeypatch.setattr`` reaches every caller.
 """
@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
     from lowprec.optim._typing import WorkItem
-    from lowprec.optim.buckets import _Layout
+    from lowprec.optim.driver import _Layout
     from lowprec.optim.in_backward import StepInBackward
     from lowprec.optim.shards import _Shard
 
@@ -340,7 +340,7 @@ class LowPrecisionOptimizer(Optimizer):
 
     def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """A group's options that shape a step beyond its ``_flags`` and coefficients: the
-        buckets (``buckets.step_buckets``) step a group only while they stay the same."""
+        buckets (``driver.step_buckets``) step a group only while they stay the same."""
         return (group["master"], group["state_dtype"], group["fused"], group["seed"],
                 self._math_buffers(group))
 

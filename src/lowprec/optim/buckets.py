@@ -1,59 +1,52 @@
 """Buckets: a group's optimizer state as views of flat buffers, stepped a few calls at a time.
 
 A step that makes a compiled call per tensor pays that call's host work (Dynamo's guards and
-wrappers, ~30-70 us) per tensor, and a GPU waits for it. Here, after a full step has created the
-state, the parameters of a group that share device, dtype, master strategy and state dtypes form
-a bucket: each of their state buffers is laid out in one flat buffer (``state[p][name]`` a view
-of the bucket's buffer of that name), and their step counts in one count tensor
+wrappers, ~30-70 us) per tensor, and a GPU waits for it. Here, once the state exists (the first
+step creates it, and ``driver.flatten`` lays the buckets out before stepping anything), the
+parameters of a group that share device, dtype, master strategy and state dtypes form a bucket
+(``_Bucket``): each of their state buffers is laid out in one flat buffer (``state[p][name]`` a
+view of the bucket's buffer of that name), and their step counts in one count tensor
 (``state[p]["step"]`` its 0-d views). A step then takes, per piece of a bucket (``_pieces``), one
 gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
 step's kernel on the flat buffers (``compiled.run_fused``: the kernel a single tensor's step
 runs; the update is elementwise, so the bits are the same), one copy of the new values back into
 the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
-number of tensors (``step_buckets``). The parameters keep their own storage: made views of one
-buffer (as apex's, DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in
-Accelerate's checkpoints, which drop tensors that share a storage.
+number of tensors. The parameters keep their own storage: made views of one buffer (as apex's,
+DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in Accelerate's
+checkpoints, which drop tensors that share a storage. DTensor shards' state stays in tensors of
+its own (``gather_state``: torch 2.13 cannot deep-copy a DTensor over a view of a flat buffer),
+gathered per piece into the bucket's scratch and copied back, as the parameters are.
 
 8-bit and 4-bit state (``qstate``) is laid out the same way: the codes in one flat buffer, their
 scales (one per block of ``qstate.BLOCK`` elements) in another; a parameter with codes is whole
 blocks, so its scales' share starts where its elements' would.
 
-Under a loss scaler the gradients are checked for inf/NaN first, as the full step checks them
-(``loss_scale._Scaling``), the kernels take the scaler's inputs, the unscaled gradients are
+Under a loss scaler the gradients are checked for inf/NaN first (``loss_scale._Scaling``, by
+``driver.step_buckets``), the kernels take the scaler's inputs, the unscaled gradients are
 copied back where they were gathered, and the counts advance by ``1 - skip``, decided on the
-device. On the CPU the counts are read on the host as in a plain step
-(``loss_scale._host_counts``); on a GPU they stay on the device, and a bucket whose parameters
-all have a gradient and share one count (``same_counts``: read on the host only after the counts
-were written, which their version counter shows) makes the step's numbers there from that count
-once (``_device_numbers``), where the full step makes them per parameter. A count written
-through ``.data`` between such steps bypasses the version counter and is not seen.
+device. On the CPU the counts are read on the host (``param_step.host_counts``); off it, and for
+a capturable optimizer, they stay on the device, and a bucket whose parameters all have a
+gradient and share one count (``same_counts``: read on the host only after the counts were
+written, which their version counter shows) makes the step's numbers there from that count once
+(``_device_numbers``), plain or scaled. A count written through ``.data`` between such steps
+bypasses the version counter and is not seen.
 
 A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust ratio, StableAdamW's
-RMS) takes a piece's parameters as rows of a matrix, all of one size (``flatten`` puts equal
-sizes side by side, ``_pieces`` cuts where the size changes): its sums pass makes each row's
-sums (FP64, as a parameter's own: the order of adding does not show in the FP32 norm) and its
-update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``). A parameter of a
+RMS) takes a piece's parameters as rows of a matrix, all of one size (``driver.flatten`` puts
+equal sizes side by side, ``_pieces`` cuts where the size changes): its sums pass makes each
+row's sums (FP64, as a parameter's own: the order of adding does not show in the FP32 norm) and
+its update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``). A parameter of a
 size of its own is a piece alone, in the kernels of a parameter's own step.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
-of consecutive parameters that have one and share a step count. What buckets do not take steps
-as before (``driver``): rules that need a tensor whole (matrices, factored moments; norms with
-8-bit or 4-bit state), stochastic rounding
-off the CPU's BF16 pairs (its random bits are keyed per parameter and element: a gathered piece
-takes a key per parameter and each word's parameter and index, ``_keys``, which only the pairs
-kernel reads), odd-sized or non-contiguous parameters, state in shared memory, DTensor shards
-and the update inside backward.
+of consecutive parameters that have one and share a step count. Which parameters a bucket takes
+is ``driver._kind``'s choice; the others are stepped on their own, each by its kept call.
 
-The bucket checks, each step, that what it relies on holds: the parameters are the tensors it
-was made for (``model.to(...)`` or ``p.data = ...`` rebinds them), the state entries are still
-its views (``load_state_dict`` replaces them), the gradients are present in the right shapes
-and of one dtype. Where anything differs ``step_buckets`` returns False having written nothing,
-the full step runs, and ``flatten`` lays the buckets out again after it.
-
-``step_buckets`` is the pipeline's first stage (``driver``), ``flatten`` runs after a full step;
-both take the optimizer and call the functions below them (``compiled.prepare_fused``,
-``compiled.run_fused``, ``param_step.step_param``, ``param_step.step_coefficients``) and the
-optimizer's subclass interface.
+The bucket checks, each step, that what it relies on holds (``current``, ``gradients``): the
+parameters are the tensors it was made for (``model.to(...)`` or ``p.data = ...`` rebinds
+them), the state entries are still its views (``load_state_dict`` replaces them), the gradients
+are present in the right shapes and of one dtype. Where anything differs ``driver.step_buckets``
+declines having written nothing, and the step lays the buckets out again.
 """
 
 from __future__ import annotations
@@ -66,21 +59,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import compiled, param_step, qstate
-from lowprec.optim.compiled import _COMPILE_ERRORS, _PAIR_DTYPES, _disable_fused, _fused_enabled
-from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
-from lowprec.optim.param_step import _Entry
-from lowprec.optim.shards import reduce_groups
+from lowprec.optim import compiled, param_step
+from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
+from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
-    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim._typing import Memo
     from lowprec.optim.base import LowPrecisionOptimizer
     from lowprec.optim.compiled import _Fused
-    from lowprec.optim.driver import StepContext
     from lowprec.optim.storage import MasterStorage
 
-__all__ = ["flatten", "laid_out", "step_buckets"]
 
 # Elements per compiled call of a bucket's small parameters, whose values and gradients are
 # gathered into one buffer each for it; a parameter this large or larger takes a call of its
@@ -94,62 +83,6 @@ _GATHERED = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 def _gathered(device: torch.device) -> int:
     return _GATHERED.get(device.type, _GATHERED["cuda"])
-
-
-def _bucketable_rule(opt: LowPrecisionOptimizer, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s rule steps a tensor in any layout: elementwise, or elementwise but
-    for whole-tensor sums (``_norm_terms``: LAMB, StableAdamW), which a piece of parameters of
-    one size takes per row."""
-    return (opt._elementwise or opt._norm_terms is not None) and not opt._whole(group)
-
-
-def _kind(
-    opt: LowPrecisionOptimizer, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
-) -> tuple[Any, ...] | None:
-    """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
-    of ``p`` per element), or None where ``p`` is stepped on its own."""
-    state = opt.state.get(p)
-    if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
-        return None  # (odd sizes would put the next tensor's words off their pair boundary)
-    keyed = storage.needs_random_bits
-    if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)
-                      and param_step.host_counts(opt, p.device)):
-        # (random bits keyed per word of a piece of many parameters: on pairs, from the count
-        # on the host; else each parameter's own key, made on the device: scaled_numbers)
-        return None
-    # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
-    # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
-    # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
-    # python storage"; one keyed from its offset in the whole parameter, or whose whole-tensor
-    # sums add every rank's, is a step of its own)
-    shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
-    if shard and (keyed or (opt._norm_terms is not None and reduce_groups(opt, p))):
-        return None
-    step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
-    if (not isinstance(step, torch.Tensor) or step.dim() != 0
-            or (step.device.type != "cpu" and step.device != p.device)):
-        return None
-    # 8-bit and 4-bit codes (one byte per element, or per two) and their scales (one per block):
-    # every parameter that has them is whole blocks, so its scales' share of a flat buffer
-    # starts where its elements' would.
-    per: dict[str, int] = {}
-    for name, f in opt._qstate(group, state, p):
-        per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
-    if per and (keyed or opt._norm_terms is not None):
-        return None  # (codes are never stepped on pairs, nor their rows' sums taken per row)
-    maths = opt._math_buffers(group, p)
-    names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
-    layout: list[tuple[str, torch.dtype, int]] = []
-    for name in names:
-        t, n = state.get(name), per.get(name, 1)
-        if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
-                or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
-                or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled.pairs_plan)
-                or opt._buffer_shape(name, p) is not None
-                or t.is_shared()):  # (another process reads it: never moved)
-            return None
-        layout.append((name, t.dtype, n))
-    return (p.device, p.dtype, storage.name, step.dtype, step.device, shard, tuple(layout))
 
 
 _GRAD, _SHAPE, _DTYPE, _LAYOUT = map(operator.attrgetter, ("grad", "shape", "dtype", "layout"))
@@ -572,168 +505,3 @@ def _word_owners(words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.cumsum(counts, 0) - counts
     idx = torch.arange(total, dtype=torch.int64) - starts[owner]
     return owner.to(torch.int32), idx.to(torch.int32)
-
-
-class _Layout:
-    """An optimizer's buckets, and what they were made for: its groups, their parameters, options
-    and flags, and the parameters stepped on their own (``rest``: group, position, index)."""
-
-    __slots__ = ("buckets", "entries", "groups", "rest")
-
-    def __init__(self, opt: LowPrecisionOptimizer) -> None:
-        self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
-                       for g in opt.param_groups]
-        self.buckets: list[_Bucket] = []
-        self.rest: list[tuple[int, int, int]] = []
-        self.entries: dict[Any, dict[int, _Entry]] = {}  # (the rest's prepared steps per
-        # loss-scaler mode, whose kernels differ: _step_rest)
-
-    def same_groups(self, opt: LowPrecisionOptimizer) -> bool:
-        groups = opt.param_groups
-        return len(groups) == len(self.groups) and all(
-            group is ref and len(group["params"]) == len(params)
-            and all(map(operator.is_, group["params"], params))
-            for group, (ref, params, _, _) in zip(groups, self.groups, strict=True)
-        )
-
-
-def flatten(opt: LowPrecisionOptimizer) -> None:
-    """Lay the buckets out once the state exists (``driver.stages``: before the first step,
-    and again where anything they were made for changed); keeps the buckets that still hold."""
-    old = opt.__dict__.get("_buckets")
-    kept: dict[Any, _Bucket] = {}
-    if old is not None and old.same_groups(opt):
-        # (a bucket's prepared calls were compiled for its group's options and flags: kept
-        # only where those are the same, e.g. not after maximize=True)
-        same = {id(g) for g, _, options, flags in old.groups
-                if opt._plan_options(g) == options and opt._flags(g) == flags}
-        kept = {(b.kind, *map(id, b.params)): b for b in old.buckets
-                if id(b.group) in same and b.current(opt)}
-    layout = _Layout(opt)
-    index = -1
-    for gi, group in enumerate(opt.param_groups):
-        storages = opt._validate_group(group, gi)
-        kinds: dict[Any, list[tuple[torch.Tensor, int, int, MasterStorage]]] = {}
-        for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
-            index += 1
-            kind = _kind(opt, group, p, storage) if _bucketable_rule(opt, group) else None
-            if kind is None:
-                layout.rest.append((gi, pi, index))
-            else:
-                kinds.setdefault(kind, []).append((p, index, pi, storage))
-        for kind, members in kinds.items():
-            if len(members) < 2:
-                layout.rest.extend((gi, pi, index) for _, index, pi, _ in members)
-                continue
-            # (the large parameters first, each a piece of its own; the small ones after them,
-            # together, so that their pieces gather many: _pieces; for a rule with whole-tensor
-            # sums, which steps a piece's parameters as rows, equal sizes side by side)
-            limit = _gathered(members[0][0].device)
-            norms = opt._norm_terms is not None
-            members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
-            bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
-            if bucket is None:
-                bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
-                                 members[0][3])
-            layout.buckets.append(bucket)
-    layout.rest.sort()
-    # (the rest's prepared calls are not carried over: they were prepared under the options and
-    # flags of the old layout, which may have changed)
-    opt._buckets = layout
-
-
-def laid_out(opt: LowPrecisionOptimizer) -> bool:
-    """Whether the buckets ``flatten`` laid out still hold: the same groups and parameters, and
-    every bucket's parameters and state entries its own."""
-    layout = opt.__dict__.get("_buckets")
-    return (layout is not None and layout.same_groups(opt)
-            and all(b.current(opt) for b in layout.buckets))
-
-
-def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
-    """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
-    its errors), step each bucket and the parameters stepped on their own; False, having written
-    nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
-    ``grad_scale`` and ``found_inf``) the gradients are checked first, as the full step checks them
-    (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
-    the full step computes each parameter's numbers on its device."""
-    layout = opt.__dict__.get("_buckets")
-    if layout is None or not layout.same_groups(opt):
-        return False
-    storages: list[list[MasterStorage]] = []
-    for gi, (group, (_, _, options, flags)) in enumerate(
-        zip(opt.param_groups, layout.groups, strict=True)
-    ):
-        storages.append(opt._validate_group(group, gi))  # (raises as the full step would)
-        if opt._plan_options(group) != options or opt._flags(group) != flags:
-            return False
-    grads: list[list[torch.Tensor | None]] = []
-    for bucket in layout.buckets:
-        g = bucket.gradients() if bucket.current(opt) else None
-        if g is None:
-            return False
-        first = next((x for x in g if x is not None), None)  # (all of one dtype: gradients)
-        if bucket.keyed and first is not None and first.dtype not in _PAIR_DTYPES:
-            return False  # (random bits keyed per word need pairs: BF16 or FP32 gradients)
-        grads.append(g)
-    rest: list[WorkItem] = []
-    expected: dict[Any, dict[str, torch.dtype]] = {}
-    for gi, pi, index in layout.rest:
-        group = opt.param_groups[gi]
-        p = group["params"][pi]
-        if p.grad is None:
-            continue
-        storage = storages[gi][pi]
-        if opt._check_param(group, p, storage, (gi, pi), expected):
-            return False  # (buffers to create: the full step's param_step.step_late)
-        rest.append((group, p, index, storage))
-    scaling = None
-    memo: Memo = {}
-    work: list[WorkItem] = []
-    for bucket, gs in zip(layout.buckets, grads, strict=True):
-        present = [g is not None for g in gs]
-        if bucket.on_device(opt) and any(present) and (
-            bucket.counts.device != bucket.params[0].device or not all(present)
-            or not bucket.same_counts()
-        ):  # (the full step moves the counts there, or steps the parameters one by one)
-            return False
-        if ctx.scaled:
-            work += [(bucket.group, p, i, bucket.storage)
-                     for p, i, g in zip(bucket.params, bucket.indices, present, strict=True) if g]
-    if ctx.scaled:
-        work += rest
-        scaling = _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf,
-                                   opt.__dict__.get("_shard_reduce"))
-    counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
-               if "step" in opt.state[p] and not param_step.host_counts(opt, p.device)]
-    if counted:  # (their numbers on the device, all at once: as the full step makes them)
-        param_step.scaled_numbers_many(opt, counted, scaling, memo)
-    for bucket, g in zip(layout.buckets, grads, strict=True):
-        bucket.step(opt, g, memo, scaling)
-    _step_rest(opt, layout, rest, memo, scaling)
-    return True
-
-
-def _step_rest(
-    opt: LowPrecisionOptimizer,
-    layout: _Layout,
-    rest: list[WorkItem],
-    memo: Memo,
-    scaling: _Scaling | None,
-) -> None:
-    """The parameters outside buckets, each by its compiled step as prepared at its last step
-    (``layout.entries``, redone by ``param_step.redo_entry``) where nothing it
-    relied on changed, else by its full step, which prepares it anew. Without the entries each
-    step prepared every such call again: LAMB with 8-bit state, whose 8-bit parameters stay out
-    of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
-    buckets (``benchmarks/fast_path.py``)."""
-    entries = layout.entries.setdefault(_mode(scaling), {})  # (kernels per scaler mode)
-    memo["entries"] = entries
-    fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
-    try:
-        for group, p, index, storage in rest:
-            if not param_step.redo_entry(opt, entries.get(id(p)), memo, scaling, fused):
-                param_step.step_param(opt, group, p, index, storage, scaling, memo)
-    finally:
-        if fused:  # (also when a later parameter raised: these were stepped)
-            _advance_counts([e.state["step"] for e in fused], scaling)

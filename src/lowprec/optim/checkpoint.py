@@ -4,7 +4,7 @@ torch.optim's ``load_state_dict`` casts floating-point state to the parameter's 
 round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dict`` here keeps
 every state tensor's dtype, checks the whole checkpoint against the parameters before changing
 anything, adopts a torch.optim checkpoint (``_adopt_state``) and runs torch.optim's load hooks;
-the next step lays the loaded state out in buckets (``buckets.flatten``). ``state_dict`` is
+the next step lays the loaded state out in buckets (``driver.flatten``). ``state_dict`` is
 torch.optim's, each
 ``state_dtype`` by its name; the export of the FP32 masters, ``master_state_dict``, is in ``base``,
 beside ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module

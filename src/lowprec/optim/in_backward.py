@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lowprec.optim import buckets, driver, param_step, qstate
+from lowprec.optim import driver, param_step, qstate
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import in_step
 from lowprec.optim.param_step import _Entry
@@ -162,8 +162,8 @@ class StepInBackward:
         # where it stays)
         for it in new:
             opt.state[it.p].update(opt._init_state(it.group, it.p, it.storage))
-        if new or not buckets.laid_out(opt):
-            buckets.flatten(opt)
+        if new or not driver.laid_out(opt):
+            driver.flatten(opt)
         return {"entries": self._entries}
 
     @torch.no_grad()
