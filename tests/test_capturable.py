@@ -163,3 +163,59 @@ def test_a_tensor_lr_is_checked_when_its_group_is_added():
     with pytest.raises(ValueError, match="lr must be a number or a one-element"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("name", "master", "scaled"), [
+    ("adamw", "kahan", False), ("adamw", "kahan", True), ("sgd", "split", False),
+    ("adamw", "stochastic", False), ("lamb", "kahan", False),
+], ids=["adamw-kahan", "adamw-kahan-scaled", "sgd-split", "adamw-stochastic", "lamb-kahan"])
+def test_a_step_captured_in_a_cuda_graph_replays_the_default_steps_bits(name, master, scaled):
+    """The step captured once in a ``torch.cuda.CUDAGraph`` (after warm-up steps on a side
+    stream, torch's recipe) and replayed with new gradients copied into the same tensors gives
+    the bits of the uncaptured default step, and no replay reads the host
+    (``torch.cuda.set_sync_debug_mode("error")``)."""
+    steps, warm = 6, 3
+    gen = torch.Generator().manual_seed(7)
+    grads = [[(torch.randn(s, generator=gen) * (256 if scaled else 1)).bfloat16().cuda()
+              for s in SHAPES] for _ in range(steps)]
+    lr = OPTIMIZERS[name][1]["lr"]
+
+    def make(capturable):
+        params = [p.detach().cuda().requires_grad_() for p in _params()]
+        tensor_lr = torch.tensor(lr, dtype=torch.float64, device="cuda")
+        return params, _make(name, params, master, capturable=capturable,
+                             lr=tensor_lr if capturable else lr)
+
+    scale = {"grad_scale": torch.full((), 256.0, device="cuda"),
+             "found_inf": torch.zeros((), device="cuda")} if scaled else {}
+    ref_params, ref = make(False)
+    for k in range(steps):
+        for p, g in zip(ref_params, grads[k], strict=True):
+            p.grad = g.clone()
+        ref.step(**scale)
+    params, opt = make(True)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g.clone()  # (the static gradients: each step copies its own into them)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (state, buckets, compiled kernels: before the capture)
+        for k in range(warm):
+            for p, g in zip(params, grads[k], strict=True):
+                p.grad.copy_(g)
+            opt.step(**scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step(**scale)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(warm, steps):
+            for p, g in zip(params, grads[k], strict=True):
+                p.grad.copy_(g)
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert_same(params, opt, ref_params, ref)
