@@ -183,8 +183,9 @@ def scaled_numbers(
     """A parameter's step counted on its device (``host_counts`` False; under a loss scaler or
     not): its step number (FP64), random key halves, FP32 coefficients and the scaler's tensors,
     all on its device. The step count lives there (and under a loss scaler advances only when
-    the step is taken), so everything that depends on it is computed there too. The coefficients that do not depend on it (lr, weight decay...) are the same
-    tensors for the group's parameters within a ``step()``."""
+    the step is taken), so everything that depends on it is computed there too. The coefficients
+    that do not depend on it (lr, weight decay...) are the same tensors for the group's
+    parameters within a ``step()``."""
     done: _ScaledNumbers | None = memo.get(("scaled", id(p)))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
         scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
