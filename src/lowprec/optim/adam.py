@@ -24,7 +24,8 @@ __all__ = ["Adam", "adam_coefficients", "adam_math", "adam_update"]
 
 
 def adam_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``adam_math``: ``adamw_coefficients`` (the same bias corrections,
     and the decoupled decay factor) and the L2 coefficient ``weight_decay``."""

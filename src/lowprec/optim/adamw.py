@@ -23,7 +23,8 @@ __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 
 
 def adamw_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``adamw_math``: host floats, or 0-d tensors for a tensor step.
 

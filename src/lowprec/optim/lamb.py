@@ -28,7 +28,8 @@ __all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms", "lamb_up
 
 
 def lamb_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``lamb_math``: host floats, or 0-d tensors for a tensor step.
 

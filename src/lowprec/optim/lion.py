@@ -32,7 +32,8 @@ __all__ = ["Lion", "lion_coefficients", "lion_math", "lion_update"]
 
 
 def lion_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, weight_decay: float, max_lr: float | None = None
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, weight_decay: float,
+    max_lr: float | None = None,
 ) -> dict[str, Any]:
     """The per-step scalars of ``lion_math`` (host floats). ``max_lr`` given: the decay is fully
     decoupled from the learning rate's scale, ``1 - (lr / max_lr) * weight_decay``."""

@@ -27,7 +27,8 @@ __all__ = ["RAdam", "radam_coefficients", "radam_math", "radam_update"]
 
 
 def radam_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``radam_math``: host floats, or 0-d tensors for a tensor step.
 

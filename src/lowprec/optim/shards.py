@@ -127,8 +127,9 @@ def flat_offset(p: DTensor) -> int:
 class _Shard:
     """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
     its local tensor and placements stay the same: its local state dict (kept from step to step,
-    so that its buckets, ``buckets``, hold as a plain parameter's do), the index of its first element in the whole parameter (keying stochastic
-    rounding's random bits), and the process groups its shards span."""
+    so that its buckets, ``buckets``, hold as a plain parameter's do), the index of its first
+    element in the whole parameter (keying stochastic rounding's random bits), and the process
+    groups its shards span."""
 
     __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
 
@@ -231,8 +232,9 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
     tensors hold local views of the DTensor state (the other entries are the optimizer's own dicts).
     The state dicts of the local tensors are kept from step to step, and so are their tensors
     while they hold the DTensor state's memory (a DTensor made from a local tensor holds a new
-    view of it), so that the buckets (``buckets``) hold as for plain parameters. Afterwards every parameter-shaped state
-    tensor is a DTensor of the parameter's placements. Nothing is changed if a check fails."""
+    view of it), so that the buckets (``buckets``) hold as for plain parameters. Afterwards every
+    parameter-shaped state tensor is a DTensor of the parameter's placements. Nothing is changed
+    if a check fails."""
     groups = opt.param_groups
     old: dict[int, _Shard] = opt.__dict__.get("_shards") or {}
     shards: dict[int, _Shard] = {}  # (only the current parameters: dropped ones are let go)

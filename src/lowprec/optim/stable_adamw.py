@@ -45,7 +45,8 @@ def _debiased(beta: float, step: Any) -> Any:
 
 
 def stable_adamw_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: Any,
+    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: Any,
     max_lr: float | None = None,
 ) -> dict[str, Any]:
     """The per-step scalars of ``stable_adamw_math``: host floats, or 0-d tensors for a tensor

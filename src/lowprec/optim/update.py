@@ -6,8 +6,8 @@ the compiled step (``compiled``) runs it under ``torch.compile``. ``_param_updat
 same on words of two elements (the compiled CPU step of 16-bit strategies), ``_param_sums`` and
 ``_param_sums_pairs`` the read-only pass of a rule with whole-tensor norms (``_norm_terms``).
 They take plain tensors and the rule's pure ``_math``, never the optimizer, and are pure but for
-their writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by the
-element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
+their writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by
+the element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
 """
 
 from __future__ import annotations
