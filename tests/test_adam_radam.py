@@ -5,9 +5,9 @@ tests/test_torch_contracts.py imports it) are the data: every option set of its 
 its CUDA one (built, not run), which adds tensor ``lr`` and ``betas`` under ``capturable``, which
 torch runs on CUDA alone: the set runs without it (lowprec's capturable step is checked against
 its own default step, tests/test_capturable.py). Each set runs on FP32 parameters with
-``master="none"`` beside torch's for-loop implementation (``foreach=False``) and must match it within 1e-6 of the
-tensor's scale, eagerly and, once per compiled variant (a set whose update-rule flags no earlier
-set had), compiled. torch's bad option sets raise torch's errors; BF16 with ``master="split"`` is
+``master="none"`` beside torch's for-loop implementation (``foreach=False``) and must match it
+within 1e-6 of the tensor's scale, eagerly and, once per compiled variant (a set whose
+update-rule flags no earlier set had), compiled. torch's bad option sets raise torch's errors; BF16 with ``master="split"`` is
 the FP32 run bit for bit; a torch checkpoint (L2 decay) resumes as torch; a step counted on the
 device (a GPU's way under a loss scaler) steps as one counted on the host, reading nothing there.
 """
