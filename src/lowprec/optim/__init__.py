@@ -31,7 +31,8 @@ from lowprec.optim.adafactor import Adafactor, adafactor_update
 from lowprec.optim.adagrad import Adagrad, adagrad_update
 from lowprec.optim.adam import Adam, adam_update
 from lowprec.optim.adamw import AdamW, adamw_update
-from lowprec.optim.base import LowPrecisionOptimizer, master_state_dict
+from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.export import master_state_dict
 from lowprec.optim.in_backward import StepInBackward, step_in_backward
 from lowprec.optim.lamb import Lamb, lamb_update
 from lowprec.optim.lion import Lion, lion_update

@@ -17,8 +17,8 @@ state tensor's dtype (torch's default would cast an FP32 master or a trail to th
 dtype).
 
 ``LowPrecisionOptimizer`` (this module) holds what a subclass and a caller meet: the subclass
-interface, parameter groups and their validation, lazy state, ``step()``, ``master_weight``, and
-``master_state_dict`` beside it. ``step()`` runs its closure and hands a ``driver.StepContext``
+interface, parameter groups and their validation, lazy state, ``step()`` and ``master_weight``
+(``export.master_state_dict`` builds on it). ``step()`` runs its closure and hands a ``driver.StepContext``
 (the loss scaler's inputs) to ``driver.run``: every step goes through the buckets
 (``buckets``: a group's state laid out in flat buffers when it is created, a few calls per
 bucket; the parameters no bucket takes each by its own prepared step, ``param_step``).
@@ -37,7 +37,6 @@ so that one ``monkeypatch.setattr`` reaches every caller.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -60,6 +59,7 @@ from lowprec.optim.shards import (
     is_dtensor,
     local,
     mark_blocks,
+    warn_fp32_shards,
     wrap_like,
 )
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.in_backward import StepInBackward
     from lowprec.optim.shards import _Shard
 
-__all__ = ["LowPrecisionOptimizer", "master_state_dict"]
+__all__ = ["LowPrecisionOptimizer"]
 
 _T = TypeVar("_T")
 
@@ -281,7 +281,7 @@ class LowPrecisionOptimizer(Optimizer):
             for p in params:
                 if is_dtensor(p):
                     mark_blocks(p)
-            _warn_fp32_shards(added, len(self.param_groups) - 1)
+            warn_fp32_shards(added, len(self.param_groups) - 1)
 
     def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
         """Validate a group's options and parameters; returns each parameter's storage strategy
@@ -695,87 +695,3 @@ class LowPrecisionOptimizer(Optimizer):
         if not state:
             return p.detach().float().clone()
         return storage.load(p, {k: state[k] for k in storage.buffers(p)}).clone()
-
-
-def _warn_fp32_shards(group: dict[str, Any], index: int) -> None:
-    """Under ``state_dtype="8bit"``, say which large DTensor parameters keep FP32 state (their
-    shards are not whole rows of whole blocks: ``shards.mark_blocks``), 4x the moments' bytes."""
-    if group["state_dtype"] != qstate.EIGHT_BIT:
-        return
-    big = [tuple(p.shape) for p in group["params"]
-           if is_dtensor(p) and p.numel() >= qstate.MIN_NUMEL and not qstate.qualifies(p)]
-    if big:
-        shown = ", ".join(map(str, big[:4])) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
-        warnings.warn(
-            f"parameter group {index}: state_dtype='8bit' keeps FP32 state for {len(big)} "
-            f"DTensor parameter(s) of {qstate.MIN_NUMEL} elements or more ({shown}): a sharded "
-            f"parameter gets 8-bit state when it is sharded along its first dimension only and "
-            f"its rows are a multiple of {qstate.BLOCK} elements, so that each rank's blocks "
-            "are the whole parameter's.",
-            RuntimeWarning, stacklevel=4,
-        )
-
-
-def master_state_dict(model: torch.nn.Module, optimizer: object) -> dict[str, Any]:
-    """A model state dict holding the optimizer's FP32 master values, for export.
-
-    Parameters the optimizer updates are replaced by ``optimizer.master_weight(p)``; other
-    floating-point entries (frozen parameters, buffers) are cast to FP32; the rest is kept.
-    ``optimizer`` may be a framework's wrapper of a lowprec optimizer that keeps it as
-    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, which Hugging Face Trainer's
-    ``trainer.optimizer`` is, or Lightning's ``LightningOptimizer``).
-
-    Args:
-        model: The model whose ``state_dict()`` is exported; every name of a tied weight gets
-            the master.
-        optimizer: The lowprec optimizer that steps the model's parameters, or a framework's
-            wrapper of one.
-
-    Returns:
-        ``model.state_dict()`` with FP32 values: what ``model.float().load_state_dict`` takes.
-
-    Raises:
-        TypeError: ``optimizer`` is not a lowprec optimizer nor a wrapper of one.
-
-    Examples:
-        >>> import torch
-        >>> import lowprec
-        >>> model = torch.nn.Linear(4, 4).bfloat16()
-        >>> opt = lowprec.SGD(model.parameters(), lr=1e-4, master="split")
-        >>> model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
-        >>> opt.step()
-        >>> fp32 = lowprec.master_state_dict(model, opt)
-        >>> fp32["weight"].dtype, torch.equal(fp32["weight"], opt.master_weight(model.weight))
-        (torch.float32, True)
-    """
-    inner = optimizer
-    for _ in range(4):  # (a wrapper of a wrapper at most, in practice)
-        if isinstance(inner, LowPrecisionOptimizer):
-            break
-        inner = getattr(inner, "optimizer", None)
-    if not isinstance(inner, LowPrecisionOptimizer):
-        raise TypeError(
-            "master_state_dict needs a lowprec optimizer (or a framework's wrapper of one, "
-            f"holding it as .optimizer), got {type(optimizer).__name__}; a torch.optim "
-            "optimizer keeps no master: its model's state_dict() is the export."
-        )
-    optimizer = inner
-    masters = {}
-    known = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    by_id: dict[int, torch.Tensor] = {}
-    # Every name of a tied parameter (GPT-2's lm_head.weight is wte.weight), each holding the
-    # master: named_parameters() would name it once and leave the others at the stored value.
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in known:
-            if id(p) not in by_id:
-                by_id[id(p)] = optimizer.master_weight(p)
-            masters[name] = by_id[id(p)]
-    out = {}
-    for name, t in model.state_dict().items():
-        if name in masters:
-            out[name] = masters[name]
-        elif isinstance(t, torch.Tensor) and t.is_floating_point():
-            out[name] = t.detach().float().clone()
-        else:
-            out[name] = t
-    return out

@@ -5,9 +5,8 @@ round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dic
 every state tensor's dtype, checks the whole checkpoint against the parameters before changing
 anything, adopts a torch.optim checkpoint (``_adopt_state``) and runs torch.optim's load hooks;
 the next step lays the loaded state out in buckets (``driver.flatten``). ``state_dict`` is
-torch.optim's, each
-``state_dtype`` by its name; the export of the FP32 masters, ``master_state_dict``, is in ``base``,
-beside ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module
+torch.optim's, each ``state_dtype`` by its name; the export of the FP32 masters,
+``master_state_dict``, is in ``export``, built on ``base``'s ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module
 does not import ``base``.
 """
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -369,3 +370,22 @@ def init_state_local(
     lp = local(p)
     st = opt._init_state(group, lp, storage)
     return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
+
+
+def warn_fp32_shards(group: dict[str, Any], index: int) -> None:
+    """Under ``state_dtype="8bit"``, say which large DTensor parameters keep FP32 state (their
+    shards are not whole rows of whole blocks: ``shards.mark_blocks``), 4x the moments' bytes."""
+    if group["state_dtype"] != qstate.EIGHT_BIT:
+        return
+    big = [tuple(p.shape) for p in group["params"]
+           if is_dtensor(p) and p.numel() >= qstate.MIN_NUMEL and not qstate.qualifies(p)]
+    if big:
+        shown = ", ".join(map(str, big[:4])) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
+        warnings.warn(
+            f"parameter group {index}: state_dtype='8bit' keeps FP32 state for {len(big)} "
+            f"DTensor parameter(s) of {qstate.MIN_NUMEL} elements or more ({shown}): a sharded "
+            f"parameter gets 8-bit state when it is sharded along its first dimension only and "
+            f"its rows are a multiple of {qstate.BLOCK} elements, so that each rank's blocks "
+            "are the whole parameter's.",
+            RuntimeWarning, stacklevel=4,
+        )
