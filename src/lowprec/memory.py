@@ -46,7 +46,7 @@ from torch import nn
 from lowprec import recipes
 from lowprec.optim import qstate
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.shards import local
+from lowprec.optim.dtensor import local
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.accumulation import Accumulator

@@ -33,7 +33,7 @@ from typing import Any, cast, overload
 
 import torch
 
-from lowprec.optim.shards import is_dtensor, local
+from lowprec.optim.dtensor import is_dtensor, local
 
 __all__ = ["LossScaler", "NonFiniteLossError"]
 

@@ -22,7 +22,8 @@ import torch
 
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.shards import all_reduce_sums, is_dtensor, local, local_shards
+from lowprec.optim.dtensor import is_dtensor, local
+from lowprec.optim.shards import all_reduce_sums, local_shards
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.storage import MasterStorage
@@ -494,7 +495,7 @@ class UpdateMonitor:
         if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
             p, master = local(p), local(master)
             state = {k: local(v) for k, v in state.items()}
-            groups = opt._shards[pid].groups
+            groups = opt.__dict__["_shards"][pid].groups
         new = p.detach()
         attempted = new_w != w
         unchanged = _bits(old) == _bits(new)

@@ -10,13 +10,34 @@ part pending until its parameters' buckets next appear. ``OneBitState.state_dict
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lowprec.distributed.hook import OneBitState
+    from lowprec.distributed.layout import _Layout
+
+
+class OneBitState(Protocol):
+    """What a checkpoint reads and sets of ``hook.OneBitState`` (typed here, so that this module
+    imports nothing of the hook that calls it)."""
+
+    iter: int
+    _numels: dict[str, int]
+    _layouts: dict[tuple[Any, ...], _Layout]
+    _home: dict[str, _Layout]
+    _pending_local: dict[str, torch.Tensor]
+    _pending_stripe: dict[str, tuple[int, torch.Tensor]]
+    _carry: set[str]
+    _residual_scale: float | None
+    _scale_iter: int | None
+
+    def _group(self) -> dist.ProcessGroup: ...
+
+    def config(self) -> dict[str, Any]: ...
+
+    def counters(self) -> dict[str, int]: ...
 
 FORMAT = "lowprec.distributed.OneBitState"
 VERSION = 1

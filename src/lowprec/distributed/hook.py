@@ -74,7 +74,7 @@ from lowprec.distributed.checkpoint import COUNTERS
 from lowprec.distributed.layout import _Layout, column_runs
 from lowprec.distributed.quantize import DEFAULT_RULE, check_quantizer
 from lowprec.optim.compiled import _default_compiles as default_compiles
-from lowprec.optim.compiled import _default_mode as default_mode
+from lowprec.optim.options import _default_mode as default_mode
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "OneBitState", "column_runs", "onebit_hook"]
 

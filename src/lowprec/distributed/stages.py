@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,25 @@ from lowprec.distributed.checkpoint import all_gather_single
 from lowprec.distributed.layout import _Layout, _Stripe
 from lowprec.distributed.quantize import packed_size
 
-if TYPE_CHECKING:
-    from lowprec.distributed.hook import OneBitState
+
+class OneBitState(Protocol):
+    """What the stages read and count of ``hook.OneBitState`` (typed here, so that the stages
+    import nothing of the hook that runs them)."""
+
+    bits: int
+    rule: str
+    _fused_active: bool | None
+    bytes_sent: int
+    bytes_received: int
+    uncompressed_bytes: int
+    compressed_buckets: int
+    fallback_buckets: int
+
+    def _spare(self, numel: int, device: torch.device) -> torch.Tensor: ...
+
+    def _give_back(self, t: torch.Tensor) -> None: ...
+
+    def _start_allreduce(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> Any: ...
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ blocks, so its scales' share starts where its elements' would.
 Under a loss scaler the gradients are checked for inf/NaN first (``loss_scale._Scaling``, by
 ``driver.step_buckets``), the kernels take the scaler's inputs, the unscaled gradients are
 copied back where they were gathered, and the counts advance by ``1 - skip``, decided on the
-device. On the CPU the counts are read on the host (``param_step.host_counts``); off it, and for
+device. On the CPU the counts are read on the host (``core.host_counts``); off it, and for
 a capturable optimizer, they stay on the device, and a bucket whose parameters all have a
 gradient and share one count (``same_counts``: read on the host only after the counts were
 written, which their version counter shows) makes the step's numbers there from that count once
@@ -59,15 +59,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import compiled, param_step
+from lowprec.optim import compiled, core, param_step
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
     from lowprec.optim._typing import Memo
-    from lowprec.optim.base import LowPrecisionOptimizer
     from lowprec.optim.compiled import _Fused
+    from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
 
 
@@ -133,7 +133,7 @@ class _Bucket:
     #: The counts' version when ``same`` was last read (None: not read yet)
     version: int | None
 
-    def __init__(self, opt: LowPrecisionOptimizer, group: dict[str, Any], kind: tuple[Any, ...],
+    def __init__(self, opt: OptimizerCore, group: dict[str, Any], kind: tuple[Any, ...],
                  members: list[tuple[torch.Tensor, int]], storage: MasterStorage) -> None:
         self.group, self.kind, self.storage = group, kind, storage
         self.params = [p for p, _ in members]
@@ -193,7 +193,7 @@ class _Bucket:
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
-    def current(self, opt: LowPrecisionOptimizer) -> bool:
+    def current(self, opt: OptimizerCore) -> bool:
         """Whether the parameters and state entries are still this bucket's views (checked a
         list at a time: this is per-tensor host work of every step)."""
         if list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
@@ -229,7 +229,7 @@ class _Bucket:
 
     def step(
         self,
-        opt: LowPrecisionOptimizer,
+        opt: OptimizerCore,
         grads: list[torch.Tensor | None],
         memo: Memo,
         scaling: _Scaling | None,
@@ -278,10 +278,10 @@ class _Bucket:
                         self.counts[i:done].add_(scaling.taken_on(self.counts.device))
             i = j
 
-    def on_device(self, opt: LowPrecisionOptimizer) -> bool:
+    def on_device(self, opt: OptimizerCore) -> bool:
         """Whether a step takes its numbers on the device from the counts kept there
-        (``param_step.host_counts``: off the CPU, or a capturable optimizer)."""
-        return not param_step.host_counts(opt, self.params[0].device)
+        (``core.host_counts``: off the CPU, or a capturable optimizer)."""
+        return not core.host_counts(opt, self.params[0].device)
 
     def same_counts(self) -> bool:
         """Whether every count of the bucket is the same, read on the host only where they were
@@ -293,7 +293,7 @@ class _Bucket:
             self.version = self.counts._version
         return self.same
 
-    def _device_numbers(self, opt: LowPrecisionOptimizer, memo: Memo) -> dict[str, torch.Tensor]:
+    def _device_numbers(self, opt: OptimizerCore, memo: Memo) -> dict[str, torch.Tensor]:
         """The step's coefficients as 0-d FP32 tensors on the counts' device, from the bucket's
         one count (``same_counts``) as the full step makes them
         (``param_step.scaled_numbers_many``): the numbers that depend on the count computed there,
@@ -335,7 +335,7 @@ class _Bucket:
             pieces.append((a, j))
         return pieces
 
-    def _run(self, opt: LowPrecisionOptimizer, a: int, b: int, grads: list[torch.Tensor | None],
+    def _run(self, opt: OptimizerCore, a: int, b: int, grads: list[torch.Tensor | None],
              step: int | dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
         parameters and gradients gathered into one each (a single parameter's own, where it
@@ -430,7 +430,7 @@ class _Bucket:
             torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
 
     def _keys(
-        self, opt: LowPrecisionOptimizer, a: int, b: int, step: int
+        self, opt: OptimizerCore, a: int, b: int, step: int
     ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
         """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
         alone, its key's halves (``_keys``); a gathered piece, one key half per parameter

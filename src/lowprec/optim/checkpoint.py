@@ -20,19 +20,13 @@ import torch
 from torch.optim import Optimizer
 
 from lowprec.optim import qstate
+from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like, wrap_state
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
-from lowprec.optim.shards import (
-    check_loaded_state,
-    is_dtensor,
-    local,
-    mark_blocks,
-    wrap_like,
-    wrap_state,
-)
+from lowprec.optim.shards import check_loaded_state
 from lowprec.optim.storage import STORAGES, convert
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
 
 # The options that say how the state is stored rather than how the rule steps: an optimizer
@@ -40,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _STORAGE_OPTIONS = ("master", "state_dtype")
 
 
-def state_dict(opt: LowPrecisionOptimizer) -> dict[str, Any]:
+def state_dict(opt: OptimizerCore) -> dict[str, Any]:
     """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
     its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
     ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
@@ -52,7 +46,7 @@ def state_dict(opt: LowPrecisionOptimizer) -> dict[str, Any]:
     return sd
 
 
-def load_state_dict(opt: LowPrecisionOptimizer, state_dict: dict[str, Any]) -> None:
+def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
     """Load a ``state_dict``, keeping every state tensor's dtype.
 
     ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
@@ -144,7 +138,7 @@ def load_state_dict(opt: LowPrecisionOptimizer, state_dict: dict[str, Any]) -> N
 
 
 def _convert_master(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     st: dict[str, Any],
     group: dict[str, Any],
     p: torch.Tensor,
@@ -186,7 +180,7 @@ def _convert_master(
 
 
 def _cast_math_buffers(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     st: dict[str, Any],
     group: dict[str, Any],
     p: torch.Tensor,
@@ -240,7 +234,7 @@ def _cast_math_buffers(
 
 
 def _adopt_state(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     st: dict[str, Any],
     group: dict[str, Any],
     p: torch.Tensor,

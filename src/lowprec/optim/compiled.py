@@ -27,6 +27,7 @@ import torch
 
 from lowprec.numerics import COMPILED_AS_EAGER
 from lowprec.optim import qstate as qstate_mod
+from lowprec.optim.options import _default_mode
 from lowprec.optim.shards import all_reduce_sums
 from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import (
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
     from lowprec.optim._typing import PairDtypes, QFormats
-    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.core import OptimizerCore
 
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
@@ -139,7 +140,7 @@ def _signature(
             *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
 
 
-def _fused_enabled(opt: LowPrecisionOptimizer, group: dict[str, Any], p: torch.Tensor) -> bool:
+def _fused_enabled(opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor) -> bool:
     """Whether ``p``'s step is compiled: ``fused=True``, or the default (``fused=None``) where a
     working compiler exists for its device (``_compiler``), unless ``LOWPREC_FUSED`` says
     otherwise; never after this optimizer's compilation failed (``_disable_fused``)."""
@@ -163,25 +164,6 @@ def _default_compiles(device_type: str) -> bool:
 
 
 _WARNED: set[str] = set()
-_FUSED_ENV = "LOWPREC_FUSED"
-_FUSED_VALUES = {"": "auto", "auto": "auto", "1": "fused", "true": "fused", "on": "fused",
-                 "fused": "fused", "0": "eager", "false": "eager", "off": "eager",
-                 "eager": "eager"}
-
-
-def _default_mode() -> str:
-    """What ``fused=None`` means here: "auto" (compile where a compiler exists), "fused" or
-    "eager", from the environment variable ``LOWPREC_FUSED`` (unset: "auto")."""
-    value = os.environ.get(_FUSED_ENV, "")
-    mode = _FUSED_VALUES.get(value.strip().lower())
-    if mode is None:
-        raise ValueError(
-            f"{_FUSED_ENV}={value!r} is not a setting of lowprec's default optimizer step: use "
-            "auto (compile where a compiler exists), 1 (always compile) or 0 (eager)."
-        )
-    return mode
-
-
 def inductor_options() -> dict[str, bool]:
     """Each Inductor option the compiled step is built with (``numerics.INDUCTOR_OPTIONS``) and
     whether the installed torch's Inductor has it (a dotted name is looked up part by part). The
@@ -344,7 +326,7 @@ class _Kernel:
         return out
 
 
-def _disable_fused(opt: LowPrecisionOptimizer, error: BaseException) -> None:
+def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
     opt._fused_broken = True
     if isinstance(error, CompileBudgetExceeded):
         how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
@@ -446,7 +428,7 @@ class _Fused:
 
 
 def prepare_fused(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     storage: MasterStorage,
     flags: dict[str, bool],
     p: torch.Tensor,
@@ -541,7 +523,7 @@ def prepare_fused(
 
 
 def run_fused(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     f: _Fused,
     grad: torch.Tensor,
     coeffs: dict[str, Any],
@@ -595,7 +577,7 @@ def run_fused(
 
 
 def _run_fused_rows(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     f: _Fused,
     grad: torch.Tensor,
     c32: dict[str, torch.Tensor],
@@ -656,7 +638,7 @@ def _pairs_pay(storage: MasterStorage) -> bool:
 
 
 def pairs_plan(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     storage: MasterStorage,
     p: torch.Tensor,
     grad: torch.Tensor,

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 # (called through their modules: tests replace these functions and loss_scale._host_counts)
-from lowprec.optim import param_step, qstate
+from lowprec.optim import core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
@@ -37,14 +37,14 @@ from lowprec.optim.shards import local_shards, reduce_groups
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import Memo, WorkItem
-    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
 
 
 @dataclass(frozen=True)
 class StepContext:
     """What one ``step()`` hands its stages: the loss scaler's inputs (``torch.amp.GradScaler``'s
-    contract, ``LowPrecisionOptimizer.step``) and how the kernels take them (``scaled``:
+    contract, ``OptimizerCore.step``) and how the kernels take them (``scaled``:
     ``"unscale"`` with a scale, ``"skip"`` with ``found_inf`` alone, False without either;
     ``loss_scale._Scaling.mode``). Each stage keeps its own working numbers (a ``memo``, a
     ``_Scaling``): one that declines leaves none behind."""
@@ -59,7 +59,7 @@ class StepContext:
         return "skip" if self.found_inf is not None else False
 
 
-def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
+def run(opt: OptimizerCore, ctx: StepContext) -> None:
     """``step()`` after its closure."""
     in_backward = opt.__dict__.get("_in_backward")
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
@@ -73,7 +73,7 @@ def run(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
             stages(opt, ctx)
 
 
-def stages(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
+def stages(opt: OptimizerCore, ctx: StepContext) -> None:
     """The buckets' step; where they decline (the first step, or something they were made for
     changed), validate, create the missing state, lay them out and try again; ``full_step``
     only for what they still decline."""
@@ -94,7 +94,7 @@ def stages(opt: LowPrecisionOptimizer, ctx: StepContext) -> None:
 
 
 def full_step(
-    opt: LowPrecisionOptimizer, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
+    opt: OptimizerCore, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
 ) -> None:
     """Every parameter of ``work`` (validated by ``_collect``) on its own: check the gradients
     under a loss scaler, create the buffers an option turned on (``late``:
@@ -106,7 +106,7 @@ def full_step(
             work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
         )
     counted = [(g, p, i, s, opt.state[p]) for g, p, i, s in work
-               if "step" in opt.state.get(p, ()) and not param_step.host_counts(opt, p.device)]
+               if "step" in opt.state.get(p, ()) and not core.host_counts(opt, p.device)]
     if counted:  # (every parameter's numbers at once, per group: not one by one)
         param_step.scaled_numbers_many(opt, counted, scaling, memo)
     if late:
@@ -117,7 +117,7 @@ def full_step(
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
 
 
-def _bucketable_rule(opt: LowPrecisionOptimizer, group: dict[str, Any]) -> bool:
+def _bucketable_rule(opt: OptimizerCore, group: dict[str, Any]) -> bool:
     """Whether ``group``'s rule steps a tensor in any layout: elementwise, or elementwise but
     for whole-tensor sums (``_norm_terms``: LAMB, StableAdamW), which a piece of parameters of
     one size takes per row."""
@@ -125,7 +125,7 @@ def _bucketable_rule(opt: LowPrecisionOptimizer, group: dict[str, Any]) -> bool:
 
 
 def _kind(
-    opt: LowPrecisionOptimizer, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
 ) -> tuple[Any, ...] | None:
     """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
     of ``p`` per element), or None where ``p`` is stepped on its own."""
@@ -134,7 +134,7 @@ def _kind(
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
     keyed = storage.needs_random_bits
     if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)
-                      and param_step.host_counts(opt, p.device)):
+                      and core.host_counts(opt, p.device)):
         # (random bits keyed per word of a piece of many parameters: on pairs, from the count
         # on the host; else each parameter's own key, made on the device: scaled_numbers)
         return None
@@ -179,7 +179,7 @@ class _Layout:
 
     __slots__ = ("buckets", "entries", "groups", "rest")
 
-    def __init__(self, opt: LowPrecisionOptimizer) -> None:
+    def __init__(self, opt: OptimizerCore) -> None:
         self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
@@ -187,7 +187,7 @@ class _Layout:
         self.entries: dict[Any, dict[int, _Entry]] = {}  # (the rest's prepared steps per
         # loss-scaler mode, whose kernels differ: _step_rest)
 
-    def same_groups(self, opt: LowPrecisionOptimizer) -> bool:
+    def same_groups(self, opt: OptimizerCore) -> bool:
         groups = opt.param_groups
         return len(groups) == len(self.groups) and all(
             group is ref and len(group["params"]) == len(params)
@@ -196,10 +196,15 @@ class _Layout:
         )
 
 
-def flatten(opt: LowPrecisionOptimizer) -> None:
+def _layout(opt: OptimizerCore) -> _Layout | None:
+    """The buckets ``flatten`` laid out last (kept on the optimizer as ``_buckets``)."""
+    return cast("_Layout | None", opt.__dict__.get("_buckets"))
+
+
+def flatten(opt: OptimizerCore) -> None:
     """Lay the buckets out once the state exists (``driver.stages``: before the first step,
     and again where anything they were made for changed); keeps the buckets that still hold."""
-    old = opt.__dict__.get("_buckets")
+    old = _layout(opt)
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
         # (a bucket's prepared calls were compiled for its group's options and flags: kept
@@ -238,25 +243,25 @@ def flatten(opt: LowPrecisionOptimizer) -> None:
     layout.rest.sort()
     # (the rest's prepared calls are not carried over: they were prepared under the options and
     # flags of the old layout, which may have changed)
-    opt._buckets = layout
+    opt.__dict__["_buckets"] = layout
 
 
-def laid_out(opt: LowPrecisionOptimizer) -> bool:
+def laid_out(opt: OptimizerCore) -> bool:
     """Whether the buckets ``flatten`` laid out still hold: the same groups and parameters, and
     every bucket's parameters and state entries its own."""
-    layout = opt.__dict__.get("_buckets")
+    layout = _layout(opt)
     return (layout is not None and layout.same_groups(opt)
             and all(b.current(opt) for b in layout.buckets))
 
 
-def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
+def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
     its errors), step each bucket and the parameters stepped on their own; False, having written
     nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
     ``grad_scale`` and ``found_inf``) the gradients are checked first, as the full step checks them
     (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
     the full step computes each parameter's numbers on its device."""
-    layout = opt.__dict__.get("_buckets")
+    layout = _layout(opt)
     if layout is None or not layout.same_groups(opt):
         return False
     storages: list[list[MasterStorage]] = []
@@ -304,7 +309,7 @@ def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
         scaling = _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf,
                                    opt.__dict__.get("_shard_reduce"))
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
-               if "step" in opt.state[p] and not param_step.host_counts(opt, p.device)]
+               if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
     if counted:  # (their numbers on the device, all at once: as the full step makes them)
         param_step.scaled_numbers_many(opt, counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
@@ -314,7 +319,7 @@ def step_buckets(opt: LowPrecisionOptimizer, ctx: StepContext) -> bool:
 
 
 def _step_rest(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     layout: _Layout,
     rest: list[WorkItem],
     memo: Memo,

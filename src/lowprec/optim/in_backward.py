@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 from lowprec.optim import driver, param_step, qstate
-from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.core import OptimizerCore
+from lowprec.optim.dtensor import is_dtensor
 from lowprec.optim.options import in_step
 from lowprec.optim.param_step import _Entry
-from lowprec.optim.shards import is_dtensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import Memo
@@ -99,7 +99,7 @@ class StepInBackward:
         params: The parameters stepped inside backward.
     """
 
-    def __init__(self, model: nn.Module, optimizer: LowPrecisionOptimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: OptimizerCore) -> None:
         self.optimizer = optimizer
         self.params = _check(model, optimizer)
         self._stepped: set[int] = set()  # (stepped since the last optimizer.step())
@@ -113,7 +113,7 @@ class StepInBackward:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
             setattr(p, MARK, True)
-        optimizer._in_backward = self
+        optimizer.__dict__["_in_backward"] = self
 
     # ------------------------------------------------------------------ the hooks
 
@@ -258,7 +258,7 @@ class StepInBackward:
             if getattr(p, MARK, False):
                 delattr(p, MARK)
         if self.optimizer.__dict__.get("_in_backward") is self:
-            del self.optimizer._in_backward
+            del self.optimizer.__dict__["_in_backward"]
         self._memo = None
         self._stepped.clear()
 
@@ -275,7 +275,7 @@ def _scaler_error() -> RuntimeError:
 def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     """The optimizer's parameters that require gradients, after every refusal that can be
     decided at registration."""
-    if not isinstance(optimizer, LowPrecisionOptimizer):
+    if not isinstance(optimizer, OptimizerCore):
         raise TypeError(
             f"step_in_backward takes a lowprec optimizer, got {type(optimizer).__name__}; "
             "build it from lowprec.optim (e.g. lowprec.AdamW(model.parameters()))."
@@ -330,7 +330,7 @@ def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     return params
 
 
-def step_in_backward(model: nn.Module, optimizer: LowPrecisionOptimizer) -> StepInBackward:
+def step_in_backward(model: nn.Module, optimizer: OptimizerCore) -> StepInBackward:
     """Step each of ``optimizer``'s parameters during backward and free its gradient at once.
 
     The training loop stays as it is (``loss.backward()``, ``optimizer.step()``,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,3 +150,20 @@ def _validate_betas(betas: Any) -> None:
     for i, b in enumerate(betas):
         if not _unread(b, f"betas[{i}]") and not 0.0 <= _as_float(b, f"betas[{i}]") < 1.0:
             raise ValueError(f"invalid betas[{i}]={b}: must be in [0, 1).")
+
+_FUSED_ENV = "LOWPREC_FUSED"
+_FUSED_VALUES = {"": "auto", "auto": "auto", "1": "fused", "true": "fused", "on": "fused",
+                 "fused": "fused", "0": "eager", "false": "eager", "off": "eager",
+                 "eager": "eager"}
+
+def _default_mode() -> str:
+    """What ``fused=None`` means here: "auto" (compile where a compiler exists), "fused" or
+    "eager", from the environment variable ``LOWPREC_FUSED`` (unset: "auto")."""
+    value = os.environ.get(_FUSED_ENV, "")
+    mode = _FUSED_VALUES.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(
+            f"{_FUSED_ENV}={value!r} is not a setting of lowprec's default optimizer step: use "
+            "auto (compile where a compiler exists), 1 (always compile) or 0 (eager)."
+        )
+    return mode

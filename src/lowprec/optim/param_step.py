@@ -26,7 +26,7 @@ import torch
 from lowprec.numerics import stream_key, stream_key_halves
 
 # (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
-from lowprec.optim import compiled, loss_scale, qstate, update
+from lowprec.optim import compiled, core, qstate, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.shards import all_reduce_sums, reduce_groups
@@ -35,17 +35,8 @@ from lowprec.optim.update import _param_sums, _param_update
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import Memo, WorkItem
-    from lowprec.optim.base import LowPrecisionOptimizer
     from lowprec.optim.compiled import _Fused
-
-def host_counts(opt: LowPrecisionOptimizer, device: torch.device) -> bool:
-    """Whether a step reads the step counts of ``opt``'s parameters on ``device`` on the host and
-    takes the group's host numbers: on the CPU (``loss_scale._host_counts``), where that costs no
-    synchronisation, unless the optimizer was made ``capturable``. Elsewhere every step, plain or
-    scaled, makes its numbers on the device from the counts kept there (``scaled_numbers``), so
-    that it reads no tensor value on the host and a CUDA graph can hold it."""
-    return not opt.__dict__.get("_capturable", False) and loss_scale._host_counts(device)
-
+    from lowprec.optim.core import OptimizerCore
 
 #: A parameter's numbers for a step counted on its device (``scaled_numbers``):
 #: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
@@ -78,7 +69,7 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return padded[:, 0].unbind()
 
 
-def step_late(opt: LowPrecisionOptimizer, late: list[WorkItem], scaling: _Scaling | None) -> None:
+def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None) -> None:
     """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
     create them, then take an eager step with the coefficients of their first use."""
     for group, p, index, storage in late:
@@ -90,7 +81,7 @@ def step_late(opt: LowPrecisionOptimizer, late: list[WorkItem], scaling: _Scalin
         step_param(opt, group, p, index, storage, scaling, {}, first_use=True)
 
 
-def group_flags(opt: LowPrecisionOptimizer, group: dict[str, Any], memo: Memo) -> dict[str, bool]:
+def group_flags(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> dict[str, bool]:
     key = ("flags", id(group))
     flags: dict[str, bool] | None = memo.get(key)
     if flags is None:
@@ -100,7 +91,7 @@ def group_flags(opt: LowPrecisionOptimizer, group: dict[str, Any], memo: Memo) -
 
 @overload
 def step_coefficients(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     step: int,
     memo: Memo,
@@ -110,7 +101,7 @@ def step_coefficients(
 
 @overload
 def step_coefficients(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     step: int,
     memo: Memo,
@@ -119,7 +110,7 @@ def step_coefficients(
 
 
 def step_coefficients(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     step: int,
     memo: Memo,
@@ -138,7 +129,7 @@ def step_coefficients(
 
 
 def _coefficient_tensors(
-    opt: LowPrecisionOptimizer, group: dict[str, Any], host: dict[str, Any]
+    opt: OptimizerCore, group: dict[str, Any], host: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
     the previous step for every value that did not change (lr, betas, weight decay... most
@@ -156,7 +147,7 @@ def _coefficient_tensors(
 
 
 def kernel_coefficients(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     step: int | torch.Tensor,
     coeffs: dict[str, Any],
@@ -171,7 +162,7 @@ def kernel_coefficients(
 
 
 def scaled_numbers(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     p: torch.Tensor,
     index: int,
@@ -194,7 +185,7 @@ def scaled_numbers(
 
 
 def scaled_numbers_many(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
     scaling: _Scaling | None,
     memo: Memo,
@@ -253,7 +244,7 @@ def random_keys(
 
 
 def step_param(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     p: torch.Tensor,
     index: int,
@@ -278,7 +269,7 @@ def step_param(
     quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     flags = group_flags(opt, group, memo)
-    if host_counts(opt, p.device):
+    if core.host_counts(opt, p.device):
         step = int(state["step"].item()) + 1
         lo, hi = random_keys(group, storage, step, index)
         coeffs, _ = step_coefficients(opt, group, step, memo, tensors=False)
@@ -376,7 +367,7 @@ def step_param(
 
 
 def _step_whole_fused(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     group: dict[str, Any],
     p: torch.Tensor,
     storage: MasterStorage,
@@ -473,7 +464,7 @@ class _Entry:
 
 
 def redo_entry(
-    opt: LowPrecisionOptimizer,
+    opt: OptimizerCore,
     e: _Entry | None,
     memo: Memo,
     scaling: _Scaling | None,
@@ -487,7 +478,7 @@ def redo_entry(
         return False
     grad = cast(torch.Tensor, e.p.grad)  # (present: checked by e.current)
     try:
-        if host_counts(opt, e.p.device):
+        if core.host_counts(opt, e.p.device):
             step = int(e.count.item()) + 1
             compiled.run_fused(
                 opt, e.fused, grad, *step_coefficients(opt, e.group, step, memo),

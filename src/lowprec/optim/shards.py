@@ -31,7 +31,6 @@ state, as small ones do.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -40,90 +39,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.optim import qstate
+from lowprec.optim.dtensor import flat_offset, is_dtensor, local, mark_blocks, wrap_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Placement
-    from typing_extensions import TypeIs
+    from torch.distributed.tensor import DTensor, Placement
 
-    from lowprec.optim.base import LowPrecisionOptimizer
+    from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
-
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
-
-
-def is_dtensor(t: object) -> TypeIs[DTensor]:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's elements of DTensor ``t``: the same object every call (the
-    step writes into it in place); ``t`` itself when it is not a DTensor. ``to_local()`` hands a
-    parameter a fresh view each time, so a parameter's own local tensor is taken as DTensor's
-    no-grad ``to_local`` takes it."""
-    if not is_dtensor(t):
-        return t
-    lt = getattr(t, "_local_tensor", None)
-    if isinstance(lt, torch.Tensor):
-        return lt
-    with torch.no_grad():  # pragma: no cover - a DTensor without the attribute
-        return t.to_local()
-
-
-def wrap_like(t: torch.Tensor, p: DTensor) -> DTensor:
-    """Local tensor ``t`` (shaped as ``p``'s shard) as a DTensor of ``p``'s mesh and placements."""
-    with torch.no_grad():
-        return DTensor.from_local(
-            t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
-
-
-def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
-    """Whether state entry ``name`` of shard ``lp`` is a per-element buffer (kept as a DTensor
-    placed as the parameter), not the step count or an option."""
-    return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
-
-
-def wrap_state(name: str, value: Any, lp: torch.Tensor, p: DTensor) -> Any:
-    """State entry ``name`` of shard ``lp`` as ``p``'s state keeps it: a per-element buffer, or
-    the scales of an 8-bit one (a row per row of the shard: ``qstate.scale_shape``), as a
-    DTensor placed as ``p``; anything else as it is."""
-    if _param_shaped(name, value, lp):
-        return wrap_like(value, p)
-    if (isinstance(value, torch.Tensor) and name != "step" and qstate.qualifies(lp)
-            and value.shape == qstate.scale_shape(lp)):
-        shape = qstate.scale_shape(p)
-        with torch.no_grad():
-            # (torch annotates shape as a torch.Size; any tuple of ints is one to it)
-            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                      shape=shape,  # type: ignore[arg-type]
-                                      stride=(shape[1], 1))
-    return value
-
-
-def mark_blocks(p: DTensor) -> None:
-    """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
-    (``qstate.block_rows``, which ``qstate.qualifies`` reads back; a step refuses a shard that
-    is not contiguous: ``_refusal``)."""
-    ok = qstate.block_rows(p)
-    setattr(p, qstate.SHARDED, ok)
-    setattr(local(p), qstate.SHARDED, ok)
-
-
-def flat_offset(p: DTensor) -> int:
-    """Index, in ``p`` flattened, of the first element of this rank's shard (its shards are
-    blocks: ``qstate.block_sharded``)."""
-    if all(isinstance(pl, Replicate) for pl in p.placements) or p.dim() == 0:
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return int(offset[0]) * math.prod(p.shape[1:])
-
 
 class _Shard:
     """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
@@ -142,7 +66,7 @@ class _Shard:
         self.offset = flat_offset(p) if qstate.block_sharded(p) else None
         mesh = p.device_mesh
         self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
-                       if not isinstance(pl, Replicate)]
+                       if not pl.is_replicate()]
         # (options checked, the error a step must raise or None, whether it rounds randomly)
         self.verdict: tuple[Any, ...] | None = None
 
@@ -191,7 +115,7 @@ def _check_grad(where: str, p: DTensor) -> None:
         )
 
 
-def _check_seeds(opt: LowPrecisionOptimizer, rounding: list[tuple[int, _Shard]]) -> None:
+def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None:
     """Every rank of a mesh must round its DTensors stochastically with the same seed: replicas
     would drift apart otherwise, and shards would not round as the unsharded parameter. With
     ``seed=None`` a group takes ``torch.initial_seed()``, which differs between ranks that were
@@ -227,7 +151,7 @@ def _check_seeds(opt: LowPrecisionOptimizer, rounding: list[tuple[int, _Shard]])
 
 
 @contextlib.contextmanager
-def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
+def local_shards(opt: OptimizerCore) -> Iterator[None]:
     """For the length of a step: every DTensor parameter replaced, in ``opt.param_groups``, by its
     local tensor carrying its local gradient, and ``opt.state`` by a map whose entries for those
     tensors hold local views of the DTensor state (the other entries are the optimizer's own dicts).
@@ -263,7 +187,7 @@ def local_shards(opt: LowPrecisionOptimizer) -> Iterator[None]:
             work.append((gi, pi, shard))
     _check_seeds(opt, [(gi, shard) for gi, _, shard in work
                        if cast("tuple[Any, ...]", shard.verdict)[2]])
-    opt._shards = shards
+    opt.__dict__["_shards"] = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
@@ -330,7 +254,7 @@ def _aliases(a: Any, b: torch.Tensor) -> bool:
     )
 
 
-def reduce_groups(opt: LowPrecisionOptimizer, p: torch.Tensor) -> list[ProcessGroup]:
+def reduce_groups(opt: OptimizerCore, p: torch.Tensor) -> list[ProcessGroup]:
     """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
     whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
     groups = opt.__dict__.get("_shard_groups")
@@ -360,16 +284,6 @@ def check_loaded_state(state: dict[str, Any], p: DTensor, where: str) -> None:
                 "and set_state_dict, which reshards), or distribute the tensor first "
                 "(torch.distributed.tensor.distribute_tensor)."
             )
-
-
-def init_state_local(
-    opt: LowPrecisionOptimizer, group: dict[str, Any], p: DTensor, storage: MasterStorage
-) -> dict[str, Any]:
-    """``opt._init_state`` for DTensor ``p``: computed on its shard, kept as DTensors."""
-    mark_blocks(p)
-    lp = local(p)
-    st = opt._init_state(group, lp, storage)
-    return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
 
 
 def warn_fp32_shards(group: dict[str, Any], index: int) -> None:

@@ -1,0 +1,421 @@
+"""What an optimizer's step reads of it: ``OptimizerCore``, the update rule's interface, its
+groups' options and checks, and its lazy state.
+
+``LowPrecisionOptimizer`` (``base``) is this class with what a caller meets added
+(``add_param_group``, ``step``, ``state_dict``, ``master_weight``). The step's modules
+(``driver``, ``buckets``, ``param_step``, ``compiled``, ``in_backward``, ``shards``,
+``checkpoint``) take an ``OptimizerCore``: this module imports none of them, so the step's
+modules and ``base`` form no import circle, type annotations included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch.optim import Optimizer
+
+from lowprec.optim import loss_scale, qstate
+from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_state
+from lowprec.optim.options import _check_state_dtype, _default_mode, _state_dtype_value
+from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
+
+    from lowprec.optim._typing import WorkItem
+
+__all__ = ["OptimizerCore", "host_counts"]
+
+
+def host_counts(opt: OptimizerCore, device: torch.device) -> bool:
+    """Whether a step reads the step counts of ``opt``'s parameters on ``device`` on the host and
+    takes the group's host numbers: on the CPU (``loss_scale._host_counts``), where that costs no
+    synchronisation, unless the optimizer was made ``capturable``. Elsewhere every step, plain or
+    scaled, makes its numbers on the device from the counts kept there (``scaled_numbers``), so
+    that it reads no tensor value on the host and a CUDA graph can hold it."""
+    return not opt.__dict__.get("_capturable", False) and loss_scale._host_counts(device)
+
+
+class OptimizerCore(Optimizer):
+    """A ``torch.optim.Optimizer`` with an update rule and a master-weight storage per group:
+    the part of ``LowPrecisionOptimizer`` the step reads. Subclasses implement the update
+    rule's interface (``_validate_hparams``, ``_math_buffers``, ``_init_math_buffer``,
+    ``_coefficients``, ``_flags``, ``_math``) and, where they need them, its options
+    (``_whole``, ``_elementwise``, ``_norm_terms``, ``_buffer_shape``)."""
+
+
+    # What the step's stages keep on the optimizer, set where first needed (and read with
+    # ``__dict__.get`` before that): declared here for type checkers, no class attributes. (Those
+    # of a stage's own types are set and read through ``__dict__`` by their module:
+    # ``_buckets`` by ``driver``, ``_in_backward`` by ``in_backward``, ``_shards`` by ``shards``.)
+    _has_dtensors: bool
+    _capturable: bool
+    _fused_broken: bool
+    _seeds_checked: tuple[Any, ...]
+    _shard_offsets: dict[int, int] | None
+    _shard_reduce: list[ProcessGroup] | None
+    _shard_groups: dict[int, list[ProcessGroup]] | None
+
+    # ------------------------------------------------------------------ subclass interface
+
+    def _validate_hparams(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for invalid hyperparameters in ``group``."""
+
+    def _math_buffers(self, group: dict[str, Any], p: torch.Tensor | None = None) -> tuple[str, ...]:
+        """Names of the per-parameter state tensors the update rule keeps (e.g. momentum), for
+        parameter ``p`` (Adafactor's depend on its number of dimensions; every caller that has
+        the parameter passes it)."""
+        return ()
+
+    def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
+        """The shape of buffer ``name`` of ``p`` where it is not ``p``'s (Adafactor's row and
+        column statistics); such buffers are kept in FP32 whatever ``state_dtype`` says (they are
+        O(rows + columns)). None: shaped like ``p``, in the state dtype."""
+        return None
+
+    #: A whole-tensor rule (``_whole``) whose step compiles as one graph in the parameter's shape
+    #: where the step is fused (Adafactor: reductions and elementwise work, which Inductor fuses
+    #: into a few passes; its sums are FP64, so compiled and eager agree bit for bit). False:
+    #: always eager.
+    _whole_compiles = False
+    #: The compiled whole-tensor step may break its graph where the rule calls a function under
+    #: ``torch.compiler.disable`` (Muon's matmuls: the elementwise work around them compiles as
+    #: two graphs). False: one graph, which must compile whole (``fullgraph``).
+    _whole_graph_breaks = False
+
+    def _whole(self, group: dict[str, Any]) -> bool:
+        """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
+        Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes
+        one call of ``_math`` on its unflattened tensors, compiled where ``_whole_compiles`` and
+        the step is fused, else eager (never chunks, pairs or buckets),
+        and a DTensor parameter sharded across ranks is refused."""
+        return False
+
+    #: The rule is elementwise (no reduction over the tensor), so the eager step may process a
+    #: large tensor in chunks. LAMB's trust ratio needs whole-tensor norms and sets this False.
+    _elementwise = True
+
+    #: For a rule that is not elementwise: ``(w, g, bufs, c, **flags) -> tuple of FP32 tensors``
+    #: whose whole-tensor sums of squares the rule needs (LAMB: ``w`` and its update). The step
+    #: goes through the tensor twice, first summing the squares (``numerics.sum_squares``: FP64,
+    #: so whole, chunked, compiled and pairs sums give the same FP32 norms), then updating with
+    #: the sums passed to ``_math`` as ``c["sums"]``. The eager step does it chunk by chunk, the
+    #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: one
+    #: pass, unchunked.
+    _norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
+
+    #: The update rule's buffers that are never negative (second moments, sums of squares):
+    #: under ``state_dtype="8bit"`` they take the unsigned codes, which span a wider range.
+    _nonnegative_buffers: tuple[str, ...] = ()
+
+    def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
+        """Initial value of buffer ``name`` (default: 0.0)."""
+        return 0.0
+
+    def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
+        """The update rule's per-step scalars, computed on the host (lr, bias corrections...)."""
+        raise NotImplementedError
+
+    def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Static switches of the update rule (e.g. ``amsgrad``); each combination is a variant."""
+        return {}
+
+    @staticmethod
+    def _math(
+        w: torch.Tensor,
+        g: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
+        c: dict[str, Any],
+        *args: Any,
+        **flags: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The update rule: new FP32 weight and buffers from FP32 inputs (pure, plain ops)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ groups and validation
+
+    def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
+        """Validate a group's options and parameters; returns each parameter's storage strategy
+        (resolved once per dtype)."""
+        self._validate_options(group, index)
+        where = f"parameter group {index}"
+        storages: dict[torch.dtype, MasterStorage] = {}
+        out = []
+        device = None
+        for i, p in enumerate(group["params"]):
+            storage = storages.get(p.dtype)
+            if storage is None:
+                if not p.is_floating_point():
+                    raise TypeError(
+                        f"{where}, parameter {i}: lowprec optimizers update floating-point "
+                        f"parameters, got {p.dtype}; leave integer and complex tensors out of "
+                        "the optimizer."
+                    )
+                try:
+                    storage = storages[p.dtype] = self._storage(group, p)
+                except ValueError as e:
+                    raise ValueError(f"{where}, parameter {i}: {e}") from None
+            if device is None:
+                device = p.device
+            elif p.device != device:
+                raise ValueError(
+                    f"{where} mixes devices ({device} and {p.device}); move the model to one "
+                    "device before creating the optimizer, or put each device's parameters in "
+                    "their own group."
+                )
+            out.append(storage)
+        return out
+
+    def _validate_options(self, group: dict[str, Any], index: int) -> None:
+        """Validate a group's options (raises ``ValueError`` or ``TypeError`` naming the group)."""
+        where = f"parameter group {index}"
+        if group["master"] not in MASTER_CHOICES:
+            raise ValueError(
+                f"{where}: unknown master={group['master']!r}; choose one of "
+                f"{', '.join(MASTER_CHOICES)}."
+            )
+        group["state_dtype"] = _state_dtype_value(group["state_dtype"])
+        _check_state_dtype(group["state_dtype"], where)
+        qstate.check_group(group, where)  # (4-bit state: no DTensor parameters)
+        if group["fused"] not in (None, True, False):
+            raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
+        if group["fused"] is None:
+            _default_mode()  # (LOWPREC_FUSED, which decides what None means, is a valid setting)
+        seed = group["seed"]
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
+        try:
+            self._validate_hparams(group)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
+
+    def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """A group's options that shape a step beyond its ``_flags`` and coefficients: the
+        buckets (``driver.step_buckets``) step a group only while they stay the same."""
+        return (group["master"], group["state_dtype"], group["fused"], group["seed"],
+                self._math_buffers(group))
+
+    # ------------------------------------------------------------------ strategies and state
+
+    def _storage(self, group: dict[str, Any], p: torch.Tensor) -> MasterStorage:
+        return resolve_master(group["master"], p.dtype)
+
+    def _state_dtype(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> torch.dtype:
+        """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
+        as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
+        the parameters too small for that."""
+        if group["state_dtype"] in qstate.BITS:
+            return torch.uint8 if qstate.qualifies(p) else torch.float32
+        if group["state_dtype"] is not None:
+            return cast(torch.dtype, group["state_dtype"])
+        if storage.name in ("fp32", "split"):
+            return torch.float32
+        return p.dtype
+
+    def _collect(self, late: list[WorkItem] | None = None) -> list[WorkItem]:
+        """Validate every group, gradient and state; return the work list. Writes nothing.
+
+        ``late`` collects the work items whose state lacks a buffer the update rule now keeps
+        (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
+        to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
+        work: list[WorkItem] = []
+        index = -1
+        expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
+        for gi, group in enumerate(self.param_groups):
+            storages = self._validate_group(group, gi)
+            for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
+                index += 1
+                if is_dtensor(p):  # (steps swap them for their shards: add_param_group notes them)
+                    raise ValueError(
+                        f"parameter group {gi}, parameter {pi}: a DTensor parameter was put in "
+                        "param_groups directly; add it with add_param_group (or pass it to the "
+                        "constructor) so that steps run on its local shard."
+                    )
+                if p.grad is None:
+                    continue
+                if self._check_param(group, p, storage, (gi, pi), expected) and late is not None:
+                    late.append((group, p, index, storage))
+                work.append((group, p, index, storage))
+        return work
+
+    def _check_param(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        storage: MasterStorage,
+        where: tuple[int, int],
+        expected: dict[Any, dict[str, torch.dtype]],
+    ) -> bool:
+        """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
+        its state lacks buffers the rule now keeps (``_collect``'s ``late``). ``expected``
+        caches ``_expected_state`` per kind of parameter across calls."""
+        self._check_grad(p, where)
+        state = self.state.get(p)
+        if not state:
+            return False
+        key = (where[0], p.dtype, storage.name, qstate.qualifies(p), p.dim())
+        if key not in expected:
+            expected[key] = self._expected_state(group, p, storage)
+        return bool(self._check_state(state, group, p, storage, where, expected[key]))
+
+    @staticmethod
+    def _check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
+        """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
+        g = cast(torch.Tensor, p.grad)  # (present: _collect steps parameters with gradients)
+        gi, pi = where
+        if g.is_sparse:
+            raise ValueError(
+                f"parameter group {gi}, parameter {pi}: sparse gradients are not "
+                "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
+                "torch.optim.SparseAdam."
+            )
+        if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
+            raise ValueError(
+                f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
+                f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
+                f"{p.dtype} on {p.device}."
+            )
+
+    def _expected_state(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> dict[str, torch.dtype]:
+        sd = self._state_dtype(group, p, storage)
+        names = self._math_buffers(group, p)
+        shaped = [k for k in names if self._buffer_shape(k, p) is None]
+        scales: dict[str, torch.dtype] = {}
+        if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
+            scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
+        return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
+                **dict.fromkeys(shaped, sd), **scales}
+
+    def _qstate(
+        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    ) -> tuple[tuple[str, str], ...]:
+        """The update rule's buffers that ``state`` (of ``p``) keeps as codes, each with its
+        format (``update._param_update``'s ``qstate``: signed or not, and the group's 8 or 4
+        bits; ``_check_state`` has checked that the codes are of that width)."""
+        bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
+        return tuple((k, qstate.fmt(k not in self._nonnegative_buffers, bits))
+                     for k in self._math_buffers(group, p) if qstate.scale_key(k) in state)
+
+    def _mbufs(
+        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
+        those kept as codes (``"<name>_scale"``)."""
+        names = self._math_buffers(group, p)
+        out = {k: state[k] for k in names}
+        out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
+        return out
+
+    def _math_state(
+        self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
+        shaped as ``p``)."""
+        fmts = dict(self._qstate(group, state, p))
+        return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
+                                     qstate.is_signed(fmts[k]), p.shape)
+                if k in fmts else state[k].float() for k in self._math_buffers(group, p)}
+
+    def _check_state(
+        self,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        p: torch.Tensor,
+        storage: MasterStorage,
+        where: str | tuple[int, int],
+        expected: dict[str, torch.dtype] | None = None,
+    ) -> tuple[str, ...]:
+        """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
+        the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
+        if isinstance(where, tuple):  # (group, parameter): formatted only for an error
+            where = f"parameter group {where[0]}, parameter {where[1]}"
+        if state.get("master") != storage.name:
+            raise ValueError(
+                f"{where}: its optimizer state was created with master={state.get('master')!r} "
+                f"but the group now resolves to {storage.name!r} (was the parameter's dtype or the "
+                "group's master changed?); create a new optimizer after changing either."
+            )
+        if expected is None:
+            expected = self._expected_state(group, p, storage)
+        missing = tuple(
+            name for name in self._math_buffers(group, p) if state.get(name) is None
+        )
+        # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
+        # flat, two per byte)
+        scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
+        bits = qstate.BITS.get(group["state_dtype"], 8)
+        for name, dtype in expected.items():
+            t = state.get(name)
+            if name in missing or scale_of.get(name) in missing:
+                continue
+            shape = (qstate.scale_shape(p) if name in scale_of
+                     else qstate.codes_shape(p, bits) if dtype == torch.uint8
+                     else self._buffer_shape(name, p) or p.shape)
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+                got = (
+                    f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                )
+                raise ValueError(
+                    f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
+                    f"{got}; the state does not belong to this parameter or these options."
+                )
+        return missing
+
+    def _init_state(
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    ) -> dict[str, Any]:
+        if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
+            # (computed on its shard, kept as DTensors placed as p)
+            mark_blocks(p)
+            lp = local(p)
+            st = self._init_state(group, lp, storage)
+            return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
+        sd = self._state_dtype(group, p, storage)
+        # (the count on the host where the step reads it there, else on the parameter's device,
+        # where the step's numbers are made from it: core.host_counts)
+        device = None if host_counts(self, p.device) else p.device
+        state: dict[str, Any] = {
+            "step": torch.tensor(0.0, dtype=torch.float32, device=device),
+            "master": storage.name,
+        }
+        state.update(storage.init(p))
+        for name in self._math_buffers(group, p):
+            state.update(self._new_math_buffer(group, p, name, sd))
+        return state
+
+    def _new_math_buffer(
+        self, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype
+    ) -> dict[str, Any]:
+        """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
+        codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
+        value = self._init_math_buffer(name, p, group)
+        shape = self._buffer_shape(name, p)
+        if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
+            return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
+        if dtype == torch.uint8:
+            codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers,
+                                            qstate.BITS.get(group["state_dtype"], 8))
+            return {name: codes, qstate.scale_key(name): scale}
+        return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
+
+    def _first_use_coefficients(
+        self, group: dict[str, Any], step: int | torch.Tensor
+    ) -> dict[str, Any]:
+        """The coefficients of a parameter's first step with buffers created late (an option
+        turned on after its first step: ``_collect``'s ``late``). Default: the step's own; SGD's
+        momentum buffer starts as the step's direction, as torch.optim's does."""
+        return self._coefficients(group, step)
+
+    # ------------------------------------------------------------------ parameters
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise ValueError("this tensor is not a parameter of the optimizer.")

@@ -1,0 +1,92 @@
+"""DTensor parameters' local tensors: ``is_dtensor``, ``local`` (a parameter's or a state
+entry's shard, the same object every call), ``wrap_like`` and ``wrap_state`` (a shard's value
+as a DTensor placed as its parameter), ``mark_blocks`` (whether a shard keeps 8-bit state) and
+``flat_offset``. Plain functions of tensors: the step over DTensor parameters
+(``shards.local_shards``) and the optimizer's state (``core``) build on them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowprec.optim import qstate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import TypeIs
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> TypeIs[DTensor]:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's elements of DTensor ``t``: the same object every call (the
+    step writes into it in place); ``t`` itself when it is not a DTensor. ``to_local()`` hands a
+    parameter a fresh view each time, so a parameter's own local tensor is taken as DTensor's
+    no-grad ``to_local`` takes it."""
+    if not is_dtensor(t):
+        return t
+    lt = getattr(t, "_local_tensor", None)
+    if isinstance(lt, torch.Tensor):
+        return lt
+    with torch.no_grad():  # pragma: no cover - a DTensor without the attribute
+        return t.to_local()
+
+
+def wrap_like(t: torch.Tensor, p: DTensor) -> DTensor:
+    """Local tensor ``t`` (shaped as ``p``'s shard) as a DTensor of ``p``'s mesh and placements."""
+    with torch.no_grad():
+        return DTensor.from_local(
+            t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+
+def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
+    """Whether state entry ``name`` of shard ``lp`` is a per-element buffer (kept as a DTensor
+    placed as the parameter), not the step count or an option."""
+    return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
+
+
+def wrap_state(name: str, value: Any, lp: torch.Tensor, p: DTensor) -> Any:
+    """State entry ``name`` of shard ``lp`` as ``p``'s state keeps it: a per-element buffer, or
+    the scales of an 8-bit one (a row per row of the shard: ``qstate.scale_shape``), as a
+    DTensor placed as ``p``; anything else as it is."""
+    if _param_shaped(name, value, lp):
+        return wrap_like(value, p)
+    if (isinstance(value, torch.Tensor) and name != "step" and qstate.qualifies(lp)
+            and value.shape == qstate.scale_shape(lp)):
+        shape = qstate.scale_shape(p)
+        with torch.no_grad():
+            # (torch annotates shape as a torch.Size; any tuple of ints is one to it)
+            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                      shape=shape,  # type: ignore[arg-type]
+                                      stride=(shape[1], 1))
+    return value
+
+
+def mark_blocks(p: DTensor) -> None:
+    """Note on DTensor ``p`` and on its local tensor whether it gets 8-bit state
+    (``qstate.block_rows``, which ``qstate.qualifies`` reads back; a step refuses a shard that
+    is not contiguous: ``_refusal``)."""
+    ok = qstate.block_rows(p)
+    setattr(p, qstate.SHARDED, ok)
+    setattr(local(p), qstate.SHARDED, ok)
+
+
+def flat_offset(p: DTensor) -> int:
+    """Index, in ``p`` flattened, of the first element of this rank's shard (its shards are
+    blocks: ``qstate.block_sharded``)."""
+    if all(isinstance(pl, Replicate) for pl in p.placements) or p.dim() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) * math.prod(p.shape[1:])
