@@ -58,6 +58,20 @@ def test_compare_end_to_end_in_a_subprocess(tmp_path):
     assert by["fp32"]["bytes_per_param"]["weights"] == pytest.approx(4.0)
     assert by["bf16-kahan"]["bytes_per_param"]["master"] > 1.9
     assert by["fp16-master"]["bytes_per_param"]["master"] > 3.9
+    # Per parameter, by name: every trainable parameter once, shares summing to one, and the
+    # record's whole-model fraction their element-weighted mean (the monitor's own totals).
+    names_of = [n for n, _ in CharTransformer(ModelConfig(d_model=32, n_layer=1, n_head=2,
+                                                          context=16)).named_parameters()]
+    for r in records:
+        params = r["parameters"]
+        assert [p["name"] for p in params] == names_of
+        assert sum(p["share"] for p in params) == pytest.approx(1.0)
+    assert all(p["lost_fraction"] == 0 for p in by["fp32"]["parameters"])
+    assert any(p["lost_fraction"] > 0 for p in by["bf16"]["parameters"])
+    where = data["parameters"]
+    assert where["baseline"] == "bf16" and where["parameters"]
+    assert set(where["parameters"][0]["lost"]) == set(names.split(","))
+    assert "Where the updates are lost" in proc.stdout
     png = (out / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

@@ -284,6 +284,7 @@ def test_the_docstrings_have_examples():
     """The public names with examples keep them (a doctest removed by mistake is noticed)."""
     objs = [lowprec.AdamW, lowprec.SGD, lowprec.step_in_backward, lowprec.master_state_dict,
             lowprec.muon_param_groups, lowprec.accumulate, lowprec.LossScaler,
+            lowprec.keep_fp32_values,
             lowprec.recipes.get, lowprec.numerics.split]
     for obj in objs:
         assert ">>> " in (obj.__doc__ or ""), obj.__qualname__

@@ -188,8 +188,9 @@ def test_finetune_runs_start_from_the_pretrained_model(tmp_path):
     records = compare.compare(cfg, cache_dir=tmp_path, info=info)
     assert [(r["recipe"], r["seed"]) for r in records] == [
         (n, s) for s in (0, 1) for n in cfg.recipes]
-    # Every recipe and seed starts from the same (BF16-rounded) weights and is measured on the
-    # same windows: the eval loss before training agrees, up to the recipe's arithmetic.
+    # Every recipe and seed starts from the same pretrained FP32 weights (a BF16 recipe from
+    # their rounding) and is measured on the same windows: the eval loss before training
+    # agrees, up to the recipe's rounding and arithmetic.
     befores = [r["eval_before"] for r in records]
     assert max(befores) - min(befores) < 0.01 * min(befores)
     assert info["pretrained"]["cached"] is False
@@ -246,6 +247,37 @@ def _rec(name, gap, total=8.0, ms=50, *, lost=0.0, rounding="nearest", master="n
             "master": master, "weights": weights,
             "eval_loss": eval_loss if eval_loss is not None else 2.0 * (1 + gap),
             "eval_before": before, "losses": [1.0], "skipped_steps": 0}
+
+
+def _params(lost, shares=(0.5, 0.3, 0.2)):
+    return [{"name": n, "numel": int(100 * s), "share": s, "dtype": "bfloat16", "master": None,
+             "lost_fraction": f, "stored_unchanged_fraction": f}
+            for n, s, f in zip(("a.weight", "b.weight", "norm.weight"), shares, lost, strict=True)]
+
+
+def test_lost_by_parameter_names_what_plain_bf16_loses_and_what_no_master_keeps():
+    rows = [{**_rec("fp32", 0.0, weights="float32"), "parameters": _params((0, 0, 0))},
+            {**_rec("bf16", 0.05), "parameters": _params((0.3, 0.9, 0.6))},
+            {**_rec("bf16-kahan", 0.0, master="kahan"), "parameters": _params((0.0, 0.02, 0.5))},
+            {**_rec("bf16-split", 0.0, master="split"), "parameters": _params((0, 0, 0.4))},
+            {**_rec("bf16-sr", 0.0, rounding="stochastic", master="stochastic"),
+             "parameters": _params((0.3, 0.9, 0.6))}]
+    where = summary.lost_by_parameter(rows)
+    assert where["baseline"] == "bf16"
+    # ranked by the share of the model's updates lost: 0.3 * 0.9 > 0.5 * 0.3 > 0.2 * 0.6
+    assert [p["name"] for p in where["parameters"]] == ["b.weight", "a.weight", "norm.weight"]
+    assert where["parameters"][0]["lost"] == {"fp32": 0, "bf16": 0.9, "bf16-kahan": 0.02,
+                                              "bf16-split": 0, "bf16-sr": 0.9}
+    # lost over the limit under Kahan and split alike: only FP32 weights keep it
+    assert where["keep_fp32"] == ["norm.weight"]
+    assert summary.lost_by_parameter(rows, top=1)["parameters"][0]["name"] == "b.weight"
+    # Over seeds, summarize averages each parameter's fractions.
+    seeds = [{**rows[1], "seed": 0}, {**rows[1], "seed": 1, "parameters": _params((0.1, 0.5, 0.2))}]
+    row = summary.summarize(seeds)[0]
+    assert [p["lost_fraction"] for p in row["parameters"]] == pytest.approx([0.2, 0.7, 0.4])
+    # Unmonitored runs have no per-parameter records.
+    assert summary.lost_by_parameter([_rec("bf16", 0.0)]) is None
+    assert summary.summarize([_rec("bf16", 0.0)])[0]["parameters"] is None
 
 
 def test_a_round_to_nearest_recipe_losing_most_updates_is_never_recommended():

@@ -79,6 +79,7 @@ from torch import nn
 from lowprec import optim
 from lowprec.blockfmt import BlockGemms, convert_to_blocks, edge_linears
 from lowprec.dfp import ROUNDING_MODES, Rounding, convert_to_dfp
+from lowprec.optim.kept import note as keep_fp32_value
 
 # (The products' names, where they lived before lowprec.products, stay importable from here.)
 from lowprec.products import BF16_PRODUCTS_ENV as BF16_PRODUCTS_ENV
@@ -194,7 +195,7 @@ class Recipe:
 
     # ------------------------------------------------------------------ the model
 
-    def convert(self, model: nn.Module) -> nn.Module:
+    def convert(self, model: nn.Module, *, fp32_values: bool = True) -> nn.Module:
         """Cast ``model`` in place to the recipe's weight dtype and return it.
 
         Parameters and floating buffers of ``keep_fp32`` layers stay FP32, with hooks casting
@@ -205,8 +206,16 @@ class Recipe:
         ``model`` is itself such a layer the new module is returned, so use the return value.
         Calling ``convert`` twice is an error.
 
+        The FP32 values of the trainable parameters cast to a 16-bit dtype are kept for the
+        recipe's optimizer (``lowprec.keep_fp32_values``): its master then starts from them
+        (the split master exact, Kahan's compensation as the rounding residual, the FP32 copy as
+        the value) and lets them go at its first step; plain BF16 and stochastic rounding start
+        from the rounded weights and keep nothing.
+
         Args:
             model: The model to convert, in place.
+            fp32_values: Keep the FP32 values for the optimizer's master (default: True;
+                False: the master starts from the rounded weights, as the cast leaves them).
 
         Returns:
             The converted model (a new module only where ``model`` itself is replaced).
@@ -241,7 +250,10 @@ class Recipe:
         for module in model.modules():
             for p in list(module.parameters(recurse=False)):
                 if id(p) not in kept_ids and p.is_floating_point():
-                    p.data = p.data.to(dtype)
+                    value = p.data
+                    p.data = value.to(dtype)
+                    if fp32_values and p.requires_grad and value.dtype == torch.float32:
+                        keep_fp32_value(p, value)
             for name, b in list(module.named_buffers(recurse=False)):
                 if id(b) not in kept_ids and b.is_floating_point():
                     module._buffers[name] = b.to(dtype)

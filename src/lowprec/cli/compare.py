@@ -12,7 +12,8 @@ plots and saves them; nothing here prints.
 
 Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
 standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
-in FP32 (``lowprec.cli.pretrained``, cached on disk) and rounded to BF16, and trains it on the
+in FP32 (``lowprec.cli.pretrained``, cached on disk; each recipe casts it, keeping the FP32
+values for its master: ``CompareConfig.fp32_values``), and trains it on the
 prose of ``pydoc_data.topics`` at a fine-tuning rate. A recipe's run, its data and its device are
 ``lowprec.cli.run``'s (re-exported here: ``task_data``, ``run_recipe``, ``resolve_device``, ...).
 """

@@ -76,6 +76,32 @@ def compare_table(records: Sequence[dict[str, Any]], *, title: str | None = None
     return table
 
 
+def lost_table(where: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Table:
+    """``summary.lost_by_parameter``'s parameters as a rich ``Table``: each parameter's share of
+    the model's elements and the fraction of its updates each recipe lost, with a note on the
+    parameters no recipe's master keeps (keep them in FP32)."""
+    _, Table = _import_rich()
+    # (the recipes with 16-bit weights: FP32 weights lose nothing to their own rounding here)
+    names = [r["recipe"] for r in rows if r["recipe"] in where["parameters"][0]["lost"]
+             and r.get("weights") != "float32"]
+    keep = set(where["keep_fp32"])
+    caption = None
+    if keep:
+        caption = (f"* lost over {config.LOST_UPDATES_LIMIT:.0%} under every recipe with a "
+                   "master: keep it in FP32 (a recipe's keep_fp32 takes module types or names)")
+    table = Table(title=f"Where the updates are lost (most under {where['baseline']} first)",
+                  title_justify="left", caption=caption, caption_justify="left")
+    table.add_column("parameter", no_wrap=True)
+    table.add_column("share of elements", justify="right")
+    for name in names:
+        table.add_column(f"{name} lost", justify="right", no_wrap=True)
+    for p in where["parameters"]:
+        table.add_row(p["name"] + (" *" if p["name"] in keep else ""),
+                      _fmt(p["share"], ".1f", scale=100, unit="%"),
+                      *(_fmt(p["lost"].get(n), ".1f", scale=100, unit="%") for n in names))
+    return table
+
+
 #: The mark on the step-time and speed-up cells of a row whose BF16 products were computed in
 #: FP32 (``products.LowPrecisionProductsInFP32``), explained by ``_products_note``.
 EMULATED_MARK = "†"
@@ -112,6 +138,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             seed=args.seed, batch_size=batch_size, model=model, threads=args.threads,
             eval_batches=args.eval_batches, monitor_every=args.monitor_every,
             fused=args.fused, device=args.device, task=args.task, seeds=args.seeds,
+            fp32_values=args.fp32_values,
             pretrain_steps=args.pretrain_steps, schedule=args.schedule,
         )
         cfg.validate()
@@ -127,7 +154,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _check_output(args.out / "pretrained" / "pretrained.pt", "--out")
     # (torch: after the checks)
     from lowprec.cli.compare import compare, config_dict, noise_floor, recommend, summarize
-    from lowprec.cli.summary import WARMUP_STEPS
+    from lowprec.cli.summary import WARMUP_STEPS, lost_by_parameter
 
     device = _resolve_device(args.device)
     from lowprec.products import bf16_products_in_fp32
@@ -251,7 +278,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         floor = noise_floor(records)
         payload.update(summary=rows, noise_floor=floor)
         payload["recommendation"] = recommend(rows, args.tolerance / 100, floor=floor)
+        payload["parameters"] = where = lost_by_parameter(rows)
         console.print(compare_table(rows, title=f"lowprec compare: {title}", finetune=finetune))
+        if where is not None and where["parameters"]:
+            console.print(lost_table(where, rows))
         _notes(console, rows, finetune=finetune, seeds=cfg.seeds)
         _pretrained_note(console, info.get("pretrained"))
         _floor_note(console, floor, cfg.seeds, args.tolerance / 100)

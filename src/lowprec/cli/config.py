@@ -228,6 +228,10 @@ class CompareConfig:
         pretrain_steps: FP32 AdamW steps of the fine-tuning task's pretraining (default: 400).
         schedule: After the warm-up, ``"cosine"`` decay to 10% of the peak or ``"constant"``
             (default: None, the task's: cosine for pretraining, constant for fine-tuning).
+        fp32_values: Start each recipe's master from the FP32 weights it was cast from
+            (``Recipe.convert``'s ``fp32_values``; what the fine-tuning task's pretrained FP32
+            weights hold below BF16's precision) (default: True; False: from the rounded
+            weights).
     """
 
     recipes: Sequence[str] | None = None
@@ -248,6 +252,7 @@ class CompareConfig:
     seeds: int = 1
     pretrain_steps: int = 400
     schedule: str | None = None
+    fp32_values: bool = True
 
     def __post_init__(self) -> None:
         finetune = self.task == "finetune"

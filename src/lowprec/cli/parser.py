@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--task", choices=TASKS, default=cfg.task,
                    help="pretrain: train the model from random weights on the standard "
                         "library's sources; finetune: pretrain it once in FP32 on them (cached "
-                        "in OUT), round it to BF16, and fine-tune it under each recipe on the "
-                        "English prose of pydoc_data.topics at a fine-tuning rate (adamw "
+                        "in OUT), and fine-tune it under each recipe, cast from those FP32 "
+                        "weights, on the English prose of pydoc_data.topics at a fine-tuning rate (adamw "
                         f"{FINETUNE_LR['adamw']:g}) (default: {cfg.task})")
     c.add_argument("--seeds", type=_positive_int, default=cfg.seeds,
                    help="runs per recipe, seeds SEED, SEED+1, ...: the table shows means and "
@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--monitor-every", type=_nonnegative_int, default=cfg.monitor_every,
                    help="count lost updates every k steps, 0 for never "
                         f"(default: {cfg.monitor_every})")
+    c.add_argument("--fp32-values", action=argparse.BooleanOptionalAction, default=True,
+                   help="start each recipe's master (split, Kahan, FP32 copy) from the FP32 "
+                        "weights it was cast from, or --no-fp32-values from the rounded ones "
+                        "(default: on)")
     c.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the optimizer step with torch.compile, or --no-fused for the "
                         "eager step and eager block-format quantizers (default: the library's, "

@@ -2,8 +2,10 @@
 
 ``pretrained(cfg, device, cache_dir=...)`` returns the weights every recipe and seed of the
 ``finetune`` task starts from: the built-in model trained ``cfg.pretrain_steps`` AdamW steps in
-FP32 on the standard library's sources (the ``pretrain`` task's recipe, seed and schedule), then
-rounded to BF16 once, so that a BF16 recipe and FP32 start from the same values. Pretraining
+FP32 on the standard library's sources (the ``pretrain`` task's recipe, seed and schedule), in
+FP32: FP32 starts from them exactly, and each BF16 recipe from their rounding, its master from
+the FP32 values where it holds more than the BF16 weight (``Recipe.convert``'s
+``fp32_values``; ``CompareConfig.fp32_values=False`` starts it from the rounding). Pretraining
 takes a minute on 2 CPU cores, so the FP32 result is saved in ``cache_dir`` under a name derived
 from everything that determines it (``cache_key``) and reused by later runs. A cache file that
 cannot be read, belongs to another key, lacks a tensor or fails its checksum is reported and
@@ -30,7 +32,7 @@ from lowprec.cli.config import DEFAULT_LR, CompareConfig
 from lowprec.cli.run import _evaluate, _Run, task_data
 from lowprec.cli.task import CharTransformer, load_text
 
-__all__ = ["FORMAT", "cache_key", "cache_path", "pretrained", "round_to_bf16"]
+__all__ = ["FORMAT", "cache_key", "cache_path", "pretrained"]
 
 #: The cache files' format; a change of what they hold or how it is trained bumps it.
 FORMAT = 1
@@ -80,12 +82,6 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def round_to_bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with every floating tensor rounded to BF16 (to nearest) and held in FP32."""
-    return {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v.clone()
-            for k, v in state.items()}
 
 
 def _read(path: Path, key: dict[str, Any], expected: dict[str, torch.Tensor]
@@ -148,7 +144,7 @@ def pretrained(
     on_step: Callable[[int, int, float], None] | None = None,
     on_note: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The fine-tuning task's initial weights (rounded to BF16, held in FP32) and what they are.
+    """The fine-tuning task's initial weights (FP32) and what they are.
 
     Read from ``cache_dir`` where a sound file for ``cache_key`` is there; else pretrained
     (``on_step(step, total, loss)`` after each step) and, with a ``cache_dir``, saved there.
@@ -168,7 +164,7 @@ def pretrained(
         if data is not None:
             about = {"path": str(path), "cached": True, "seconds": 0.0,
                      "eval_loss": data.get("eval_loss"), "key": key}
-            return round_to_bf16(data["state"]), about
+            return data["state"], about
         if on_note is not None:
             on_note(f"the cached pretrained model {path} is {why}: pretraining again")
     started = time.perf_counter()
@@ -187,4 +183,4 @@ def pretrained(
             path = None
     about = {"path": None if path is None else str(path), "cached": False, "seconds": seconds,
              "eval_loss": eval_loss, "key": key}
-    return round_to_bf16(state), about
+    return state, about

@@ -188,7 +188,7 @@ class _Run:
             recipe.gemms = dataclasses.replace(recipe.gemms, compiled=False)
         model = CharTransformer(cfg.model)
         model.load_state_dict(initial)
-        self.model = model = recipe.convert(model.to(self.device))
+        self.model = model = recipe.convert(model.to(self.device), fp32_values=cfg.fp32_values)
         self.eval_before = _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches),
                                      self.device)
         hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
@@ -249,7 +249,7 @@ class _Run:
         losses, times = self.losses, self.times
         tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
         mem = memory.measure(self.model, self.opt)
-        lost = None
+        lost = parameters = None
         if monitor is not None:
             # What the training trajectory loses: updates that left the master value unchanged
             # (for Kahan, split and an FP32 copy the stored BF16/FP16 weight may lag while the
@@ -257,6 +257,7 @@ class _Run:
             lost = monitor.master_lost_fraction
             if lost is None:
                 lost = monitor.lost_update_fraction
+            parameters = _parameters(monitor.report())
             monitor.close()
         steady = _steady(times)
         median = statistics.median(steady)
@@ -279,6 +280,7 @@ class _Run:
                 monitor.lost_update_fraction if monitor is not None else None
             ),
             "skipped_steps": self.skipped,
+            "parameters": parameters,
             "losses": losses,
             "description": recipe.description,
             # What the recommendation's lost-update rule reads (``summary.recommend``).
@@ -290,6 +292,17 @@ class _Run:
             # arithmetic), so their step times are not the dtype's hardware's; else None.
             "products_in_fp32": self.products_in_fp32,
         }
+
+
+def _parameters(report: diagnostics.UpdateReport) -> list[dict[str, Any]]:
+    """Per parameter (its name in ``named_parameters()``: a tied one once), what the monitored
+    steps lost of its updates: ``lost_fraction``, those its master kept unchanged (the weight
+    itself where there is no master), ``stored_unchanged_fraction``, those that left the stored
+    weight unchanged, and ``share``, its part of the model's elements."""
+    total = sum(p.numel for p in report.params) or 1
+    return [{"name": p.name, "numel": p.numel, "share": p.numel / total, "dtype": p.dtype,
+             "master": p.master, "lost_fraction": p.effective_lost_fraction,
+             "stored_unchanged_fraction": p.lost_fraction} for p in report.params]
 
 
 def _products_in_fp32(context: Any) -> str | None:

@@ -16,7 +16,8 @@ from typing import Any
 
 from lowprec.cli.config import DEFAULT_TOLERANCE, LOST_UPDATES_LIMIT
 
-__all__ = ["WARMUP_STEPS", "add_relative", "noise_floor", "recommend", "summarize"]
+__all__ = ["WARMUP_STEPS", "add_relative", "lost_by_parameter", "noise_floor", "recommend",
+           "summarize"]
 
 #: Steps left out of the step times: the fused step compiles its kernels in the first step and
 #: the calls a redone step shares between parameters in the second.
@@ -118,10 +119,58 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                          statistics.median(q[1] for q in iqrs)] if iqrs else None)
         length = min(len(r["losses"]) for r in runs)
         row["losses"] = [statistics.fmean(r["losses"][i] for r in runs) for i in range(length)]
+        row["parameters"] = _mean_parameters(runs)
         row["skipped_steps"] = sum(r["skipped_steps"] for r in runs)
         row["warmup_s"] = sum(r.get("warmup_s") or 0.0 for r in runs)
         out.append(row)
     return out
+
+
+def _mean_parameters(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The runs' per-parameter records (``run._parameters``) with their lost fractions averaged
+    over the seeds; None where a run has none (its updates were not monitored)."""
+    if not runs or any(not r.get("parameters") for r in runs):
+        return None
+    out = []
+    for i, p in enumerate(runs[0]["parameters"]):
+        mean = dict(p)
+        for key in ("lost_fraction", "stored_unchanged_fraction"):
+            mean[key] = statistics.fmean(r["parameters"][i][key] for r in runs)
+        out.append(mean)
+    return out
+
+
+def lost_by_parameter(rows: Sequence[dict[str, Any]], *, top: int = 8) -> dict[str, Any] | None:
+    """Where the updates are lost, parameter by parameter (``summarize``'s rows, or one seed's
+    records).
+
+    The baseline is plain 16-bit training (the first row with BF16 or FP16 weights, round to
+    nearest and no master: ``bf16``), else the row that lost most. Returns ``{"baseline": its
+    name, "parameters": the ``top`` parameters it loses the largest share of the model's updates
+    in (lost fraction times share of the elements), each with ``name``, ``share`` and ``lost``
+    (recipe -> the fraction of that parameter's updates the recipe lost), "keep_fp32": the names
+    of parameters that every recipe with a master (split, Kahan, an FP32 copy) still loses over
+    ``LOST_UPDATES_LIMIT`` of: only FP32 weights keep them (a recipe's ``keep_fp32`` takes their
+    module types or names)}``; None where no row has per-parameter records."""
+    rows = [r for r in rows if r.get("parameters")]
+    if not rows:
+        return None
+    plain = [r for r in rows if r.get("weights") in ("bfloat16", "float16")
+             and r.get("master") == "none" and r.get("rounding") == "nearest"]
+    base = plain[0] if plain else max(rows, key=lambda r: r.get("lost_update_fraction") or 0.0)
+    lost = {r["recipe"]: {p["name"]: p["lost_fraction"] for p in r["parameters"]} for r in rows}
+    ranked = sorted(base["parameters"], key=lambda p: -p["lost_fraction"] * p["share"])
+    masters = [r["recipe"] for r in rows if r.get("weights") in ("bfloat16", "float16")
+               and r.get("master") in ("split", "kahan", "fp32")]
+    keep = [p["name"] for p in base["parameters"]
+            if masters and all(lost[m].get(p["name"], 0.0) > LOST_UPDATES_LIMIT for m in masters)]
+    return {
+        "baseline": base["recipe"],
+        "parameters": [{"name": p["name"], "share": p["share"],
+                        "lost": {name: by.get(p["name"]) for name, by in lost.items()}}
+                       for p in ranked[:top] if p["lost_fraction"] > 0],
+        "keep_fp32": keep,
+    }
 
 
 def noise_floor(records: Sequence[dict[str, Any]]) -> float | None:

@@ -34,6 +34,7 @@ from lowprec.optim.adamw import AdamW, adamw_update
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.export import master_state_dict
 from lowprec.optim.in_backward import StepInBackward, step_in_backward
+from lowprec.optim.kept import keep_fp32_values
 from lowprec.optim.lamb import Lamb, lamb_update
 from lowprec.optim.lion import Lion, lion_update
 from lowprec.optim.muon import Muon, muon_param_groups
@@ -62,6 +63,7 @@ __all__ = [
     "adagrad_update",
     "adam_update",
     "adamw_update",
+    "keep_fp32_values",
     "lamb_update",
     "lion_update",
     "master_state_dict",

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
-from lowprec.optim import checkpoint, driver
+from lowprec.optim import checkpoint, driver, kept
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.core import OptimizerCore
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like
@@ -169,10 +169,13 @@ class LowPrecisionOptimizer(OptimizerCore):
                 # torch.initial_seed() is what torch.manual_seed set: reproducible, the same on
                 # every rank that seeds alike, and reading it consumes no random numbers.
                 added["seed"] = torch.initial_seed()
-            self._validate_group(added, index=len(self.param_groups) - 1)
+            storages = self._validate_group(added, index=len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
+        # (FP32 values kept by a cast that no master of this group holds: let go now)
+        kept.release(p for p, storage in zip(params, storages, strict=True)
+                     if not storage.takes_value)
         if any(is_dtensor(p) for p in params):
             self._has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
             for p in params:
@@ -283,6 +286,8 @@ class LowPrecisionOptimizer(OptimizerCore):
             state_dict: What ``state_dict()`` returned (this class's, or torch.optim's).
         """
         checkpoint.load_state_dict(self, state_dict)
+        # (the loaded state holds the masters: FP32 values kept by a cast are let go)
+        kept.release(p for g in self.param_groups for p in g["params"] if self.state.get(p))
 
     # ------------------------------------------------------------------ master values
 
@@ -312,5 +317,10 @@ class LowPrecisionOptimizer(OptimizerCore):
             bufs = {k: local(state[k]) for k in storage.buffers(lp)}
             return wrap_like(storage.load(lp, bufs).clone(), p)
         if not state:
-            return p.detach().float().clone()
+            value = kept.kept_value(p) if storage.takes_value else None
+            if value is None:
+                return p.detach().float().clone()
+            # (the master the first step will start from: lowprec.optim.kept)
+            copy = p.detach().clone()
+            return storage.load(copy, storage.init(copy, value)).clone()
         return storage.load(p, {k: state[k] for k in storage.buffers(p)}).clone()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import loss_scale, qstate
+from lowprec.optim import kept, loss_scale, qstate
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_state
 from lowprec.optim.options import _check_state_dtype, _default_mode, _state_dtype_value
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
@@ -384,7 +384,10 @@ class OptimizerCore(Optimizer):
             "step": torch.tensor(0.0, dtype=torch.float32, device=device),
             "master": storage.name,
         }
-        state.update(storage.init(p))
+        # (the master from the FP32 value p was cast from, where one was kept and the master
+        # holds more than p's bits: lowprec.optim.kept; the value let go either way)
+        value = kept.take(p)
+        state.update(storage.init(p, value if storage.takes_value else None))
         for name in self._math_buffers(group, p):
             state.update(self._new_math_buffer(group, p, name, sd))
         return state

@@ -65,11 +65,21 @@ class MasterStorage:
         """
         return {}
 
-    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The buffers of ``buffers(param)``, made from the parameter's current value.
+    #: Whether the master holds more than the parameter's own bits (an FP32 copy, a trail, a
+    #: compensation), so that ``init`` can start it from the FP32 value the parameter was
+    #: rounded from (``lowprec.optim.kept``).
+    takes_value: ClassVar[bool] = False
+
+    def init(self, param: torch.Tensor,
+             value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The buffers of ``buffers(param)``, made from the parameter's current value, or where
+        the strategy ``takes_value`` and ``value`` is given, from that FP32 value (what
+        ``param`` was rounded from), so that the master is ``value`` as nearly as the
+        strategy holds it.
 
         Args:
             param: The parameter.
+            value: The FP32 value ``param`` was rounded from (default: None, ``param``'s own).
         """
         return {}
 
@@ -181,8 +191,11 @@ class FP32Copy(MasterStorage):
     def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"master_weight": torch.float32}
 
-    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"master_weight": param.detach().float().clone()}
+    takes_value = True
+
+    def init(self, param: torch.Tensor,
+             value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"master_weight": (param.detach() if value is None else value).float().clone()}
 
     def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return bufs["master_weight"]
@@ -220,9 +233,17 @@ class Split(MasterStorage):
     def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"trail": torch.int16}
 
-    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        # The master starts as the parameter's exact value: a zero trail.
-        return {"trail": torch.zeros_like(param, dtype=torch.int16)}
+    takes_value = True
+
+    def init(self, param: torch.Tensor,
+             value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if value is None:  # (the master starts as the parameter's exact value: a zero trail)
+            return {"trail": torch.zeros_like(param, dtype=torch.int16)}
+        # (the exact FP32 value: its top half is its rounding to nearest, ties away from zero,
+        # which differs from a cast's ties to even at exact ties only, written there)
+        top, trail = split(value.float())
+        param.copy_(top)
+        return {"trail": trail}
 
     def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return join(param, bufs["trail"])
@@ -281,8 +302,14 @@ class Kahan(MasterStorage):
     def buffers(self, param: torch.Tensor) -> dict[str, torch.dtype]:
         return {"compensation": param.dtype}
 
-    def init(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"compensation": torch.zeros_like(param)}
+    takes_value = True
+
+    def init(self, param: torch.Tensor,
+             value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if value is None:
+            return {"compensation": torch.zeros_like(param)}
+        # (the rounding's residual, rounded to the parameter's dtype: what the cast dropped)
+        return {"compensation": (value.float() - param.float()).to(param.dtype)}
 
     def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
         return param.float() + bufs["compensation"].float()
