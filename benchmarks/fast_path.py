@@ -47,7 +47,7 @@ from unittest import mock
 import torch
 
 import lowprec
-from lowprec.cli.task import CharTransformer, ModelConfig
+from lowprec.comparison.task import CharTransformer, ModelConfig
 from lowprec.optim import compiled, driver, param_step
 
 CONFIGS = {  # name -> (optimizer class, keywords)

@@ -408,9 +408,9 @@ write_compare_api() {
     cat >"$1" <<'PY'
 import json, os, sys, time
 
-from lowprec.cli import config
-from lowprec.cli.compare import compare, config_dict, recommend
-from lowprec.cli.config import CompareConfig
+from lowprec.comparison import config
+from lowprec.comparison.compare import compare, config_dict, recommend
+from lowprec.comparison.config import CompareConfig
 
 model, batch = config.sized("medium")
 cfg = CompareConfig(recipes=["fp32", "amp-bf16", "bf16", "bf16-kahan", "bf16-sr"], steps=100,
@@ -446,9 +446,9 @@ import json, sys
 import torch
 
 from lowprec import memory
-from lowprec.cli import config
-from lowprec.cli.run import task_loss
-from lowprec.cli.task import CharTransformer
+from lowprec.comparison import config
+from lowprec.comparison.run import task_loss
+from lowprec.comparison.task import CharTransformer
 
 model_cfg, batch = config.sized("medium")
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The learning rates behind ``lowprec.cli.config.DEFAULT_LR``: each optimizer's FP32 run of
+"""The learning rates behind ``lowprec.comparison.config.DEFAULT_LR``: each optimizer's FP32 run of
 ``lowprec compare``'s built-in task at several peak rates, its eval loss per rate.
 
     python benchmarks/lr_sweep.py                         # every optimizer, the rates below
@@ -15,8 +15,8 @@ import json
 import sys
 import time
 
-from lowprec.cli.compare import compare
-from lowprec.cli.config import CompareConfig
+from lowprec.comparison.compare import compare
+from lowprec.comparison.config import CompareConfig
 
 # The rates tried per optimizer: around the value its authors or torch use for a small
 # transformer, a factor of 2 or 3 apart.

@@ -582,7 +582,7 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
 def _cpu_busy_s() -> float | None:
     """Seconds of CPU time the whole machine has been busy (all processes), from /proc/stat."""
     try:
-        from lowprec.cli.compare import machine_busy_s
+        from lowprec.comparison.compare import machine_busy_s
     except ImportError:  # (the peers' rows run without lowprec)
         return None
     return machine_busy_s()

@@ -43,8 +43,8 @@ from dataclasses import replace
 
 import torch
 
-from lowprec.cli import compare as compare_mod
-from lowprec.cli.config import CompareConfig, ModelConfig
+from lowprec.comparison import compare as compare_mod
+from lowprec.comparison.config import CompareConfig, ModelConfig
 from lowprec.optim import qstate
 
 
@@ -192,7 +192,7 @@ def run(fmt: str, recipes: tuple[str, ...], args: argparse.Namespace) -> list[di
 
 
 def _compare(recipes: tuple[str, ...], args: argparse.Namespace) -> list[dict]:
-    """``lowprec.cli.compare`` of ``recipes`` with the eager step, on the built-in model or the
+    """``lowprec.comparison.compare`` of ``recipes`` with the eager step, on the built-in model or the
     width and depth given."""
     model = replace(ModelConfig(), **{k: v for k, v in (("d_model", args.d_model),
                                                         ("n_layer", args.n_layer)) if v})

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import lowprec
-from lowprec.cli.task import CharTransformer, ModelConfig
+from lowprec.comparison.task import CharTransformer, ModelConfig
 
 CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-kahan": (lowprec.AdamW, {"lr": 1e-4, "master": "kahan"}),

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from lowprec import memory, products, recipes
-from lowprec.cli import compare, compare_cmd, plot, run
+from lowprec.cli import compare_cmd
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
-from lowprec.cli.task import Batches, CharTransformer, ModelConfig, load_text
+from lowprec.comparison import compare, plot, run
+from lowprec.comparison.task import Batches, CharTransformer, ModelConfig, load_text
 
 # A model and run small enough for a test: the whole comparison takes seconds.
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",
@@ -116,7 +117,8 @@ def test_compare_runs_block_format_recipes_beside_the_others(tmp_path, capsys):
                    for line in out.splitlines()), out
         assert records[name]["losses"] != records["fp32"]["losses"]
         assert abs(records[name]["eval_loss"] / records["fp32"]["eval_loss"] - 1) < 0.05
-    from lowprec.cli import config, parser
+    from lowprec.cli import parser
+    from lowprec.comparison import config
 
     assert parser._recipe_list("blocks,nvfp4-no-sr") == (*config.BLOCK_RECIPES, "nvfp4-no-sr")
 
@@ -300,7 +302,7 @@ def test_output_paths_are_checked_before_training(mistake, tmp_path, capsys, mon
                                "cannot write /proc/lowprec-x/compare.json (--json)"),
     }[mistake]
     trained = []
-    monkeypatch.setattr("lowprec.cli.compare.compare", lambda *a, **k: trained.append(1))
+    monkeypatch.setattr("lowprec.comparison.compare.compare", lambda *a, **k: trained.append(1))
     assert main(["compare", "--recipes", "fp32", *TINY, *args]) == 2
     captured = capsys.readouterr()
     assert "lowprec: error: " in captured.err and expected in captured.err, captured.err
@@ -408,7 +410,7 @@ def test_memory_of_optimizers_whose_model_state_is_mixed(optimizer, capsys, monk
     # The accounting is the subject, not the size: a one-block model of width 64 (each recipe's
     # Muon step on the built-in model orthogonalizes its matrices with BF16 matmuls, a minute
     # in all where torch has no fast BF16 kernel, as on AVX2-only CPUs).
-    from lowprec.cli import config
+    from lowprec.comparison import config
 
     monkeypatch.setitem(config.SIZES, "default", config.Size(
         ModelConfig(d_model=64, n_layer=1, n_head=2, context=32), 4, "a test's"))
@@ -477,4 +479,4 @@ def test_the_package_names_import_on_first_use():
     assert proc.stdout.split() == ["convert_to_dfp", "lowprec.scaling"], proc.stderr
     with pytest.raises(AttributeError, match="no attribute 'Adamax'"):
         _ = lowprec.Adamax
-    assert recipes.RECIPES == lowprec.cli.config.RECIPES
+    assert recipes.RECIPES == lowprec.comparison.config.RECIPES

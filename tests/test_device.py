@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from lowprec import memory, products, recipes
-from lowprec.cli import compare, compare_cmd, config, parser, run
+from lowprec.cli import compare_cmd, parser
 from lowprec.cli.common import _console
 from lowprec.cli.main import main
-from lowprec.cli.task import CharTransformer, ModelConfig
+from lowprec.comparison import compare, config, run
+from lowprec.comparison.task import CharTransformer, ModelConfig
 
 # A model and run small enough for a test (as tests/test_cli.py's).
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",

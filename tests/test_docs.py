@@ -47,6 +47,7 @@ PUBLIC_MODULES = (
     "lowprec.diagnostics",
     "lowprec.numerics",
     "lowprec.memory",
+    "lowprec.comparison.api",
 )
 #: The command's modules (top-level, and the subpackage they may move to), left out of the
 #: reference and of the doctests.

@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from lowprec.cli import compare, pretrained, run, summary
-from lowprec.cli.config import FINETUNE_LR, LOST_UPDATES_LIMIT, CompareConfig, ModelConfig
 from lowprec.cli.main import main
-from lowprec.cli.task import Batches, load_prose, load_text
+from lowprec.comparison import compare, pretrained, run, summary
+from lowprec.comparison.config import FINETUNE_LR, LOST_UPDATES_LIMIT, CompareConfig, ModelConfig
+from lowprec.comparison.task import Batches, load_prose, load_text
 
 TINY_MODEL = ModelConfig(d_model=32, n_layer=1, n_head=2, context=16)
 TINY = ["--steps", "4", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--context", "16",

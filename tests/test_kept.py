@@ -165,3 +165,25 @@ def test_frozen_and_fp32_parameters_keep_nothing():
 def test_keep_fp32_values_takes_a_module():
     with pytest.raises(TypeError, match=r"nn\.Module"):
         lowprec.keep_fp32_values([torch.zeros(2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("master", ["split", "kahan"])
+def test_a_monitored_first_step_leaves_the_value_to_the_step(master):
+    # UpdateMonitor previews the state a first step creates: it must neither take the kept
+    # value nor write the parameter (lowprec compare monitors the first step).
+    model = _model()
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = lowprec.recipes.get(f"bf16-{master}").convert(model)
+    opt = lowprec.AdamW(model.parameters(), lr=0.0, master=master, fused=False)
+    monitor = lowprec.diagnostics.UpdateMonitor(model, opt, every=1)
+    with monitor.step():
+        _step(model, opt)
+    monitor.close()
+    for n, p in model.named_parameters():
+        if p.dtype == torch.float32:
+            continue
+        if master == "split":
+            assert torch.equal(opt.master_weight(p), fp32[n]), n
+        else:
+            assert torch.equal(opt.state[p]["compensation"],
+                               (fp32[n] - p.float()).to(torch.bfloat16)), n

@@ -137,7 +137,7 @@ def test_the_library_imports_nothing_of_the_command():
 def test_the_command_starts_without_torch():
     # lowprec --help waits for no torch: the package, its entry point, options and defaults.
     code = ("import sys\nimport lowprec.cli, lowprec.cli.main, lowprec.cli.parser, "
-            "lowprec.cli.config, lowprec.cli.compare_cmd\n"
+            "lowprec.comparison.config, lowprec.cli.compare_cmd\n"
             "print('torch imported:', 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -1,6 +1,6 @@
 """lowprec: train PyTorch models in BF16/FP16 with FP32-quality results.
 
-The names below are imported on first use (PEP 562), so that ``import lowprec.cli.config`` and the
+The names below are imported on first use (PEP 562), so that ``import lowprec.comparison.config`` and the
 ``lowprec`` command's ``--help`` do not wait for torch; ``lowprec.AdamW``,
 ``from lowprec import AdamW`` and ``lowprec.optim`` work as plain imports do.
 """
@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 # name -> the module that defines it (a submodule's own name for the submodules)
 _LAZY = {
     "Accumulator": "lowprec.accumulation",
+    "compare": "lowprec.comparison.api",
+    "Comparison": "lowprec.comparison.api",
     "accumulate": "lowprec.accumulation",
     "SGD": "lowprec.optim",
     "Adagrad": "lowprec.optim",
@@ -47,6 +49,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "AdamW",
+    "Comparison",
     "Lamb",
     "Lion",
     "LossScaler",
@@ -57,6 +60,7 @@ __all__ = [
     "StepInBackward",
     "__version__",
     "accumulate",
+    "compare",
     "diagnostics",
     "keep_fp32_values",
     "master_state_dict",
@@ -70,6 +74,7 @@ __all__ = [
 if TYPE_CHECKING:  # (what a type checker and an IDE see: the plain imports)
     from lowprec import diagnostics, numerics, optim, recipes
     from lowprec.accumulation import Accumulator, accumulate
+    from lowprec.comparison.api import Comparison, compare
     from lowprec.optim import (
         SGD,
         Adafactor,

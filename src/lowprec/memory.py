@@ -276,7 +276,7 @@ def expected(
     with these hyperparameters.
 
     Args:
-        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.comparison.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         hyperparameters: The optimizer's hyperparameters (default: None, meaning
             ``DEFAULT_HYPERPARAMETERS``: SGD with momentum 0.9, the others at their defaults).
@@ -391,7 +391,7 @@ def table(
     """Bytes per parameter element of every recipe with one optimizer, expected and measured.
 
     Args:
-        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.comparison.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         model: A model, or a function returning a fresh one (default: None, meaning no
             measurement). For each recipe a copy (a module is deep-copied, a function called) is
             converted, given random gradients and stepped once, then measured.
@@ -487,7 +487,7 @@ def cuda_peak(
     device held before the copy was made, so the process's other tensors are left out.
 
     Args:
-        optimizer_name: One of ``lowprec.cli.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
+        optimizer_name: One of ``lowprec.comparison.config.OPTIMIZERS`` (``"adamw"``, ``"muon"``, ...).
         recipe_name: A recipe of ``lowprec.recipes.RECIPES``.
         model: A model on a CUDA device, or a function returning a fresh one.
         loss_fn: ``loss_fn(model) -> loss``: the forward on a batch of the caller's.

@@ -406,8 +406,9 @@ class UpdateMonitor:
     ) -> dict[str, Any]:
         state = opt.state.get(p)
         if not state:
-            # What the step's lazy initialisation will create; _init_state returns a new dict.
-            state = opt._init_state(group, p, storage)
+            # What the step's lazy initialisation will create (a new dict; the FP32 value a cast
+            # kept for p left for the step itself to take: lowprec.optim.kept).
+            state = opt._init_state(group, p, storage, preview=True)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
         late = [k for k in opt._math_buffers(group, p) if state.get(k) is None]  # (step_late)

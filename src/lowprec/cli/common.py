@@ -117,7 +117,7 @@ def _environment() -> dict[str, Any]:
 def _resolve_device(name: str) -> dict[str, Any]:
     """``run.device_info`` of the device ``name`` names here; a ``UsageError`` where there
     is none (``--device cuda`` without CUDA), before any work."""
-    from lowprec.cli.run import device_info, resolve_device
+    from lowprec.comparison.run import device_info, resolve_device
 
     try:
         return device_info(resolve_device(name))

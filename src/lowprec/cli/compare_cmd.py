@@ -1,5 +1,5 @@
 """``lowprec compare`` as a command: options into a ``CompareConfig``, progress, the table, the
-recommendation, the notes under it, JSON and the plot (``lowprec.cli.compare`` measures and prints
+recommendation, the notes under it, JSON and the plot (``lowprec.comparison.compare`` measures and prints
 nothing; ``lowprec.cli.main`` dispatches here; ``lowprec.cli.common`` holds what the commands
 share).
 """
@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from lowprec.cli import config
 from lowprec.cli.common import (
     _EXTRA_HINT,
     UsageError,
@@ -24,7 +23,8 @@ from lowprec.cli.common import (
     _resolve_device,
     _write_json,
 )
-from lowprec.cli.plot import plot_losses
+from lowprec.comparison import config
+from lowprec.comparison.plot import plot_losses
 
 if TYPE_CHECKING:  # (rich is imported when the command prints: the start stays light)
     from rich.console import Console
@@ -126,9 +126,10 @@ def _spread(iqr: Sequence[float] | None) -> str:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from lowprec.cli.config import CompareConfig
+    from lowprec.comparison.config import CompareConfig
 
     console = _console()
+    user_task = args.task not in config.TASKS
     try:
         model, batch_size = config.sized(args.size, batch_size=args.batch_size,
                                          d_model=args.d_model, n_layer=args.n_layer,
@@ -137,11 +138,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             recipes=args.recipes, optimizer=args.optimizer, steps=args.steps, lr=args.lr,
             seed=args.seed, batch_size=batch_size, model=model, threads=args.threads,
             eval_batches=args.eval_batches, monitor_every=args.monitor_every,
-            fused=args.fused, device=args.device, task=args.task, seeds=args.seeds,
+            fused=args.fused, device=args.device,
+            task=config.USER_TASK if user_task else args.task, seeds=args.seeds,
             fp32_values=args.fp32_values,
             pretrain_steps=args.pretrain_steps, schedule=args.schedule,
         )
         cfg.validate()
+        if args.assert_recipe is not None and args.assert_recipe not in (cfg.recipes or ()):
+            raise ValueError(f"--assert-recipe {args.assert_recipe}: not among the recipes run "
+                             f"({', '.join(cfg.recipes or ())}).")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     json_path = args.json or args.out / "compare.json"
@@ -153,11 +158,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if cfg.task == "finetune":  # (where the pretrained model is cached)
         _check_output(args.out / "pretrained" / "pretrained.pt", "--out")
     # (torch: after the checks)
-    from lowprec.cli.compare import compare, config_dict, noise_floor, recommend, summarize
-    from lowprec.cli.summary import WARMUP_STEPS, lost_by_parameter
+    from lowprec.comparison.compare import compare, config_dict, noise_floor, recommend, summarize
+    from lowprec.comparison.summary import WARMUP_STEPS, lost_by_parameter
 
     device = _resolve_device(args.device)
     from lowprec.products import bf16_products_in_fp32
+
+    task = None
+    if user_task:
+        from lowprec.comparison.task import load_task
+
+        try:  # (before any work: a task that is not found costs nothing)
+            task = load_task(args.task)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(str(exc)) from None
 
     try:  # (LOWPREC_BF16_PRODUCTS read before any work: a bad value costs nothing)
         in_fp32 = bf16_products_in_fp32()
@@ -170,10 +184,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     what = (f"fine-tuning on pydoc prose from {cfg.pretrain_steps} FP32 pretraining steps"
             if finetune else "pretraining on stdlib sources")
     seeds = f", {cfg.seeds} seeds" if cfg.seeds > 1 else ""
+    shape = (f"d_model {model.d_model} x {model.n_layer} layers ({model.num_parameters:,} "
+             f"parameters), batch {cfg.batch_size}x{model.context}")
+    if task is not None:
+        what, shape = f"{task.name} ({args.task})", "your model and batches"
     title = (f"{what}: {cfg.optimizer} lr {cfg.peak_lr:g} {cfg.lr_schedule}, {cfg.steps} steps"
-             f"{seeds}, d_model {model.d_model} x {model.n_layer} "
-             f"layers ({model.num_parameters:,} parameters), batch "
-             f"{cfg.batch_size}x{model.context}, {_device_label(device, cfg.threads)}")
+             f"{seeds}, {shape}, {_device_label(device, cfg.threads)}")
     # (steps and recipes are set: __post_init__ replaced a None with the task's)
     recipes = cast("Sequence[str]", cfg.recipes)
     total = cast(int, cfg.steps) * cfg.seeds
@@ -252,7 +268,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         try:
             compare(cfg, on_start=on_start, on_step=on_step, records=records, load=load,
                     cache_dir=args.out / "pretrained", on_pretrain=on_pretrain,
-                    on_note=on_note, info=info)
+                    on_note=on_note, info=info, task=task)
         finally:
             if progress is not None:
                 progress.stop()
@@ -283,7 +299,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if where is not None and where["parameters"]:
             console.print(lost_table(where, rows))
         _notes(console, rows, finetune=finetune, seeds=cfg.seeds)
-        _pretrained_note(console, info.get("pretrained"))
+        _pretrained_note(console, info.get("pretrained"), cfg.fp32_values)
         _floor_note(console, floor, cfg.seeds, args.tolerance / 100)
         _load_note(console, load, cfg.threads, device)
         _products_note(console, rows, device)
@@ -301,7 +317,34 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {plot_path}: {exc.strerror or exc}") from None
         console.print(f"Plot: {plot_path}")
     console.print(f"Total {payload['wall_time_s']:.0f} s.")
-    return 130 if interrupted else 0
+    if interrupted:
+        return 130
+    if args.assert_gap is not None:
+        return _assert_gap(console, payload, args.assert_gap / 100, args.assert_recipe)
+    return 0
+
+
+def _assert_gap(console: Console, payload: dict[str, Any], limit: float,
+                recipe: str | None) -> int:
+    """``--assert-gap``: 0 where the recommended recipe (or ``recipe``) ended within ``limit``
+    (a fraction) of fp32's eval loss, else 1, with a line saying which and by how much."""
+    rec = payload.get("recommendation") or {}
+    name = recipe or rec.get("recipe")
+    if name is None:
+        console.print(f"[red]--assert-gap failed[/red]: no recipe recommended "
+                      f"({rec.get('reason', 'nothing ran')}).", highlight=False)
+        return 1
+    row = next((r for r in payload.get("summary", []) if r["recipe"] == name), None)
+    gap = None if row is None else row.get("eval_gap")
+    if gap is None or not math.isfinite(gap) or gap > limit:
+        shown = "no gap (no fp32 run, or it diverged)" if gap is None or not math.isfinite(gap) \
+            else f"{gap:+.2%}"
+        console.print(f"[red]--assert-gap failed[/red]: {name} ended {shown} against fp32, "
+                      f"beyond {limit:.2%}.", highlight=False)
+        return 1
+    console.print(f"--assert-gap held: {name} ended {gap:+.2%} against fp32, within "
+                  f"{limit:.2%}.", highlight=False)
+    return 0
 
 
 def _recommendation(console: Console, rec: dict[str, Any]) -> None:
@@ -327,7 +370,8 @@ def _recommendation(console: Console, rec: dict[str, Any]) -> None:
             "expectation.", highlight=False)
 
 
-def _pretrained_note(console: Console, about: dict[str, Any] | None) -> None:
+def _pretrained_note(console: Console, about: dict[str, Any] | None,
+                     fp32_values: bool = True) -> None:
     """Where the fine-tuning task's pretrained model came from."""
     if about is None:
         return
@@ -336,8 +380,11 @@ def _pretrained_note(console: Console, about: dict[str, Any] | None) -> None:
                                                         if about["path"] else ""))
     loss = about.get("eval_loss")
     loss = f", eval loss {loss:.4f} on held-out sources" if loss is not None else ""
-    console.print(f"Pretrained model: {origin}{loss}; every recipe starts from it rounded to "
-                  "BF16.", style="dim", highlight=False)
+    start = ("each 16-bit recipe from its rounding, its master from the FP32 values"
+             if fp32_values else "each 16-bit recipe, master included, from its rounding "
+             "(--no-fp32-values)")
+    console.print(f"Pretrained model: {origin}{loss}; every recipe starts from its FP32 weights, "
+                  f"{start}.", style="dim", highlight=False)
 
 
 def _floor_note(console: Console, floor: float | None, seeds: int, tolerance: float) -> None:
@@ -365,7 +412,7 @@ def _load_note(console: Console, load: dict[str, Any], threads: int,
     """Say how busy the machine was while the steps were timed, plainly when it was contended.
     The load is the CPU's (``/proc/stat``): on a GPU it slows only the host's share of a step
     (launches, the optimizer's host logic), and the GPU's own load is not measured."""
-    from lowprec.cli.compare import CONTENDED_CORES
+    from lowprec.comparison.compare import CONTENDED_CORES
 
     bg, share = load.get("background_cores"), load.get("contended_fraction")
     if bg is None:

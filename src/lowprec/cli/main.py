@@ -1,10 +1,10 @@
 """The ``lowprec`` command: ``compare``, ``memory`` and ``numerics``.
 
-The numbers come from ``lowprec.cli.compare``, ``lowprec.memory`` and ``lowprec.cli.demos``,
+The numbers come from ``lowprec.comparison.compare``, ``lowprec.memory`` and ``lowprec.cli.demos``,
 which print nothing; ``lowprec.cli.parser`` holds the options (argparse, torch-free),
 ``lowprec.cli.compare_cmd`` the compare command's progress, table and notes,
 ``lowprec.cli.common`` the helpers the commands share (output, errors), and this module the
-rest: ``memory``, ``numerics`` and ``main`` (rich for tables; ``lowprec.cli.plot`` draws the
+rest: ``memory``, ``numerics`` and ``main`` (rich for tables; ``lowprec.comparison.plot`` draws the
 picture, matplotlib, headless). A user mistake (an unknown recipe, a
 negative step count) ends with one ``lowprec: error: ...`` line and exit status 2, never a
 traceback; Ctrl-C during ``compare`` prints the recipes measured so far, saves them, and exits
@@ -18,7 +18,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lowprec.cli import config
 from lowprec.cli.common import (
     UsageError,
     _check_output,
@@ -31,6 +30,7 @@ from lowprec.cli.common import (
 )
 from lowprec.cli.compare_cmd import _cmd_compare
 from lowprec.cli.parser import build_parser
+from lowprec.comparison import config
 
 if TYPE_CHECKING:  # (rich is imported when a command prints: the start stays light)
     from rich.console import Console
@@ -56,8 +56,8 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     import torch
 
     from lowprec import memory
-    from lowprec.cli.run import task_loss
-    from lowprec.cli.task import CharTransformer
+    from lowprec.comparison.run import task_loss
+    from lowprec.comparison.task import CharTransformer
 
     _, Table = _import_rich()
     console = _console()

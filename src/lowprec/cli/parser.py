@@ -1,6 +1,6 @@
 """The ``lowprec`` command's options: argparse, its argument types, and ``build_parser``.
 
-Torch-free (it reads ``lowprec.cli.config``), so that ``--help``, ``--version`` and a mistyped
+Torch-free (it reads ``lowprec.comparison.config``), so that ``--help``, ``--version`` and a mistyped
 option answer without the seconds an import of torch takes; each subcommand's parser names its
 command (``command``), which ``lowprec.cli.main.main`` runs.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lowprec import __version__
-from lowprec.cli import config
+from lowprec.comparison import config
 
 if TYPE_CHECKING:
     from lowprec.cli.memory_plan import ModelSize
@@ -46,6 +46,26 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _task(text: str) -> str:
+    """A built-in task's name, or ``FILE.py:NAME`` / ``package.module:NAME`` (loaded once the
+    command runs: ``comparison.task.load_task``)."""
+    if text in config.TASKS or (":" in text and text.rpartition(":")[2]):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown task {text!r}: choose {', '.join(config.TASKS)}, or a task of yours as "
+        "FILE.py:NAME or package.module:NAME")
 
 
 def _recipe_list(text: str) -> tuple[str, ...]:
@@ -107,14 +127,13 @@ def _add_device_and_size(p: argparse.ArgumentParser, overrides: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowprec.cli.config import (
+    from lowprec.comparison.config import (
         DEFAULT_LR,
         DEFAULT_RECIPES,
         DEFAULT_TOLERANCE,
         FINETUNE_LR,
         RECIPES,
         TASK_STEPS,
-        TASKS,
         CompareConfig,
     )
 
@@ -140,12 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
             "Runs on the GPU where torch finds one (--device), and --size picks a model for it."
         ),
     )
-    c.add_argument("--task", choices=TASKS, default=cfg.task,
+    c.add_argument("--task", type=_task, default=cfg.task,
                    help="pretrain: train the model from random weights on the standard "
                         "library's sources; finetune: pretrain it once in FP32 on them (cached "
                         "in OUT), and fine-tune it under each recipe, cast from those FP32 "
-                        "weights, on the English prose of pydoc_data.topics at a fine-tuning rate (adamw "
-                        f"{FINETUNE_LR['adamw']:g}) (default: {cfg.task})")
+                        "weights, on the English prose of pydoc_data.topics at a fine-tuning "
+                        f"rate (adamw {FINETUNE_LR['adamw']:g}); or a task of yours, "
+                        "FILE.py:NAME or package.module:NAME, NAME a "
+                        "lowprec.comparison.task.Task or a function returning one "
+                        f"(default: {cfg.task})")
+    c.add_argument("--assert-gap", type=_nonnegative_float, default=None, metavar="PCT",
+                   help="exit with status 1 when the recommended recipe (or --assert-recipe) "
+                        "ends more than PCT percent above fp32's eval loss, or none is "
+                        "recommended: a CI check of a precision choice")
+    c.add_argument("--assert-recipe", default=None, metavar="NAME",
+                   help="the recipe --assert-gap holds to its gap (default: the recommended one)")
     c.add_argument("--seeds", type=_positive_int, default=cfg.seeds,
                    help="runs per recipe, seeds SEED, SEED+1, ...: the table shows means and "
                         "spreads, and fp32's spread is the noise floor a gap must exceed "

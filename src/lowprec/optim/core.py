@@ -368,13 +368,17 @@ class OptimizerCore(Optimizer):
         return missing
 
     def _init_state(
-        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
+        preview: bool = False,
     ) -> dict[str, Any]:
+        """A new state for ``p``. ``preview``: the state its first step would create, for a
+        look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
+        not taken, and ``p`` is not written."""
         if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
             # (computed on its shard, kept as DTensors placed as p)
             mark_blocks(p)
             lp = local(p)
-            st = self._init_state(group, lp, storage)
+            st = self._init_state(group, lp, storage, preview=preview)
             return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
         sd = self._state_dtype(group, p, storage)
         # (the count on the host where the step reads it there, else on the parameter's device,
@@ -386,8 +390,10 @@ class OptimizerCore(Optimizer):
         }
         # (the master from the FP32 value p was cast from, where one was kept and the master
         # holds more than p's bits: lowprec.optim.kept; the value let go either way)
-        value = kept.take(p)
-        state.update(storage.init(p, value if storage.takes_value else None))
+        value = kept.kept_value(p) if preview else kept.take(p)
+        # (split writes its top half into p at an exact tie: a preview's into a copy)
+        target = p.detach().clone() if preview and value is not None else p
+        state.update(storage.init(target, value if storage.takes_value else None))
         for name in self._math_buffers(group, p):
             state.update(self._new_math_buffer(group, p, name, sd))
         return state

@@ -1,4 +1,11 @@
-"""The built-in tasks' model and data: a small byte-level transformer on texts every Python has.
+"""What a comparison trains (``Task``: a model, its batches, a loss), and the built-in tasks'
+model and data: a small byte-level transformer on texts every Python has.
+
+A ``Task`` is what ``lowprec.compare`` makes of a user's model, batches and loss, and what
+``lowprec compare --task FILE:NAME`` loads; the built-in ``pretrain`` and ``finetune`` tasks are
+two of them (``run.builtin_task``). ``default_loss`` is the loss a task takes when none is given:
+a Hugging Face model's own for dict batches, cross-entropy of the output against the batch's
+last element otherwise.
 
 Every Python installation carries its standard library as ``.py`` files, so the tasks need no
 download: ``load_text`` reads the modules beside ``os.py`` in sorted order (byte-level, so the
@@ -12,18 +19,83 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.cli.config import ModelConfig
+from lowprec.comparison.config import ModelConfig
 
-__all__ = ["Batches", "CharTransformer", "ModelConfig", "load_prose", "load_text"]
+__all__ = ["Batches", "CharTransformer", "ModelConfig", "Task", "default_loss", "load_prose",
+           "load_task", "load_text"]
 
 VOCAB = 256
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of ``model`` on ``batch`` where a task names none.
+
+    A dict batch (a Hugging Face model's, with ``labels``): ``model(**batch).loss``. A tuple or
+    list: the model on every element but the last, and the cross-entropy (in FP32, mean over
+    every position) of its output, or of the output's ``logits``, against the last element,
+    the class indices: a classifier's ``(images, labels)``, a language model's
+    ``(tokens, next tokens)``.
+
+    Raises:
+        TypeError: A batch of another kind, or a dict batch whose output has no ``loss``.
+    """
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, Mapping):
+            loss = out.get("loss")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                "a dict batch is given to the model as keywords and its output's loss is taken "
+                f"(model(**batch).loss), but the output ({type(out).__name__}) has no loss: "
+                "put the labels in the batch (labels=...), or pass loss=fn(model, batch)."
+            )
+        return loss
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        *inputs, target = batch
+        out = model(*inputs)
+        logits = getattr(out, "logits", out)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"the model's output ({type(out).__name__}) is not a tensor of "
+                            "logits: pass loss=fn(model, batch).")
+        logits = logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    raise TypeError(
+        f"the default loss takes a dict batch (model(**batch).loss) or a tuple (inputs..., "
+        f"target), got {type(batch).__name__}: pass loss=fn(model, batch) -> a scalar tensor."
+    )
+
+
+@dataclass
+class Task:
+    """What a comparison trains: every recipe and seed starts from the task's FP32 model and
+    takes its batches in the same order.
+
+    Attributes:
+        model: The seed's FP32 starting model: ``model(seed)`` returns it, built once per seed
+            and copied for each recipe (a model that does not depend on the seed returns the
+            same weights every time).
+        train: The seed's training batches: ``train(seed)``, at least as many as the steps
+            (only that many are drawn).
+        eval: The held-out batches the eval loss averages over, the same for every seed.
+        loss: ``loss(model, batch)`` -> a scalar tensor (default: ``default_loss``).
+        name: What the task is, for the table's title (default: ``"your model"``).
+    """
+
+    model: Callable[[int], nn.Module]
+    train: Callable[[int], Iterable[Any]]
+    eval: Sequence[Any]
+    loss: Callable[[nn.Module, Any], torch.Tensor] = default_loss
+    name: str = "your model"
 
 
 def load_text(max_bytes: int = 2_000_000) -> torch.Tensor:
@@ -142,7 +214,7 @@ class _Block(nn.Module):
 class CharTransformer(nn.Module):
     """A GPT-style byte-level language model: embeddings, pre-norm blocks, a linear head.
 
-    It has ``cfg.num_parameters`` parameters (``lowprec.cli.config.SIZES`` lists the presets').
+    It has ``cfg.num_parameters`` parameters (``lowprec.comparison.config.SIZES`` lists the presets').
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -168,3 +240,54 @@ class CharTransformer(nn.Module):
             x = block(x)
         logits: torch.Tensor = self.head(self.ln(x))
         return logits
+
+
+def load_task(spec: str) -> Task:
+    """The ``Task`` that ``spec`` names: ``FILE.py:NAME`` or ``package.module:NAME``, where
+    ``NAME`` is a ``Task`` or a function of no arguments returning one (``lowprec compare
+    --task``). A file is run as a module of its own, with its folder on ``sys.path`` while it
+    loads (so that it imports the modules beside it).
+
+    Raises:
+        ValueError: No ``:NAME``, no such file or module, or no ``NAME`` in it.
+        TypeError: ``NAME`` is not a task, or its function returned something else.
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--task {spec!r}: give the built-in pretrain or finetune, or a task of "
+                         "yours as FILE.py:NAME or package.module:NAME.")
+    if where.endswith(".py") or os.sep in where:
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ValueError(f"--task {spec!r}: no file {where}.")
+        loader_spec = importlib.util.spec_from_file_location(f"lowprec_task_{path.stem}", path)
+        if loader_spec is None or loader_spec.loader is None:  # pragma: no cover - a .py file
+            raise ValueError(f"--task {spec!r}: {where} cannot be loaded as Python.")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.path.insert(0, str(path.parent))
+        try:
+            loader_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.parent))
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"--task {spec!r}: no module {exc.name!r} (give a file as "
+                             "path/to/file.py:NAME, or install the package).") from None
+    found = getattr(module, name, None)
+    if found is None:
+        tasks = sorted(k for k, v in vars(module).items() if isinstance(v, Task))
+        hint = f"; it defines the task(s) {', '.join(tasks)}" if tasks else ""
+        raise ValueError(f"--task {spec!r}: {where} has no {name!r}{hint}.")
+    if not isinstance(found, Task) and callable(found) and not isinstance(found, type):
+        found = found()
+    if not isinstance(found, Task):
+        raise TypeError(f"--task {spec!r}: {name} is a {type(found).__name__}, not a task: make "
+                        "it a lowprec.comparison.task.Task(model=..., train=..., eval=...), or a "
+                        "function returning one.")
+    return found

@@ -28,9 +28,9 @@ from typing import Any, cast
 
 import torch
 
-from lowprec.cli.config import DEFAULT_LR, CompareConfig
-from lowprec.cli.run import _evaluate, _Run, task_data
-from lowprec.cli.task import CharTransformer, load_text
+from lowprec.comparison.config import DEFAULT_LR, CompareConfig
+from lowprec.comparison.run import _evaluate, _Run, builtin_task
+from lowprec.comparison.task import CharTransformer, load_text
 
 __all__ = ["FORMAT", "cache_key", "cache_path", "pretrained"]
 
@@ -125,13 +125,13 @@ def _train(cfg: CompareConfig, device: torch.device,
     """Pretrain in FP32; returns the CPU state dict and the eval loss on held-out sources."""
     p = _pretrain_config(cfg)
     steps = cast(int, p.steps)  # (_pretrain_config's: cfg.pretrain_steps)
-    batches, initial = task_data(p, device, p.seed)
-    run = _Run("fp32", p, initial, batches, p.seed)
-    for step, (x, y) in enumerate(batches.train_batches(steps)):
-        loss = run.step(x, y)
+    task = builtin_task(p, device)
+    run = _Run("fp32", p, task.model(p.seed), task, p.seed)
+    for step, batch in enumerate(task.train(p.seed)):
+        loss = run.step(batch)
         if on_step is not None:
             on_step(step, steps, loss)
-    eval_loss = _evaluate(run.model, run.recipe, batches.eval_batches(p.eval_batches), device)
+    eval_loss = _evaluate(run.model, run.recipe, task.eval, device)
     state = {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()}
     return state, eval_loss
 

@@ -6,20 +6,21 @@ FP32 and share of FP32's loss drop, median step time and speed-up over FP32 (wit
 interquartile ranges), bytes per parameter by buffer (measured from the tensors), the fraction
 of updates lost to rounding (``diagnostics.UpdateMonitor``) and the loss curve. The recipes take
 their steps in turn, so a machine whose load changes during the run slows them alike, and the
-background load is measured. ``lowprec.cli.summary`` turns the records into one row per recipe
+background load is measured. ``lowprec.comparison.summary`` turns the records into one row per recipe
 over the seeds, the noise floor and the recommendation. The CLI (``lowprec compare``) prints,
 plots and saves them; nothing here prints.
 
 Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
 standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
-in FP32 (``lowprec.cli.pretrained``, cached on disk; each recipe casts it, keeping the FP32
+in FP32 (``lowprec.comparison.pretrained``, cached on disk; each recipe casts it, keeping the FP32
 values for its master: ``CompareConfig.fp32_values``), and trains it on the
 prose of ``pydoc_data.topics`` at a fine-tuning rate. A recipe's run, its data and its device are
-``lowprec.cli.run``'s (re-exported here: ``task_data``, ``run_recipe``, ``resolve_device``, ...).
+``lowprec.comparison.run``'s (re-exported here: ``task_data``, ``run_recipe``, ``resolve_device``, ...).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -29,10 +30,19 @@ from typing import Any, cast
 
 import torch
 
-from lowprec.cli.config import DEFAULT_RECIPES, DEFAULT_TOLERANCE, OPTIMIZERS, CompareConfig
-from lowprec.cli.pretrained import pretrained
-from lowprec.cli.run import _Run, device_info, resolve_device, run_recipe, task_data, task_loss
-from lowprec.cli.summary import add_relative, noise_floor, recommend, summarize
+from lowprec.comparison.config import DEFAULT_RECIPES, DEFAULT_TOLERANCE, OPTIMIZERS, CompareConfig
+from lowprec.comparison.pretrained import pretrained
+from lowprec.comparison.run import (
+    _Run,
+    builtin_task,
+    device_info,
+    resolve_device,
+    run_recipe,
+    task_data,
+    task_loss,
+)
+from lowprec.comparison.summary import add_relative, noise_floor, recommend, summarize
+from lowprec.comparison.task import Task
 
 __all__ = ["DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "OPTIMIZERS", "CompareConfig", "add_relative",
            "compare", "device_info", "noise_floor", "recommend", "resolve_device", "run_recipe",
@@ -51,6 +61,7 @@ def compare(
     on_pretrain: Callable[[int, int, float], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     info: dict[str, Any] | None = None,
+    task: Task | None = None,
 ) -> list[dict[str, Any]]:
     """Train every recipe of ``cfg`` over ``cfg.seed_list`` and return their records (one per
     recipe and seed, seed by seed), with gaps and speed-ups vs FP32 of the same seed.
@@ -63,7 +74,7 @@ def compare(
     (cores that other processes kept busy, from ``/proc/stat``) is measured per round and
     summarised in ``load`` (if given): see ``_Load``.
 
-    The ``finetune`` task first gets its pretrained model (``lowprec.cli.pretrained.pretrained``:
+    The ``finetune`` task first gets its pretrained model (``lowprec.comparison.pretrained.pretrained``:
     from ``cache_dir`` where a valid one is there, else trained, calling ``on_pretrain(step,
     total, loss)``, and saved there); ``on_note(text)`` hears what the cache did, and ``info``
     (if given) gets ``{"pretrained": ...}``, where it came from and what it cost.
@@ -81,26 +92,30 @@ def compare(
     if device.type == "cpu":  # (the CPU kernels' threads: a GPU run leaves torch's own)
         torch.set_num_threads(cfg.threads)
     out = records if records is not None else []
-    weights = None
-    if cfg.task == "finetune":
-        weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
-                                    on_note=on_note)
-        if info is not None:
-            info["pretrained"] = about
+    if task is None:
+        weights = None
+        if cfg.task == "finetune":
+            weights, about = pretrained(cfg, device, cache_dir=cache_dir, on_step=on_pretrain,
+                                        on_note=on_note)
+            if info is not None:
+                info["pretrained"] = about
+        task = builtin_task(cfg, device, pretrained=weights)
     meter = _Load()
     for index, seed in enumerate(cfg.seed_list):
-        batches, initial = task_data(cfg, device, seed, pretrained=weights)
+        start = task.model(seed)
+        batches = seed_batches(task, seed, steps)
         runs = []
         for name in recipe_names:
             if on_start is not None and index == 0:
                 on_start(name)
-            runs.append(_Run(name, cfg, initial, batches, seed))
+            runs.append(_Run(name, cfg, start, task, seed))
+        del start
         try:
-            for step, (x, y) in enumerate(batches.train_batches(steps)):
+            for step, batch in enumerate(batches):
                 first = step % len(runs)
                 meter.start()
                 for run in runs[first:] + runs[:first]:
-                    loss = run.step(x, y)
+                    loss = run.step(batch)
                     if on_step is not None:
                         on_step(run.name, index * steps + step, loss)
                 meter.stop()
@@ -119,6 +134,23 @@ def compare(
         for record in out:
             on_done(record)
     return out
+
+
+def seed_batches(task: Task, seed: int, steps: int) -> list[Any]:
+    """The first ``steps`` training batches of ``task`` for ``seed``, drawn before any step so
+    that every recipe takes the same ones and a task short of batches is refused at once.
+
+    Raises:
+        ValueError: ``task.train(seed)`` gives fewer than ``steps`` batches.
+    """
+    batches = list(itertools.islice(task.train(seed), steps))
+    if len(batches) < steps:
+        raise ValueError(
+            f"the training batches ran out after {len(batches)} of the {steps} steps (seed "
+            f"{seed}): give at least {steps} batches (a longer iterable, or a function of the "
+            "seed that draws them), or fewer steps."
+        )
+    return batches
 
 
 #: Background load (cores other processes kept busy) above which a round counts as contended:

@@ -1,9 +1,9 @@
-"""What the ``lowprec`` command and ``lowprec.cli.compare`` run by default, and their option
+"""What the ``lowprec`` command and ``lowprec.comparison.compare`` run by default, and their option
 checks.
 
 Imports nothing heavier than the standard library (no torch), so that ``lowprec --help`` and a
 mistyped option answer at once: the command imports torch only once a command runs.
-``lowprec.cli.compare`` and ``lowprec.cli.task`` re-export these names; ``lowprec.cli.run`` checks
+``lowprec.comparison.compare`` and ``lowprec.comparison.task`` re-export these names; ``lowprec.comparison.run`` checks
 that ``lowprec.recipes`` defines the recipes named here.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 
 __all__ = ["BLOCK_RECIPES", "DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR",
            "FINETUNE_RECIPES", "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "RECIPE_GROUPS",
-           "SIZES", "TASKS", "TASK_STEPS", "CompareConfig", "ModelConfig", "Size", "check_device",
-           "sized"]
+           "SIZES", "TASKS", "TASK_STEPS", "USER_RECIPES", "USER_TASK", "CompareConfig",
+           "ModelConfig", "Size", "check_device", "sized"]
 
 #: The recipe names, in display order (``lowprec.recipes`` defines each).
 RECIPES: tuple[str, ...] = (
@@ -66,7 +66,7 @@ class ModelConfig:
 
     @property
     def num_parameters(self) -> int:
-        """The model's parameter count, from its shapes (``lowprec.cli.task.CharTransformer``: byte
+        """The model's parameter count, from its shapes (``lowprec.comparison.task.CharTransformer``: byte
         and position embeddings, ``n_layer`` blocks of 12 d^2 + 13 d, a final norm, a 256-way
         head); torch-free, so that ``--help`` can print it."""
         d, vocab = self.d_model, 256
@@ -133,7 +133,7 @@ _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 def check_device(device: str) -> str:
     """``device`` if it names where ``compare`` can run: ``"auto"`` (CUDA where torch finds it,
     else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Only the spelling is checked here
-    (without torch); ``lowprec.cli.run.resolve_device`` checks that the device exists.
+    (without torch); ``lowprec.comparison.run.resolve_device`` checks that the device exists.
 
     Raises:
         ValueError: Any other value.
@@ -165,9 +165,15 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "lamb", "adamw", "adam", "radam
 DEFAULT_TOLERANCE = 0.005
 
 #: The built-in tasks: ``pretrain`` trains the model from random weights on the standard
-#: library's sources; ``finetune`` pretrains it once in FP32 on them (cached), rounds it to BF16,
-#: and fine-tunes it under each recipe on the English prose of ``pydoc_data.topics``.
+#: library's sources; ``finetune`` pretrains it once in FP32 on them (cached) and fine-tunes it
+#: under each recipe, cast from those FP32 weights, on the English prose of ``pydoc_data.topics``.
 TASKS: tuple[str, ...] = ("pretrain", "finetune")
+#: ``CompareConfig.task`` for a task of the user's (``lowprec.compare``, ``--task FILE:NAME``):
+#: its model, data and loss are the ``Task``'s; the built-in tasks' own options go unused.
+USER_TASK = "yours"
+#: What a comparison on the user's task runs by default: FP32, plain BF16, the three
+#: compensations (a few minutes on a small model).
+USER_RECIPES: tuple[str, ...] = ("fp32", "bf16", "bf16-kahan", "bf16-split", "bf16-sr")
 
 #: A round-to-nearest recipe whose measured share of lost updates is above this is never
 #: recommended, however small its loss gap: a short run cannot show yet what they cost (lost
@@ -222,12 +228,14 @@ class CompareConfig:
         device: Where the models, batches and steps run: ``"auto"`` (CUDA where
             ``torch.cuda.is_available()``, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``
             (default: ``"auto"``).
-        task: ``"pretrain"`` or ``"finetune"`` (``TASKS``; default: ``"pretrain"``).
+        task: ``"pretrain"`` or ``"finetune"`` (``TASKS``), or ``USER_TASK`` for a task of the
+            user's, whose model, data and loss ``compare`` is given (default: ``"pretrain"``).
         seeds: Runs per recipe, with seeds ``seed``, ``seed + 1``, ...; their spread is the
             noise floor a gap must exceed (default: 1).
         pretrain_steps: FP32 AdamW steps of the fine-tuning task's pretraining (default: 400).
         schedule: After the warm-up, ``"cosine"`` decay to 10% of the peak or ``"constant"``
-            (default: None, the task's: cosine for pretraining, constant for fine-tuning).
+            (default: None, the task's: cosine for pretraining, constant for fine-tuning and
+            for a task of the user's).
         fp32_values: Start each recipe's master from the FP32 weights it was cast from
             (``Recipe.convert``'s ``fp32_values``; what the fine-tuning task's pretrained FP32
             weights hold below BF16's precision) (default: True; False: from the rounded
@@ -257,7 +265,8 @@ class CompareConfig:
     def __post_init__(self) -> None:
         finetune = self.task == "finetune"
         if self.recipes is None:
-            self.recipes = FINETUNE_RECIPES if finetune else DEFAULT_RECIPES
+            self.recipes = (FINETUNE_RECIPES if finetune else USER_RECIPES
+                            if self.task == USER_TASK else DEFAULT_RECIPES)
         if self.steps is None:
             self.steps = TASK_STEPS.get(self.task, TASK_STEPS["pretrain"])
 
@@ -275,7 +284,7 @@ class CompareConfig:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}."
             )
-        if self.task not in TASKS:
+        if self.task not in (*TASKS, USER_TASK):
             raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}.")
         if self.schedule not in (None, "cosine", "constant"):
             raise ValueError(f"unknown schedule {self.schedule!r}; choose cosine or constant.")
@@ -311,7 +320,7 @@ class CompareConfig:
         """``schedule``, or the task's: cosine for pretraining, constant for fine-tuning."""
         if self.schedule is not None:
             return self.schedule
-        return "constant" if self.task == "finetune" else "cosine"
+        return "cosine" if self.task == "pretrain" else "constant"
 
     @property
     def seed_list(self) -> list[int]:

@@ -1,7 +1,7 @@
 """One recipe's training run on the built-in task: ``_Run`` steps it batch by batch,
 ``run_recipe`` runs one alone; ``task_data`` gives a seed's batches and initial weights,
-``resolve_device`` the device it runs on. ``lowprec.cli.compare`` takes every recipe's steps in
-turn; ``lowprec.cli.pretrained`` pretrains the finetune task's start with one fp32 run.
+``resolve_device`` the device it runs on. ``lowprec.comparison.compare`` takes every recipe's steps in
+turn; ``lowprec.comparison.pretrained`` pretrains the finetune task's start with one fp32 run.
 
 Everything runs on ``cfg.device`` (``resolve_device``: ``"auto"`` is CUDA where torch finds it):
 the models (built on the CPU from one seeded FP32 state, so every device starts from the same
@@ -19,18 +19,24 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from lowprec import diagnostics, memory, products
 from lowprec import recipes as recipes_mod
-from lowprec.cli import config
-from lowprec.cli.config import CompareConfig, ModelConfig, check_device
-from lowprec.cli.summary import WARMUP_STEPS, _quartiles, _steady
-from lowprec.cli.task import Batches, CharTransformer, load_prose, load_text
+from lowprec.comparison import config
+from lowprec.comparison.config import CompareConfig, ModelConfig, check_device
+from lowprec.comparison.summary import WARMUP_STEPS, _quartiles, _steady
+from lowprec.comparison.task import (
+    Batches,
+    CharTransformer,
+    Task,
+    default_loss,
+    load_prose,
+    load_text,
+)
 
 __all__ = ["device_info", "resolve_device", "run_recipe", "task_data", "task_loss"]
 
@@ -38,7 +44,7 @@ __all__ = ["device_info", "resolve_device", "run_recipe", "task_data", "task_los
 # library's recipes must be those (the library imports nothing of the command, so the check is
 # here, where compare and memory's table first build recipes).
 if recipes_mod.RECIPES != config.RECIPES:
-    raise ImportError(f"lowprec.cli.config.RECIPES {config.RECIPES} must name the recipes defined "
+    raise ImportError(f"lowprec.comparison.config.RECIPES {config.RECIPES} must name the recipes defined "
                       f"in lowprec.recipes, {recipes_mod.RECIPES}, in the same order.")
 
 
@@ -127,12 +133,12 @@ def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
 
     ``pretrain``: windows of the standard library's sources and seeded random weights.
     ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
-    ``lowprec.cli.pretrained.pretrained`` returns, the same for every seed).
+    ``lowprec.comparison.pretrained.pretrained`` returns, the same for every seed).
     """
     if cfg.task == "finetune":
         if pretrained is None:
             raise ValueError("the finetune task starts from pretrained weights: pass "
-                             "pretrained=lowprec.cli.pretrained.pretrained(cfg, device)[0].")
+                             "pretrained=lowprec.comparison.pretrained.pretrained(cfg, device)[0].")
         text, initial = load_prose(), pretrained
     else:
         text = load_text(cfg.text_bytes)
@@ -145,9 +151,40 @@ def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
     return batches, initial
 
 
+def builtin_task(cfg: CompareConfig, device: torch.device, *,
+                 pretrained: dict[str, torch.Tensor] | None = None) -> Task:
+    """``cfg.task`` (``pretrain`` or ``finetune``) as a ``Task``: each seed's model and
+    batches from ``task_data``, the first seed's held-out windows, the default loss."""
+
+    def model(seed: int) -> torch.nn.Module:
+        net = CharTransformer(cfg.model)
+        net.load_state_dict(task_data(cfg, device, seed, pretrained=pretrained)[1])
+        return net
+
+    def train(seed: int) -> Iterator[Any]:
+        return task_data(cfg, device, seed, pretrained=pretrained)[0].train_batches(
+            cast(int, cfg.steps))
+
+    batches = task_data(cfg, device, cfg.seed, pretrained=pretrained)[0]
+    return Task(model=model, train=train, eval=batches.eval_batches(cfg.eval_batches),
+                name=f"{cfg.task} (built-in)")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (in dicts, tuples and lists, at any depth) on
+    ``device`` (no copy where it is there already)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch) if isinstance(batch, list) \
+            else tuple(to_device(v, device) for v in batch)
+    return batch
+
+
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x).float()
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+    return default_loss(model, (x, y))
 
 
 def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
@@ -161,36 +198,34 @@ def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, recipe: recipes_mod.Recipe,
-              batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-              device: torch.device) -> float:
+def _evaluate(model: torch.nn.Module, recipe: recipes_mod.Recipe, batches: Iterable[Any],
+              device: torch.device,
+              loss: Callable[[torch.nn.Module, Any], torch.Tensor] = default_loss) -> float:
     model.eval()
     try:
         with recipe.autocast(device.type):
-            return statistics.fmean(float(_loss(model, x.to(device), y.to(device)))
-                                    for x, y in batches)
+            return statistics.fmean(float(loss(model, to_device(b, device))) for b in batches)
     finally:
         model.train()
 
 
 class _Run:
     """One recipe's training run, stepped one batch at a time (``compare`` takes the recipes'
-    steps in turn; ``run_recipe`` runs one alone). Its eval loss before training is measured
-    when it is built (``eval_before``), on ``batches``' held-out windows."""
+    steps in turn; ``run_recipe`` runs one alone) from a copy of ``start``, the task's FP32
+    model for this seed. Its eval loss before training is measured when it is built
+    (``eval_before``), on ``task``'s held-out batches."""
 
-    def __init__(self, name: str, cfg: CompareConfig, initial: dict[str, torch.Tensor],
-                 batches: Batches, seed: int | None = None) -> None:
-        self.name, self.cfg, self.batches = name, cfg, batches
+    def __init__(self, name: str, cfg: CompareConfig, start: torch.nn.Module, task: Task,
+                 seed: int | None = None) -> None:
+        self.name, self.cfg, self.task = name, cfg, task
         self.seed = cfg.seed if seed is None else seed
         self.device = resolve_device(cfg.device)
         self.recipe = recipe = recipes_mod.get(name)
         if recipe.gemms is not None and cfg.fused is False:  # (--no-fused: nothing compiles)
             recipe.gemms = dataclasses.replace(recipe.gemms, compiled=False)
-        model = CharTransformer(cfg.model)
-        model.load_state_dict(initial)
-        self.model = model = recipe.convert(model.to(self.device), fp32_values=cfg.fp32_values)
-        self.eval_before = _evaluate(model, recipe, batches.eval_batches(cfg.eval_batches),
-                                     self.device)
+        model = copy.deepcopy(start).to(self.device)
+        self.model = model = recipe.convert(model, fp32_values=cfg.fp32_values)
+        self.eval_before = _evaluate(model, recipe, task.eval, self.device, task.loss)
         hp: dict[str, Any] = {"lr": cfg.peak_lr, "fused": cfg.fused}
         if cfg.optimizer == "sgd":
             hp["momentum"] = 0.9
@@ -212,17 +247,17 @@ class _Run:
         self.skipped = 0
         self.products_in_fp32: str | None = None
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One training step on batch ``(x, y)``; returns its loss (NaN for inf or NaN)."""
+    def step(self, batch: Any) -> float:
+        """One training step on ``batch``; returns its loss (NaN for inf or NaN)."""
         recipe, model, opt, monitor = self.recipe, self.model, self.opt, self.monitor
-        x, y = x.to(self.device), y.to(self.device)  # (no copy where they are there already)
+        batch = to_device(batch, self.device)
         start = self._clock()
         opt.zero_grad(set_to_none=True)
         context = recipe.autocast(self.device.type)
         # (which 16-bit products this CPU computes in FP32, for the record and the table's marks)
         self.products_in_fp32 = _products_in_fp32(context)
         with context:
-            loss = _loss(model, x, y)
+            loss = self.task.loss(model, batch)
         recipe.backward(loss)
         with monitor.step() if monitor is not None else contextlib.nullcontext():
             stepped = recipe.step(opt)
@@ -245,7 +280,7 @@ class _Run:
 
     def record(self) -> dict[str, Any]:
         """The run's record (the steps taken so far), with its eval loss and memory."""
-        cfg, monitor, batches = self.cfg, self.monitor, self.batches
+        monitor, task = self.monitor, self.task
         losses, times = self.losses, self.times
         tail = [v for v in losses[-max(1, len(losses) // 10):] if math.isfinite(v)]
         mem = memory.measure(self.model, self.opt)
@@ -267,8 +302,7 @@ class _Run:
             "seed": self.seed,
             "eval_before": self.eval_before,
             "final_loss": statistics.fmean(tail) if tail else float("nan"),
-            "eval_loss": _evaluate(self.model, self.recipe, batches.eval_batches(cfg.eval_batches),
-                                   self.device),
+            "eval_loss": _evaluate(self.model, self.recipe, task.eval, self.device, task.loss),
             "step_time_s": median,
             "step_time_iqr_s": _quartiles(steady),
             # What the first steps took beyond two steady ones: the fused step's compilation.
@@ -321,12 +355,16 @@ def run_recipe(
     *,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
-    """Train one recipe alone from the ``initial`` FP32 weights and return its record (its
-    seed: ``batches.seed``)."""
-    run = _Run(name, cfg, initial, batches, batches.seed)
-    # (steps is set: __post_init__ replaced a None with the task's)
-    for step, (x, y) in enumerate(batches.train_batches(cast(int, cfg.steps))):
-        loss = run.step(x, y)
+    """Train one recipe alone on the built-in model from the ``initial`` FP32 weights and
+    ``batches`` and return its record (its seed: ``batches.seed``)."""
+    start = CharTransformer(cfg.model)
+    start.load_state_dict(initial)
+    steps = cast(int, cfg.steps)  # (set: __post_init__ replaced a None with the task's)
+    task = Task(model=lambda seed: start, train=lambda seed: batches.train_batches(steps),
+                eval=batches.eval_batches(cfg.eval_batches))
+    run = _Run(name, cfg, start, task, batches.seed)
+    for step, batch in enumerate(task.train(batches.seed)):
+        loss = run.step(batch)
         if on_step is not None:
             on_step(step, loss)
     return run.record()

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lowprec.cli.config import DEFAULT_TOLERANCE, LOST_UPDATES_LIMIT
+from lowprec.comparison.config import DEFAULT_TOLERANCE, LOST_UPDATES_LIMIT
 
 __all__ = ["WARMUP_STEPS", "add_relative", "lost_by_parameter", "noise_floor", "recommend",
            "summarize"]
