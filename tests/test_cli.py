@@ -167,10 +167,10 @@ def test_compare_refuses_a_bad_bf16_products_setting_before_any_work(monkeypatch
 def test_ctrl_c_reports_what_was_measured(tmp_path, monkeypatch, capsys):
     real = run._Run.step
 
-    def interrupted_at_bf16s_third_step(self, x, y):
+    def interrupted_at_bf16s_third_step(self, batch):
         if self.name == "bf16" and len(self.losses) == 2:
             raise KeyboardInterrupt
-        return real(self, x, y)
+        return real(self, batch)
 
     monkeypatch.setattr(run._Run, "step", interrupted_at_bf16s_third_step)
     code = main(["compare", "--recipes", "fp32,bf16,bf16-kahan", *TINY,
@@ -195,9 +195,9 @@ def test_recipes_take_their_steps_in_turn_with_the_same_results_as_alone(monkeyp
     order = []
     real = run._Run.step
 
-    def spy(self, x, y):
+    def spy(self, batch):
         order.append(self.name)
-        return real(self, x, y)
+        return real(self, batch)
 
     monkeypatch.setattr(run._Run, "step", spy)
     load: dict = {}

@@ -114,9 +114,10 @@ def test_pretraining_is_cached_and_reused(tmp_path, trainings):
     assert about2["cached"] and len(trainings) == 1 and notes == []
     assert about2["eval_loss"] == about["eval_loss"]
     assert all(torch.equal(first[k], again[k]) for k in first)
-    # Rounded to BF16 once: every weight is a BF16 value (held in FP32).
-    for t in first.values():
-        assert t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float())
+    # FP32 weights, not rounded: what a BF16 recipe's master starts from (Recipe.convert's
+    # fp32_values); most hold bits below BF16's precision.
+    assert all(t.dtype == torch.float32 for t in first.values())
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in first.values())
     # The cached weights are the pretraining's: trained again without a cache, the same values.
     fresh, _ = pretrained.pretrained(cfg, dev)
     assert all(torch.equal(first[k], fresh[k]) for k in first)

@@ -187,3 +187,17 @@ def test_a_monitored_first_step_leaves_the_value_to_the_step(master):
         else:
             assert torch.equal(opt.state[p]["compensation"],
                                (fp32[n] - p.float()).to(torch.bfloat16)), n
+
+
+def test_keep_fp32_takes_module_names_as_well_as_types():
+    # Where lowprec.compare names parameters no master keeps, a recipe keeps them in FP32 by name.
+    recipe = lowprec.recipes.get("bf16-split", keep_fp32=(nn.LayerNorm, "3"))
+    model = recipe.convert(_model())
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[2].weight.dtype == torch.float32 and model[3].weight.dtype == torch.float32
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    lowprec.recipes.get("bf16", keep_fp32=("1",)).convert(nested)  # (a trailing part: "0.1")
+    assert nested[0][0].weight.dtype == torch.bfloat16
+    assert nested[0][1].weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="keep_fp32 takes module types and module names"):
+        lowprec.recipes.get("bf16", keep_fp32=(3,))

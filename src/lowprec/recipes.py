@@ -130,7 +130,10 @@ class Recipe:
         master: The lowprec optimizer's ``master`` strategy.
         autocast_dtype: dtype for ``torch.autocast``, or None (default: None).
         loss_scaling: ``"dynamic"``, ``"static"`` or None (default: None).
-        keep_fp32: Layer types left in FP32 by ``convert`` (default: ``NORM_LAYERS``).
+        keep_fp32: Layers left in FP32 by ``convert``: module types, and module names (as in
+            ``named_modules()``: ``"lm_head"``, or a trailing part of the name that matches
+            every layer so named, ``"q_norm"``: where ``lowprec.compare`` finds parameters no
+            master keeps) (default: ``NORM_LAYERS``).
         scaler_options: Options passed to ``LossScaler`` (default: none).
         dfp_rounding: When set, ``convert`` swaps Linear/Conv2d layers for DFP-16 ones with this
             rounding (``"nearest"``, ``"stochastic"``, ``"biased"`` or ``"floor"``) for
@@ -152,7 +155,7 @@ class Recipe:
     state_dtype: torch.dtype | str | None = None
     autocast_dtype: torch.dtype | None = None
     loss_scaling: str | None = None
-    keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS
+    keep_fp32: tuple[type[nn.Module] | str, ...] = NORM_LAYERS
     scaler_options: dict[str, Any] = field(default_factory=dict)
     dfp_rounding: Rounding | None = None
     step_in_backward: bool = False
@@ -161,6 +164,11 @@ class Recipe:
     description: str = ""
 
     def __post_init__(self) -> None:
+        bad = [k for k in self.keep_fp32
+               if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
+        if bad:
+            raise TypeError(f"recipe {self.name!r}: keep_fp32 takes module types and module "
+                            f"names, got {bad[0]!r}.")
         if self.dfp_rounding is not None and self.dfp_rounding not in ROUNDING_MODES:
             raise ValueError(
                 f"dfp_rounding must be one of {', '.join(map(repr, ROUNDING_MODES))} or None, "
@@ -194,6 +202,15 @@ class Recipe:
         return {**self.__dict__, "_converted": None}  # (a weak reference does not pickle)
 
     # ------------------------------------------------------------------ the model
+
+    def _kept_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The layers of ``model`` that ``keep_fp32`` names, by type or by name (a name matches
+        the layer of that name, and every layer whose name ends with ``"." + name``)."""
+        types = tuple(k for k in self.keep_fp32 if isinstance(k, type))
+        names = [k for k in self.keep_fp32 if isinstance(k, str)]
+        return [(n, m) for n, m in model.named_modules()
+                if (types and isinstance(m, types))
+                or any(n == k or n.endswith("." + k) for k in names)]
 
     def convert(self, model: nn.Module, *, fp32_values: bool = True) -> nn.Module:
         """Cast ``model`` in place to the recipe's weight dtype and return it.
@@ -233,10 +250,10 @@ class Recipe:
             )
         dtype = self.param_dtype
         if self.dfp_rounding is not None:
-            kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
+            kept = [n for n, _ in self._kept_layers(model)]
             model = convert_to_dfp(model, rounding=self.dfp_rounding, skip=kept)
         if self.gemms is not None:
-            kept = [n for n, m in model.named_modules() if isinstance(m, self.keep_fp32)]
+            kept = [n for n, _ in self._kept_layers(model)]
             if self.gemms_skip_edges:
                 kept += edge_linears(model)
             model = convert_to_blocks(model, self.gemms, skip=kept)
@@ -245,7 +262,7 @@ class Recipe:
             setattr(model, "_lowprec_recipe", self.name)  # noqa: B010
             self._converted = weakref.ref(model)
             return model
-        kept = [m for m in model.modules() if isinstance(m, self.keep_fp32)]
+        kept = [m for _, m in self._kept_layers(model)]
         kept_ids = {id(t) for m in kept for t in (*m.parameters(), *m.buffers())}
         for module in model.modules():
             for p in list(module.parameters(recurse=False)):

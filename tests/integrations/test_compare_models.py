@@ -10,6 +10,7 @@ that the user's model is left as it was. References: an FP32 run of the same rec
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -85,13 +86,15 @@ def test_an_image_classifier_with_batchnorm_and_tuple_batches():
     torch.manual_seed(0)
     model = ResNetForImageClassification(config)
     assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    before = _snapshot(model)
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 3, 16, 16, generator=gen), torch.randint(0, 5, (8,), generator=gen))
             for _ in range(8)]
-    model.train()  # (the first training step's loss: batch statistics, as compare's step)
+    # (the first training step's loss: batch statistics, as compare's step; on a copy, since a
+    # training-mode forward moves the running statistics)
     with torch.no_grad():
-        first = float(nn.functional.cross_entropy(model(data[0][0]).logits, data[0][1]))
+        first = float(nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]).logits,
+                                                  data[0][1]))
+    before = _snapshot(model)
     result = lowprec.compare(model, data[:6], data[6:], recipes=RECIPES, steps=6, lr=1e-3,
                              fused=False, device="cpu", monitor_every=2)
     # (the BatchNorm running statistics are buffers of each recipe's copy, not the model's)

@@ -57,7 +57,7 @@ class Comparison:
             recipe's lost fraction; ``keep_fp32``: those no recipe's master keeps), or None
             where the updates were not monitored.
         noise_floor: FP32's seed-to-seed spread of the eval loss (None for one seed).
-        config: The options the comparison ran with.
+        config: The options the comparison ran with (default: none).
     """
 
     rows: list[dict[str, Any]]
@@ -69,6 +69,9 @@ class Comparison:
 
     def row(self, recipe: str) -> dict[str, Any]:
         """The row of ``recipe``.
+
+        Args:
+            recipe: A recipe's name, as in ``rows``.
 
         Raises:
             KeyError: No such recipe in this comparison.
@@ -82,7 +85,11 @@ class Comparison:
     def to_json(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The comparison as JSON-ready values (the command's ``compare.json`` keys:
         ``config``, ``records``, ``summary``, ``noise_floor``, ``recommendation``,
-        ``parameters``), written to ``path`` where one is given."""
+        ``parameters``), written to ``path`` where one is given.
+
+        Args:
+            path: Where to write the JSON (default: None, nowhere).
+        """
         out = {"config": self.config, "records": self.records, "summary": self.rows,
                "noise_floor": self.noise_floor, "recommendation": self.recommendation,
                "parameters": self.parameters}
@@ -93,7 +100,12 @@ class Comparison:
 
     def plot(self, path: str | os.PathLike[str], *, title: str = "lowprec.compare") -> None:
         """The loss curves, gaps, bytes and step times as a figure at ``path`` (needs
-        matplotlib: ``pip install lowprec[cli]``)."""
+        matplotlib: ``pip install lowprec[cli]``).
+
+        Args:
+            path: The image file to write (PNG, SVG, PDF, ... by its suffix).
+            title: The figure's title (default: ``"lowprec.compare"``).
+        """
         from lowprec.comparison.plot import plot_losses
 
         plot_losses(self.rows, Path(path), title=title)
@@ -255,7 +267,7 @@ def compare(
         fused: The optimizers' ``fused`` option (default: None, compiled where a compiler is).
         fp32_values: Start each recipe's master from the FP32 weights (default: True).
         threads: torch's CPU threads for the run (default: None, as they are).
-        on_step: ``on_step(recipe, step, loss)`` after every step.
+        on_step: ``on_step(recipe, step, loss)`` after every step (default: None).
 
     Returns:
         A ``Comparison``: ``rows``, ``recommendation``, ``parameters``, ``to_json()``,

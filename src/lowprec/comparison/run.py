@@ -332,11 +332,13 @@ def _parameters(report: diagnostics.UpdateReport) -> list[dict[str, Any]]:
     """Per parameter (its name in ``named_parameters()``: a tied one once), what the monitored
     steps lost of its updates: ``lost_fraction``, those its master kept unchanged (the weight
     itself where there is no master), ``stored_unchanged_fraction``, those that left the stored
-    weight unchanged, and ``share``, its part of the model's elements."""
-    total = sum(p.numel for p in report.params) or 1
+    weight unchanged, and ``share``, its part of the trained elements (a frozen parameter, never
+    stepped, is left out)."""
+    trained = [p for p in report.params if p.steps]  # (frozen ones are not: no gradient)
+    total = sum(p.numel for p in trained) or 1
     return [{"name": p.name, "numel": p.numel, "share": p.numel / total, "dtype": p.dtype,
              "master": p.master, "lost_fraction": p.effective_lost_fraction,
-             "stored_unchanged_fraction": p.lost_fraction} for p in report.params]
+             "stored_unchanged_fraction": p.lost_fraction} for p in trained]
 
 
 def _products_in_fp32(context: Any) -> str | None:
