@@ -62,7 +62,7 @@ def pretrain(model: LlamaForCausalLM, text: torch.Tensor, steps: int, context: i
         out.loss.backward()
         opt.step()
         sched.step()
-        loss = float(out.loss)
+        loss = float(out.loss.detach())
     return loss
 
 
