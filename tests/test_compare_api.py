@@ -64,6 +64,25 @@ def test_the_result_holds_rows_recommendation_parameters_and_json(tmp_path):
         result.row("x")
 
 
+def test_the_optimizers_hyperparameters_reach_it():
+    # The caller's betas and decay, over compare's own weight decay 0.01: read from each
+    # recipe's optimizer as built.
+    from lowprec.comparison import run
+
+    seen = []
+    real = run._Run.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        seen.append(dict(self.opt.param_groups[0]))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run._Run, "__init__", spy)
+        lowprec.compare(_net(), _data(4), _data(1, 9), steps=2,
+                        optimizer_options={"betas": (0.5, 0.75), "weight_decay": 0.0}, **FAST)
+    assert seen and all(g["betas"] == (0.5, 0.75) and g["weight_decay"] == 0.0 for g in seen)
+
+
 def test_a_model_function_a_batch_function_and_a_loss_of_ones_own():
     calls: list[int] = []
 
@@ -132,6 +151,10 @@ BAD = {
     "a batch of another kind": ({"train": [torch.zeros(2, 8)] * 8}, TypeError,
                                 "default loss takes a dict batch"),
     "no eval batches": ({"eval": []}, ValueError, "no eval batches"),
+    "a recipe's option among the optimizer's": ({"optimizer_options": {"master": "fp32"}},
+                                               ValueError, "may not set master"),
+    "an optimizer option it does not take": ({"optimizer_options": {"betaz": 1}}, TypeError,
+                                             "betaz"),
 }
 
 

@@ -223,6 +223,7 @@ def compare(
     steps: int = 200,
     optimizer: str = "adamw",
     lr: float | None = None,
+    optimizer_options: dict[str, Any] | None = None,
     schedule: str = "constant",
     warmup: float = 0.05,
     seeds: int = 1,
@@ -253,6 +254,9 @@ def compare(
         optimizer: The optimizer's name (default: ``"adamw"``; ``config.OPTIMIZERS``).
         lr: Peak learning rate (default: None, the optimizer's pretraining rate on the
             built-in task, ``config.DEFAULT_LR``: pass your own).
+        optimizer_options: The optimizer's other hyperparameters, e.g. ``{"betas": (0.9,
+            0.95), "weight_decay": 0.1}`` (default: None: weight decay 0.01 for AdamW and
+            LAMB, momentum 0.9 for SGD, the optimizer's own defaults otherwise).
         schedule: After the warm-up, ``"constant"`` or ``"cosine"`` decay to 10% (default:
             ``"constant"``).
         warmup: Fraction of the steps with linear warm-up (default: 0.05).
@@ -301,6 +305,7 @@ def compare(
         lr=lr, seed=seed, monitor_every=monitor_every, warmup=warmup, fused=fused,
         device=device, task=config_mod.USER_TASK, seeds=seeds, schedule=schedule,
         fp32_values=fp32_values, threads=threads if threads is not None else 1,
+        optimizer_options=dict(optimizer_options or {}),
     )
     cfg.validate()
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0):

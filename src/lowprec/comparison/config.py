@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 __all__ = ["BLOCK_RECIPES", "DEFAULT_LR", "DEFAULT_RECIPES", "DEFAULT_TOLERANCE", "FINETUNE_LR",
            "FINETUNE_RECIPES", "LOST_UPDATES_LIMIT", "OPTIMIZERS", "RECIPES", "RECIPE_GROUPS",
@@ -240,6 +241,9 @@ class CompareConfig:
             (``Recipe.convert``'s ``fp32_values``; what the fine-tuning task's pretrained FP32
             weights hold below BF16's precision) (default: True; False: from the rounded
             weights).
+        optimizer_options: The optimizer's other hyperparameters (``betas``, ``weight_decay``,
+            ``momentum``, ...), over compare's own (weight decay 0.01 for AdamW and LAMB,
+            momentum 0.9 for SGD) (default: none).
     """
 
     recipes: Sequence[str] | None = None
@@ -261,6 +265,7 @@ class CompareConfig:
     pretrain_steps: int = 400
     schedule: str | None = None
     fp32_values: bool = True
+    optimizer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         finetune = self.task == "finetune"
@@ -301,6 +306,14 @@ class CompareConfig:
         if self.fused not in (None, True, False):
             raise ValueError(f"fused must be True, False or None, got {self.fused!r}.")
         check_device(self.device)
+        if not isinstance(self.optimizer_options, dict):
+            raise TypeError(f"optimizer_options must be a dict of hyperparameters, got "
+                            f"{type(self.optimizer_options).__name__}.")
+        taken = sorted(set(self.optimizer_options) & {"lr", "master", "fused", "seed",
+                                                      "state_dtype"})
+        if taken:
+            raise ValueError(f"optimizer_options may not set {', '.join(taken)}: lr is compare's "
+                             "own option, and the rest are each recipe's.")
 
     @property
     def peak_lr(self) -> float:

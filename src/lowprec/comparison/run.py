@@ -233,6 +233,7 @@ class _Run:
             hp["weight_decay"] = 0.01
         if cfg.optimizer == "muon":  # (AdamW for the embeddings, head, norms and biases)
             hp["adamw"] = {"lr": cfg.adamw_lr, "weight_decay": 0.01}
+        hp.update(cfg.optimizer_options)  # (the caller's hyperparameters: betas, decay, ...)
         self.opt = recipe.optimizer(cfg.optimizer, model, seed=self.seed, **hp)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg))
         self.monitor = None
