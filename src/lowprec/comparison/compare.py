@@ -1,4 +1,4 @@
-"""Train the built-in model under several recipes and measure what each costs.
+"""Train a task's model under several recipes and measure what each costs.
 
 ``compare`` runs every recipe with the same seed, the same initial weights and the same batches,
 and returns one record per recipe and seed: eval loss before and after, final train loss, gap to
@@ -10,7 +10,9 @@ background load is measured. ``lowprec.comparison.summary`` turns the records in
 over the seeds, the noise floor and the recommendation. The CLI (``lowprec compare``) prints,
 plots and saves them; nothing here prints.
 
-Two tasks (``CompareConfig.task``): ``pretrain`` trains from seeded random weights on the
+The task is a ``task.Task`` (``compare``'s ``task``: a user's, from ``lowprec.compare`` or
+``lowprec compare --task FILE:NAME``), or one of the two built-in tasks (``CompareConfig.task``):
+``pretrain`` trains from seeded random weights on the
 standard library's sources; ``finetune`` starts every recipe and seed from one model pretrained
 in FP32 (``lowprec.comparison.pretrained``, cached on disk; each recipe casts it, keeping the FP32
 values for its master: ``CompareConfig.fp32_values``), and trains it on the
@@ -79,7 +81,8 @@ def compare(
     total, loss)``, and saved there); ``on_note(text)`` hears what the cache did, and ``info``
     (if given) gets ``{"pretrained": ...}``, where it came from and what it cost.
 
-    ``on_start(name)`` is called for every recipe before the first step, ``on_step(name, step,
+    ``task``: the task to train (default: None, the built-in ``cfg.task``, as
+    ``run.builtin_task`` makes it). ``on_start(name)`` is called for every recipe before the first step, ``on_step(name, step,
     loss)`` after each step (``step`` counts on over the seeds: ``seeds * steps`` in all),
     ``on_done(record)`` for each record at the end. On Ctrl-C (``KeyboardInterrupt``) the
     records of the steps taken so far are put in ``records`` (if given), then the interrupt is

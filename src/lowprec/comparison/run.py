@@ -177,9 +177,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device)
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch) if isinstance(batch, list) \
-            else tuple(to_device(v, device) for v in batch)
+    if isinstance(batch, list):
+        return [to_device(v, device) for v in batch]
+    if isinstance(batch, tuple):
+        return tuple(to_device(v, device) for v in batch)
     return batch
 
 
