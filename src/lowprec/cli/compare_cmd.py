@@ -269,6 +269,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             compare(cfg, on_start=on_start, on_step=on_step, records=records, load=load,
                     cache_dir=args.out / "pretrained", on_pretrain=on_pretrain,
                     on_note=on_note, info=info, task=task)
+        except (ValueError, TypeError) as exc:
+            # (a task of the user's refused before its first step, check_start: one line)
+            if task is None or "step" in current:
+                raise
+            raise UsageError(f"--task {args.task}: {exc}") from None
         finally:
             if progress is not None:
                 progress.stop()

@@ -10,7 +10,6 @@ parameter. Everything is checked before the first step.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
@@ -25,7 +24,7 @@ from torch import nn
 
 from lowprec.comparison import config as config_mod
 from lowprec.comparison.compare import compare as run_compare
-from lowprec.comparison.compare import config_dict, seed_batches
+from lowprec.comparison.compare import config_dict
 from lowprec.comparison.run import resolve_device
 from lowprec.comparison.summary import lost_by_parameter, noise_floor, recommend, summarize
 from lowprec.comparison.task import Task, default_loss
@@ -183,36 +182,6 @@ def _train_source(train: Iterable[Any] | Callable[[int], Iterable[Any]],
     return batches
 
 
-def _check_model(start: nn.Module) -> None:
-    floats = [p for p in start.parameters() if p.is_floating_point() and p.requires_grad]
-    if not floats:
-        raise ValueError("the model has no trainable floating-point parameters: nothing for a "
-                         "recipe to train (are they all frozen?).")
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in floats
-                  if p.dtype != torch.float32})
-    if low:
-        raise ValueError(f"the model's parameters are {', '.join(low)}, not FP32: give the "
-                         "model in FP32 (each recipe casts its own copy, keeping the FP32 "
-                         "values for its master), e.g. model.float().")
-
-
-def _check_loss(task: Task, start: nn.Module, batch: Any, device: torch.device) -> None:
-    """One forward of the FP32 model on ``batch``: the loss must be a finite scalar tensor."""
-    from lowprec.comparison.run import to_device
-
-    model = copy.deepcopy(start).to(device)
-    with torch.no_grad():
-        value = task.loss(model, to_device(batch, device))
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-               else f"a {type(value).__name__}")
-        raise ValueError(f"the loss must be a scalar tensor, got {got}: return one number "
-                         "(e.g. .mean() over the batch).")
-    if not torch.isfinite(value).all():
-        raise ValueError(f"the loss of the FP32 model on the first batch is {float(value)}: "
-                         "check the model, the batch and the loss before comparing recipes.")
-
-
 def compare(
     model: nn.Module | Callable[[], nn.Module],
     train: Iterable[Any] | Callable[[int], Iterable[Any]],
@@ -310,7 +279,7 @@ def compare(
     cfg.validate()
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
         raise ValueError(f"tolerance must be a fraction >= 0, got {tolerance!r}.")
-    dev = resolve_device(device)
+    resolve_device(device)  # (a device that is not there: refused here, before any work)
     if not hasattr(eval, "__iter__"):
         raise TypeError(f"eval must be an iterable of batches, got {type(eval).__name__}.")
     held_out = list(eval)
@@ -318,10 +287,6 @@ def compare(
         raise ValueError("no eval batches: give at least one held-out batch.")
     task = Task(model=_model_source(model), train=_train_source(train, steps), eval=held_out,
                 loss=loss or default_loss)
-    start = task.model(seed)
-    _check_model(start)
-    first = seed_batches(task, seed, steps)[0]
-    _check_loss(task, start, first, dev)
     kept_threads = torch.get_num_threads()
     try:
         if threads is None:

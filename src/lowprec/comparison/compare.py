@@ -37,6 +37,7 @@ from lowprec.comparison.pretrained import pretrained
 from lowprec.comparison.run import (
     _Run,
     builtin_task,
+    check_start,
     device_info,
     resolve_device,
     run_recipe,
@@ -107,6 +108,7 @@ def compare(
     for index, seed in enumerate(cfg.seed_list):
         start = task.model(seed)
         batches = seed_batches(task, seed, steps)
+        check_start(task, start, batches[0], device)  # (a task's mistake: before any step)
         runs = []
         for name in recipe_names:
             if on_start is not None and index == 0:

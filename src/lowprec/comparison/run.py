@@ -126,22 +126,21 @@ def _schedule(cfg: CompareConfig) -> Callable[[int], float]:
     return factor
 
 
-def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
-              pretrained: dict[str, torch.Tensor] | None = None,
-              ) -> tuple[Batches, dict[str, torch.Tensor]]:
-    """The batches and initial FP32 weights of one seed's runs of ``cfg.task``.
+def _text(cfg: CompareConfig) -> torch.Tensor:
+    """The text ``cfg.task`` trains on: ``pydoc_data``'s prose for ``finetune``, the standard
+    library's sources for ``pretrain``."""
+    return load_prose() if cfg.task == "finetune" else load_text(cfg.text_bytes)
 
-    ``pretrain``: windows of the standard library's sources and seeded random weights.
-    ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
-    ``lowprec.comparison.pretrained.pretrained`` returns, the same for every seed).
-    """
+
+def _seed_data(cfg: CompareConfig, device: torch.device, seed: int, text: torch.Tensor,
+               pretrained: dict[str, torch.Tensor] | None,
+               ) -> tuple[Batches, dict[str, torch.Tensor]]:
     if cfg.task == "finetune":
         if pretrained is None:
             raise ValueError("the finetune task starts from pretrained weights: pass "
                              "pretrained=lowprec.comparison.pretrained.pretrained(cfg, device)[0].")
-        text, initial = load_prose(), pretrained
+        initial = pretrained
     else:
-        text = load_text(cfg.text_bytes)
         torch.manual_seed(seed)
         initial = copy.deepcopy(CharTransformer(cfg.model).state_dict())
     # (every seed is measured on the first seed's held-out windows: the spread over seeds is the
@@ -151,22 +150,36 @@ def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
     return batches, initial
 
 
+def task_data(cfg: CompareConfig, device: torch.device, seed: int, *,
+              pretrained: dict[str, torch.Tensor] | None = None,
+              ) -> tuple[Batches, dict[str, torch.Tensor]]:
+    """The batches and initial FP32 weights of one seed's runs of ``cfg.task``.
+
+    ``pretrain``: windows of the standard library's sources and seeded random weights.
+    ``finetune``: windows of ``pydoc_data``'s prose and ``pretrained`` (required: the weights
+    ``lowprec.comparison.pretrained.pretrained`` returns, the same for every seed).
+    """
+    return _seed_data(cfg, device, seed, _text(cfg), pretrained)
+
+
 def builtin_task(cfg: CompareConfig, device: torch.device, *,
                  pretrained: dict[str, torch.Tensor] | None = None) -> Task:
     """``cfg.task`` (``pretrain`` or ``finetune``) as a ``Task``: each seed's model and
-    batches from ``task_data``, the first seed's held-out windows, the default loss."""
+    batches as ``task_data`` gives them (the text read once), the first seed's held-out
+    windows, the default loss."""
+    text = _text(cfg)
 
     def model(seed: int) -> torch.nn.Module:
         net = CharTransformer(cfg.model)
-        net.load_state_dict(task_data(cfg, device, seed, pretrained=pretrained)[1])
+        net.load_state_dict(_seed_data(cfg, device, seed, text, pretrained)[1])
         return net
 
     def train(seed: int) -> Iterator[Any]:
-        return task_data(cfg, device, seed, pretrained=pretrained)[0].train_batches(
-            cast(int, cfg.steps))
+        batches = _seed_data(cfg, device, seed, text, pretrained)[0]
+        return batches.train_batches(cast(int, cfg.steps))
 
-    batches = task_data(cfg, device, cfg.seed, pretrained=pretrained)[0]
-    return Task(model=model, train=train, eval=batches.eval_batches(cfg.eval_batches),
+    held_out = _seed_data(cfg, device, cfg.seed, text, pretrained)[0]
+    return Task(model=model, train=train, eval=held_out.eval_batches(cfg.eval_batches),
                 name=f"{cfg.task} (built-in)")
 
 
@@ -184,10 +197,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return default_loss(model, (x, y))
-
-
 def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
               seed: int = 0) -> Callable[[torch.nn.Module], torch.Tensor]:
     """``loss_fn(model)``: the built-in task's loss on one fixed batch of random bytes on
@@ -195,7 +204,41 @@ def task_loss(model: ModelConfig, batch_size: int, device: torch.device | str,
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 256, (batch_size, model.context + 1), generator=gen).to(device)
     x, y = idx[:, :-1], idx[:, 1:]
-    return lambda m: _loss(m, x, y)
+    return lambda m: default_loss(m, (x, y))
+
+
+def check_start(task: Task, start: torch.nn.Module, batch: Any, device: torch.device) -> None:
+    """Refuse a seed's start before its first step: ``start`` must have trainable FP32
+    parameters, and ``task.loss`` of (a copy of) it on ``batch`` must be a finite scalar tensor.
+
+    Raises:
+        ValueError: No trainable floating-point parameter, one that is not FP32, or a loss that
+            is not one finite number.
+        TypeError: ``start`` is not a module, or the loss does not take the batch.
+    """
+    if not isinstance(start, torch.nn.Module):
+        raise TypeError(f"the task's model is a {type(start).__name__}, not an nn.Module.")
+    floats = [p for p in start.parameters() if p.is_floating_point() and p.requires_grad]
+    if not floats:
+        raise ValueError("the model has no trainable floating-point parameters: nothing for a "
+                         "recipe to train (are they all frozen?).")
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in floats
+                  if p.dtype != torch.float32})
+    if low:
+        raise ValueError(f"the model's parameters are {', '.join(low)}, not FP32: give the "
+                         "model in FP32 (each recipe casts its own copy, keeping the FP32 "
+                         "values for its master), e.g. model.float().")
+    model = copy.deepcopy(start).to(device)
+    with torch.no_grad():
+        value = task.loss(model, to_device(batch, device))
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else f"a {type(value).__name__}")
+        raise ValueError(f"the loss must be a scalar tensor, got {got}: return one number "
+                         "(e.g. .mean() over the batch).")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"the loss of the FP32 model on the first batch is {float(value)}: "
+                         "check the model, the batch and the loss before comparing recipes.")
 
 
 @torch.no_grad()
