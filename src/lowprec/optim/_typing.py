@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 else:
     from torch.compiler import disable as compiler_disable
 
-__all__ = ["Memo", "PairDtypes", "QFormats", "WorkItem", "compiler_disable"]
+__all__ = ["PairDtypes", "QFormats", "WorkItem", "compiler_disable"]
 
 #: One parameter's step to take: (its group, the parameter, its index among every group's
 #: parameters, its storage strategy), as ``LowPrecisionOptimizer._collect`` lists them.
@@ -30,5 +30,3 @@ QFormats: TypeAlias = "tuple[tuple[str, str], ...]"
 #: A step on pairs of elements: the gradient's and each rule buffer's dtype
 #: (``compiled.pairs_plan``).
 PairDtypes: TypeAlias = "tuple[tuple[str, torch.dtype], ...]"
-#: What one ``step()`` shares between its parameters (``param_step.step_param``'s ``memo``).
-Memo: TypeAlias = "dict[Any, Any]"

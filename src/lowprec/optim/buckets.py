@@ -65,9 +65,9 @@ from lowprec.optim.loss_scale import _mode, _Scaling
 from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
-    from lowprec.optim._typing import Memo
     from lowprec.optim.compiled import _Fused
     from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.param_step import Memo
     from lowprec.optim.storage import MasterStorage
 
 
@@ -300,7 +300,7 @@ class _Bucket:
         the others the group's constants."""
         device = self.counts.device
         step = self.counts[0].double() + 1
-        shared = memo.setdefault(("constants", id(self.group), device), {})
+        shared = memo.group_constants(self.group, device)
         out: dict[str, torch.Tensor] = {}
         for k, v in opt._coefficients(self.group, step).items():
             if isinstance(v, torch.Tensor):

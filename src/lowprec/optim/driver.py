@@ -32,11 +32,11 @@ from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
 from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
 from lowprec.optim.options import in_step
-from lowprec.optim.param_step import _Entry
+from lowprec.optim.param_step import Memo, _Entry
 from lowprec.optim.shards import local_shards, reduce_groups
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim._typing import WorkItem
     from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
 
@@ -99,7 +99,7 @@ def full_step(
     """Every parameter of ``work`` (validated by ``_collect``) on its own: check the gradients
     under a loss scaler, create the buffers an option turned on (``late``:
     ``param_step.step_late``), step the others (``param_step.step_param``)."""
-    memo: Memo = {}
+    memo = Memo()
     scaling = None
     if ctx.scaled:
         scaling = _Scaling.prepare(
@@ -292,7 +292,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
             return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
     scaling = None
-    memo: Memo = {}
+    memo = Memo()
     work: list[WorkItem] = []
     for bucket, gs in zip(layout.buckets, grads, strict=True):
         present = [g is not None for g in gs]
@@ -332,7 +332,7 @@ def _step_rest(
     of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
     buckets (``benchmarks/fast_path.py``)."""
     entries = layout.entries.setdefault(_mode(scaling), {})  # (kernels per scaler mode)
-    memo["entries"] = entries
+    memo.entries = entries
     fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
     try:
         for group, p, index, storage in rest:

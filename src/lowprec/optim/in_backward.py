@@ -51,10 +51,9 @@ from lowprec.optim import driver, param_step, qstate
 from lowprec.optim.core import OptimizerCore
 from lowprec.optim.dtensor import is_dtensor
 from lowprec.optim.options import in_step
-from lowprec.optim.param_step import _Entry
+from lowprec.optim.param_step import Memo, _Entry
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim._typing import Memo
     from lowprec.optim.storage import MasterStorage
 
 __all__ = ["StepInBackward", "step_in_backward"]
@@ -164,7 +163,7 @@ class StepInBackward:
             opt.state[it.p].update(opt._init_state(it.group, it.p, it.storage))
         if new or not driver.laid_out(opt):
             driver.flatten(opt)
-        return {"entries": self._entries}
+        return Memo(self._entries)
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:

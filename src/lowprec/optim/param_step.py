@@ -34,7 +34,7 @@ from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim._typing import Memo, WorkItem
+    from lowprec.optim._typing import WorkItem
     from lowprec.optim.compiled import _Fused
     from lowprec.optim.core import OptimizerCore
 
@@ -42,6 +42,31 @@ if TYPE_CHECKING:  # pragma: no cover
 #: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
 _ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
                        dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+class Memo:
+    """What one ``step()`` shares between its parameters, made once and read by each: the
+    rule's flags per group (``group_flags``), its coefficients per group and step number, on the
+    host and as 0-d FP32 tensors (``step_coefficients``), the numbers made on the device for a
+    parameter whose count is kept there (``scaled_numbers``), the group's constants on each
+    device, and (where the caller keeps them from step to step) the prepared calls of the
+    parameters stepped on their own (``entries``: ``redo_entry``)."""
+
+    __slots__ = ("coeffs", "constants", "entries", "flags", "numbers")
+
+    def __init__(self, entries: dict[int, _Entry] | None = None) -> None:
+        self.flags: dict[int, dict[str, bool]] = {}
+        self.coeffs: dict[tuple[int, int],
+                          tuple[dict[str, Any], dict[str, torch.Tensor] | None]] = {}
+        self.numbers: dict[int, _ScaledNumbers] = {}
+        self.constants: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self.entries = entries
+
+    def group_constants(self, group: dict[str, Any], device: torch.device
+                        ) -> dict[str, torch.Tensor]:
+        """The group's coefficients that do not depend on the step count, as 0-d FP32 tensors
+        on ``device``, shared by its parameters there (filled by the caller)."""
+        return self.constants.setdefault((id(group), device), {})
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
@@ -78,14 +103,13 @@ def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None
         for name in opt._math_buffers(group, p):
             if state.get(name, None) is None:
                 state.update(opt._new_math_buffer(group, p, name, dtype))
-        step_param(opt, group, p, index, storage, scaling, {}, first_use=True)
+        step_param(opt, group, p, index, storage, scaling, Memo(), first_use=True)
 
 
 def group_flags(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> dict[str, bool]:
-    key = ("flags", id(group))
-    flags: dict[str, bool] | None = memo.get(key)
+    flags = memo.flags.get(id(group))
     if flags is None:
-        flags = memo[key] = opt._flags(group)
+        flags = memo.flags[id(group)] = opt._flags(group)
     return flags
 
 
@@ -118,13 +142,12 @@ def step_coefficients(
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """The group's coefficients at ``step`` on the host, and (``tensors``) as 0-d FP32 tensors
     for the compiled kernels; computed once per group and step number in a ``step()``."""
-    key = ("coeffs", id(group), step)
-    # (tensors=False: no tensors yet, None in their place)
-    cached: tuple[dict[str, Any], dict[str, torch.Tensor] | None] | None = memo.get(key)
+    key = (id(group), step)
+    cached = memo.coeffs.get(key)  # (tensors=False: no tensors yet, None in their place)
     if cached is None or (tensors and cached[1] is None):
         host = opt._coefficients(group, step) if cached is None else cached[0]
         c32 = _coefficient_tensors(opt, group, host) if tensors else None
-        cached = memo[key] = (host, c32)
+        cached = memo.coeffs[key] = (host, c32)
     return cached
 
 
@@ -177,10 +200,10 @@ def scaled_numbers(
     the step is taken), so everything that depends on it is computed there too. The coefficients
     that do not depend on it (lr, weight decay...) are the same tensors for the group's
     parameters within a ``step()``."""
-    done: _ScaledNumbers | None = memo.get(("scaled", id(p)))
+    done = memo.numbers.get(id(p))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
         scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
-        done = cast("_ScaledNumbers", memo[("scaled", id(p))])
+        done = memo.numbers[id(p)]
     return done
 
 
@@ -216,7 +239,7 @@ def scaled_numbers_many(
                                                               device=device)
             los, his = map(_aligned_views,
                            stream_key_halves(group["seed"], step.long(), index))
-        shared = memo.setdefault(("constants", id(group), device), {})
+        shared = memo.group_constants(group, device)
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
         for k, v in opt._coefficients(group, step).items():
             if isinstance(v, torch.Tensor):  # (of the counts, or a tensor lr's: one for all)
@@ -230,7 +253,7 @@ def scaled_numbers_many(
         for i, (p, _, storage) in enumerate(members):
             coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
             lo_i, hi_i = (los[i], his[i]) if storage.needs_random_bits else (0, 0)
-            memo[("scaled", id(p))] = (steps[i], lo_i, hi_i, coeffs, extra)
+            memo.numbers[id(p)] = (steps[i], lo_i, hi_i, coeffs, extra)
 
 
 def random_keys(
@@ -259,7 +282,7 @@ def step_param(
     present) keeps the parameter's prepared compiled call for ``redo_entry``. ``first_use``: the
     first step of buffers created late (``step_late``), eager, with
     ``_first_use_coefficients``."""
-    memo = {} if memo is None else memo
+    memo = Memo() if memo is None else memo
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
     if not state:
@@ -329,7 +352,7 @@ def step_param(
             _disable_fused(opt, e)
         else:
             advance(state, step, scaling, p.device)
-            entries = memo.get("entries")
+            entries = memo.entries
             if entries is not None:  # (kept for the next step: redo_entry)
                 entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
