@@ -151,8 +151,8 @@ def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
     prepared = []
     real = compiled.prepare_fused
     monkeypatch.setattr(compiled, "prepare_fused",
-                        lambda opt, storage, flags, p, *a, **k:
-                        prepared.append(p.numel()) or real(opt, storage, flags, p, *a, **k))
+                        lambda rule, storage, p, *a, **k:
+                        prepared.append(p.numel()) or real(rule, storage, p, *a, **k))
     pb, ob, taken = _run(make, CHANGES["a_grad_missing"], use_buckets=True,
                          monkeypatch=monkeypatch, scaled=_every_other_step, shapes=shapes)
     assert_same(pa, oa, pb, ob)

@@ -178,7 +178,7 @@ class _Bucket:
         self.ptrs = [p.data_ptr() for p in self.params]
         self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
-        self.norms = opt._norm_terms is not None  # (whole-tensor sums: pieces of one size)
+        self.norms = opt.rule(group).norms  # (whole-tensor sums: pieces of one size)
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries: Callable[[Any], tuple[Any, ...]] = (
             operator.itemgetter("step", *self.names) if self.names
@@ -302,7 +302,7 @@ class _Bucket:
         step = self.counts[0].double() + 1
         shared = memo.group_constants(self.group, device)
         out: dict[str, torch.Tensor] = {}
-        for k, v in opt._coefficients(self.group, step).items():
+        for k, v in param_step.group_rule(opt, self.group, memo).coefficients(step).items():
             if isinstance(v, torch.Tensor):
                 out[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
             else:
@@ -351,7 +351,8 @@ class _Bucket:
         if gathered:
             g = self._gather(cast("list[torch.Tensor]", grads[a:b]), hi - lo, "grad")
         g = g.view(-1)
-        flags = param_step.group_flags(opt, group, memo)
+        rule = param_step.group_rule(opt, group, memo)
+        flags = rule.flags
         names = (self.sbufs, self.names[len(self.sbufs):])
         per = self.per
         state = self._state(a, b)  # (the piece's state, flat: lo to hi)
@@ -374,11 +375,11 @@ class _Bucket:
                 fused = self.prepared.get(key)
                 if fused is None:
                     fused = self.prepared[key] = compiled.prepare_fused(
-                        opt, storage, flags, p, g, *({k: state[k] for k in ks} for ks in names),
+                        rule, storage, p, g, *({k: state[k] for k in ks} for ks in names),
                         scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
-                compiled.run_fused(opt, fused, g, coeffs, c32, *keys, extra)
+                compiled.run_fused(fused, g, coeffs, c32, *keys, extra)
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
@@ -408,7 +409,7 @@ class _Bucket:
                 chunks = [slice(i, min(i + chunk, last)) for i in range(first, last, chunk)]
                 c: dict[str, Any] = coeffs
                 if self.norms:  # (first pass: the parameter's sums, read-only)
-                    norm_terms = cast("Callable[..., tuple[torch.Tensor, ...]]", opt._norm_terms)
+                    norm_terms = cast("Callable[..., tuple[torch.Tensor, ...]]", rule.norm_terms)
                     sums = sum(_param_sums(*at(sl), coeffs, storage=storage, flags=flags,
                                            norm_terms=norm_terms,
                                            inv_scale=extra.get("inv_scale"))
@@ -417,7 +418,7 @@ class _Bucket:
                 for sl in chunks:
                     piece_p, piece_g, piece_s, piece_m = at(sl)
                     _param_update(piece_p, piece_g, piece_s, piece_m, c, key_lo, key_hi,
-                                  storage=storage, math=opt._math, flags=flags,
+                                  storage=storage, math=rule.math, flags=flags,
                                   offset=sl.start - first, **extra, **qkw)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))

@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
     from lowprec.optim._typing import PairDtypes, QFormats
-    from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.core import OptimizerCore, Rule
 
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
@@ -386,6 +386,7 @@ class _Fused:
     flags: dict[str, bool]
     kernel: _Kernel
     mbufs: dict[str, torch.Tensor]
+    rule: Rule
     n: int
     p: torch.Tensor
     pairs: PairDtypes | None
@@ -415,6 +416,7 @@ class _Fused:
         "qkw",
         "row_cuts",
         "rows",
+        "rule",
         "sbufs",
         "shards",
         "signature",
@@ -428,9 +430,8 @@ class _Fused:
 
 
 def prepare_fused(
-    opt: OptimizerCore,
+    rule: Rule,
     storage: MasterStorage,
-    flags: dict[str, bool],
     p: torch.Tensor,
     grad: torch.Tensor,
     sbufs: dict[str, torch.Tensor],
@@ -443,8 +444,9 @@ def prepare_fused(
     qstate: QFormats = (),
     rows: int = 0,
 ) -> _Fused:
-    """What a compiled step of contiguous ``p`` needs besides the gradient and the step's
-    numbers: flattened views (or words of pairs) of its buffers, and the kernel variants.
+    """What a compiled step of contiguous ``p`` under ``rule`` needs besides the gradient and
+    the step's numbers: flattened views (or words of pairs) of its buffers, and the kernel
+    variants.
     It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
     (``buckets``, ``param_step._Entry``).
 
@@ -458,11 +460,12 @@ def prepare_fused(
     made per row; 0: one parameter (or its piece).
     """
     f = _Fused()
-    f.storage, f.flags, f.p, f.sbufs, f.mbufs = storage, flags, p, sbufs, mbufs
+    flags = rule.flags
+    f.rule, f.storage, f.flags, f.p, f.sbufs, f.mbufs = rule, storage, flags, p, sbufs, mbufs
     f.qkw = {"qstate": qstate} if qstate else {}
     f.bases = f.row_cuts = None
     f.rows = rows
-    f.pairs = pairs = None if qstate else pairs_plan(opt, storage, p, grad, sbufs, mbufs)
+    f.pairs = pairs = None if qstate else pairs_plan(rule, storage, p, grad, sbufs, mbufs)
     if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
         raise RoundTripsDropped(
             f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
@@ -506,15 +509,15 @@ def prepare_fused(
     # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
     codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
     rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
-    if opt._norm_terms is not None:
+    if rule.norms:
         f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
         f.sums_kernel = _compiled_kernel(
-            type(opt), storage, flags, scaled=scaled, fn=f.sums_fn,
+            rule.owner, storage, flags, scaled=scaled, fn=f.sums_fn,
             extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
             signature=signature,
         )
     f.kernel = _compiled_kernel(
-        type(opt), storage, flags, scaled=scaled, fn=f.update_fn,
+        rule.owner, storage, flags, scaled=scaled, fn=f.update_fn,
         extra_key=(*(codes_key if pairs is None
                      else (*pairs, *((("keys", "batched"),) if keyed else ()))), *rows_key),
         signature=signature,
@@ -523,7 +526,6 @@ def prepare_fused(
 
 
 def run_fused(
-    opt: OptimizerCore,
     f: _Fused,
     grad: torch.Tensor,
     coeffs: dict[str, Any],
@@ -535,9 +537,9 @@ def run_fused(
     """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
     writing anything)."""
     if f.qkw:
-        _run_fused_rows(opt, f, grad, c32, lo, hi, extra)
+        _run_fused_rows(f, grad, c32, lo, hi, extra)
         return
-    storage, flags, pairs, n, p = f.storage, f.flags, f.pairs, f.n, f.p
+    storage, flags, pairs, n, p, math = f.storage, f.flags, f.pairs, f.n, f.p, f.rule.math
     sv, mv = f.views
     pv, gv = _step_view(f, p), _step_view(f, grad)
     tail = slice(n, None) if pairs is not None and n < p.numel() else None
@@ -545,7 +547,7 @@ def run_fused(
         return {k: v.view(-1)[sl] for k, v in d.items()}
     if f.sums_kernel is not None:
         c32 = dict(c32)  # the sums below are this parameter's own
-        kw: dict[str, Any] = dict(storage=storage, norm_terms=opt._norm_terms, flags=flags,
+        kw: dict[str, Any] = dict(storage=storage, norm_terms=f.rule.norm_terms, flags=flags,
                   inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
         if pairs is None:
             c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
@@ -562,22 +564,21 @@ def run_fused(
         extra = {**extra, "base": f.base}
     if pairs is None:
         f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
-                 storage=storage, math=opt._math, flags=flags, **extra)
+                 storage=storage, math=math, flags=flags, **extra)
         return
     # 16-bit strategies go through pairs of elements (vectorized); an odd last element
     # takes the eager step, with its own index for the random bits.
-    f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=opt._math,
+    f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=math,
              flags=flags, dtypes=pairs, **extra)
     if tail is not None:
         _param_update(
             p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),
-            coeffs, lo, hi, storage=storage, math=opt._math, flags=flags,
+            coeffs, lo, hi, storage=storage, math=math, flags=flags,
             offset=f.start + n, **{k: v for k, v in extra.items() if k != "base"},
         )
 
 
 def _run_fused_rows(
-    opt: OptimizerCore,
     f: _Fused,
     grad: torch.Tensor,
     c32: dict[str, torch.Tensor],
@@ -607,14 +608,14 @@ def _run_fused_rows(
         sums = None
         for sl, s_sl, m_sl in cuts:
             part = f.sums_kernel(pv[sl], gv[sl], s_sl, m_sl, c32,
-                                 norm_terms=opt._norm_terms,
+                                 norm_terms=f.rule.norm_terms,
                                  inv_scale=extra.get("inv_scale"), **kw)
             sums = part if sums is None else sums + part
         c32 = {**c32, "sums": all_reduce_sums(cast(torch.Tensor, sums), f.shards)}
     keys = _key_tensors(lo, hi)
     bases = _row_bases(f, [sl for sl, _, _ in cuts])
     for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
-        f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=opt._math,
+        f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=f.rule.math,
                  **kw, **extra, **({} if base is None else {"base": base}))
 
 
@@ -638,7 +639,7 @@ def _pairs_pay(storage: MasterStorage) -> bool:
 
 
 def pairs_plan(
-    opt: OptimizerCore,
+    rule: Rule,
     storage: MasterStorage,
     p: torch.Tensor,
     grad: torch.Tensor,
@@ -655,7 +656,7 @@ def pairs_plan(
     if (
         not storage.pairs_ok(p.dtype) or not _pairs_pay(storage)
         or p.numel() < 2 or p.storage_offset() % 2
-        or not (opt._elementwise or opt._norm_terms is not None)
+        or rule.whole
         or p.device.type != "cpu"
     ):
         return None

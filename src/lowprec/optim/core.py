@@ -10,7 +10,9 @@ modules and ``base`` form no import circle, type annotations included.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -26,7 +28,40 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lowprec.optim._typing import WorkItem
 
-__all__ = ["OptimizerCore", "host_counts"]
+__all__ = ["OptimizerCore", "Rule", "host_counts"]
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """A group's update rule as the step takes it (``OptimizerCore.rule``), so that the step's
+    modules read its math, flags and kind here and nothing of the optimizer.
+
+    ``kind``: ``"elementwise"`` (no reduction over the tensor: chunked, gathered into buckets,
+    on pairs), ``"norms"`` (elementwise but for whole-tensor sums of ``norm_terms``: LAMB,
+    StableAdamW; two passes, a bucket's parameters of one size as rows), or ``"whole"`` (each
+    parameter in its own shape, one call: Adafactor, Muon; compiled where ``compiles`` and the
+    step is fused, as two graphs around a call it must not trace where ``graph_breaks``).
+    ``owner``: the optimizer's class, part of the compiled kernels' key."""
+
+    owner: type
+    math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    flags: dict[str, Any]
+    kind: str
+    #: The rule's per-step scalars at a step number (host int, or the counts' tensor).
+    coefficients: Callable[[int | torch.Tensor], dict[str, Any]]
+    #: Those of a parameter's first step with buffers an option turned on since its last.
+    first_use: Callable[[int | torch.Tensor], dict[str, Any]]
+    norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    compiles: bool = False
+    graph_breaks: bool = False
+
+    @property
+    def norms(self) -> bool:
+        return self.kind == "norms"
+
+    @property
+    def whole(self) -> bool:
+        return self.kind == "whole"
 
 
 def host_counts(opt: OptimizerCore, device: torch.device) -> bool:
@@ -133,6 +168,21 @@ class OptimizerCore(Optimizer):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The update rule: new FP32 weight and buffers from FP32 inputs (pure, plain ops)."""
         raise NotImplementedError
+
+    def rule(self, group: dict[str, Any]) -> Rule:
+        """The update rule of ``group`` as the step takes it: its math, flags and kind (a rule
+        that is neither elementwise nor names its whole-tensor sums takes each tensor whole).
+
+        Args:
+            group: One of ``param_groups``.
+        """
+        norms = self._norm_terms is not None
+        kind = ("whole" if self._whole(group) or not (self._elementwise or norms)
+                else "norms" if norms else "elementwise")
+        return Rule(type(self), self._math, self._flags(group), kind,
+                    functools.partial(self._coefficients, group),
+                    functools.partial(self._first_use_coefficients, group), self._norm_terms,
+                    self._whole_compiles, self._whole_graph_breaks)
 
     # ------------------------------------------------------------------ groups and validation
 

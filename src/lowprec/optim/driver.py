@@ -37,7 +37,7 @@ from lowprec.optim.shards import local_shards, reduce_groups
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
-    from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.core import OptimizerCore, Rule
     from lowprec.optim.storage import MasterStorage
 
 
@@ -117,18 +117,16 @@ def full_step(
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
 
 
-def _bucketable_rule(opt: OptimizerCore, group: dict[str, Any]) -> bool:
-    """Whether ``group``'s rule steps a tensor in any layout: elementwise, or elementwise but
-    for whole-tensor sums (``_norm_terms``: LAMB, StableAdamW), which a piece of parameters of
-    one size takes per row."""
-    return (opt._elementwise or opt._norm_terms is not None) and not opt._whole(group)
-
-
 def _kind(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    opt: OptimizerCore, rule: Rule, group: dict[str, Any], p: torch.Tensor,
+    storage: MasterStorage,
 ) -> tuple[Any, ...] | None:
     """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
-    of ``p`` per element), or None where ``p`` is stepped on its own."""
+    of ``p`` per element), or None where ``p`` is stepped on its own: a whole-tensor ``rule``
+    always; an elementwise one, or one elementwise but for whole-tensor sums (LAMB, StableAdamW:
+    a piece of parameters of one size takes them per row), where the layout allows."""
+    if rule.whole:
+        return None
     state = opt.state.get(p)
     if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
         return None  # (odd sizes would put the next tensor's words off their pair boundary)
@@ -144,7 +142,7 @@ def _kind(
     # python storage"; one keyed from its offset in the whole parameter, or whose whole-tensor
     # sums add every rank's, is a step of its own)
     shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
-    if shard and (keyed or (opt._norm_terms is not None and reduce_groups(opt, p))):
+    if shard and (keyed or (rule.norms and reduce_groups(opt, p))):
         return None
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
@@ -156,7 +154,7 @@ def _kind(
     per: dict[str, int] = {}
     for name, f in opt._qstate(group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
-    if per and (keyed or opt._norm_terms is not None):
+    if per and (keyed or rule.norms):
         return None  # (codes are never stepped on pairs, nor their rows' sums taken per row)
     maths = opt._math_buffers(group, p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
@@ -218,9 +216,10 @@ def flatten(opt: OptimizerCore) -> None:
     for gi, group in enumerate(opt.param_groups):
         storages = opt._validate_group(group, gi)
         kinds: dict[Any, list[tuple[torch.Tensor, int, int, MasterStorage]]] = {}
+        rule = opt.rule(group)
         for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
             index += 1
-            kind = _kind(opt, group, p, storage) if _bucketable_rule(opt, group) else None
+            kind = _kind(opt, rule, group, p, storage)
             if kind is None:
                 layout.rest.append((gi, pi, index))
             else:
@@ -233,7 +232,7 @@ def flatten(opt: OptimizerCore) -> None:
             # together, so that their pieces gather many: _pieces; for a rule with whole-tensor
             # sums, which steps a piece's parameters as rows, equal sizes side by side)
             limit = _gathered(members[0][0].device)
-            norms = opt._norm_terms is not None
+            norms = rule.norms
             members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
             bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
             if bucket is None:

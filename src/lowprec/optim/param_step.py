@@ -6,7 +6,7 @@ one call in the parameter's shape for a rule that needs it whole, ``_step_whole_
 enabled and possible, else eager (``update._param_update``), in chunks on a large tensor, a rule's
 whole-tensor sums first. ``step_late`` creates the buffers an option turned on and takes their
 first, eager, step. The step's numbers are made once per group and step number and shared through
-a ``memo`` (a dict a stage keeps for one ``step()``): the rule's flags (``group_flags``), its
+a ``Memo`` (which a stage keeps for one ``step()``): the group's rule (``group_rule``), its
 coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coefficients``),
 stochastic rounding's keys (``random_keys``) and, under a loss scaler off the CPU, all of them
 made on the device from the step counts kept there (``scaled_numbers_many``). ``advance``
@@ -36,7 +36,7 @@ from lowprec.optim.update import _param_sums, _param_update
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
     from lowprec.optim.compiled import _Fused
-    from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.core import OptimizerCore, Rule
 
 #: A parameter's numbers for a step counted on its device (``scaled_numbers``):
 #: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
@@ -46,16 +46,16 @@ _ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
 
 class Memo:
     """What one ``step()`` shares between its parameters, made once and read by each: the
-    rule's flags per group (``group_flags``), its coefficients per group and step number, on the
+    rule per group (``group_rule``: ``OptimizerCore.rule``), its coefficients per group and step number, on the
     host and as 0-d FP32 tensors (``step_coefficients``), the numbers made on the device for a
     parameter whose count is kept there (``scaled_numbers``), the group's constants on each
     device, and (where the caller keeps them from step to step) the prepared calls of the
     parameters stepped on their own (``entries``: ``redo_entry``)."""
 
-    __slots__ = ("coeffs", "constants", "entries", "flags", "numbers")
+    __slots__ = ("coeffs", "constants", "entries", "numbers", "rules")
 
     def __init__(self, entries: dict[int, _Entry] | None = None) -> None:
-        self.flags: dict[int, dict[str, bool]] = {}
+        self.rules: dict[int, Rule] = {}
         self.coeffs: dict[tuple[int, int],
                           tuple[dict[str, Any], dict[str, torch.Tensor] | None]] = {}
         self.numbers: dict[int, _ScaledNumbers] = {}
@@ -106,11 +106,12 @@ def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None
         step_param(opt, group, p, index, storage, scaling, Memo(), first_use=True)
 
 
-def group_flags(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> dict[str, bool]:
-    flags = memo.flags.get(id(group))
-    if flags is None:
-        flags = memo.flags[id(group)] = opt._flags(group)
-    return flags
+def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
+    """The group's rule (``OptimizerCore.rule``), made once per ``step()``."""
+    rule = memo.rules.get(id(group))
+    if rule is None:
+        rule = memo.rules[id(group)] = opt.rule(group)
+    return rule
 
 
 @overload
@@ -145,7 +146,7 @@ def step_coefficients(
     key = (id(group), step)
     cached = memo.coeffs.get(key)  # (tensors=False: no tensors yet, None in their place)
     if cached is None or (tensors and cached[1] is None):
-        host = opt._coefficients(group, step) if cached is None else cached[0]
+        host = group_rule(opt, group, memo).coefficients(step) if cached is None else cached[0]
         c32 = _coefficient_tensors(opt, group, host) if tensors else None
         cached = memo.coeffs[key] = (host, c32)
     return cached
@@ -241,7 +242,7 @@ def scaled_numbers_many(
                            stream_key_halves(group["seed"], step.long(), index))
         shared = memo.group_constants(group, device)
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
-        for k, v in opt._coefficients(group, step).items():
+        for k, v in group_rule(opt, group, memo).coefficients(step).items():
             if isinstance(v, torch.Tensor):  # (of the counts, or a tensor lr's: one for all)
                 t = torch.as_tensor(v, dtype=torch.float32, device=device)
                 per[k] = _aligned_views(t.expand(step.shape) if t.dim() == 0 else t)
@@ -291,7 +292,8 @@ def step_param(
     mbufs = opt._mbufs(group, state, p)
     quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
-    flags = group_flags(opt, group, memo)
+    rule = group_rule(opt, group, memo)
+    flags = rule.flags
     if core.host_counts(opt, p.device):
         step = int(state["step"].item()) + 1
         lo, hi = random_keys(group, storage, step, index)
@@ -302,9 +304,9 @@ def step_param(
             opt, group, p, index, storage, state, scaling, memo
         )
     if first_use:
-        coeffs = opt._first_use_coefficients(group, step)
+        coeffs = rule.first_use(step)
     # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
-    shards = reduce_groups(opt, p) if not opt._elementwise else ()
+    shards = reduce_groups(opt, p) if rule.norms else ()
     # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
     # indices in the whole parameter, from `start` on (the compiled kernels take it as a
     # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
@@ -328,14 +330,14 @@ def step_param(
         return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
                 for k, v in d.items()}
 
-    if opt._whole(group):  # (one call in the parameter's shape: Muon, Adafactor)
-        if not (opt._whole_compiles and not quantized and not first_use and contiguous
+    if rule.whole:  # (one call in the parameter's shape: Muon, Adafactor)
+        if not (rule.compiles and not quantized and not first_use and contiguous
                 and p.numel() > 1 and _fused_enabled(opt, group, p)
-                and _step_whole_fused(opt, group, p, storage, flags, sbufs, mbufs, step,
-                                           coeffs, lo, hi, extra, scaling, memo)):
+                and _step_whole_fused(opt, rule, group, p, storage, sbufs, mbufs, step,
+                                      coeffs, lo, hi, extra, scaling, memo)):
             shape: dict[str, Any] = {"shape": p.shape} if quantized else {}
             _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
-                          math=opt._math, flags=flags, offset=start, **extra, **qkw,
+                          math=rule.math, flags=flags, offset=start, **extra, **qkw,
                           **shape)
         advance(state, step, scaling, p.device)
         return
@@ -344,10 +346,10 @@ def step_param(
         coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
         try:
             fused = compiled.prepare_fused(
-                opt, storage, flags, p, grad, sbufs, mbufs, scaled=_mode(scaling),
+                rule, storage, p, grad, sbufs, mbufs, scaled=_mode(scaling),
                 start=start, shards=shards, qstate=quantized,
             )
-            compiled.run_fused(opt, fused, grad, coeffs, c32, lo, hi, extra)
+            compiled.run_fused(fused, grad, coeffs, c32, lo, hi, extra)
         except _COMPILE_ERRORS as e:  # compilation failed before anything was written
             _disable_fused(opt, e)
         else:
@@ -356,9 +358,8 @@ def step_param(
             if entries is not None:  # (kept for the next step: redo_entry)
                 entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
-    chunkable = opt._elementwise or opt._norm_terms is not None
     chunk = update._eager_chunk(p.device)
-    if chunkable and contiguous and p.numel() > chunk:
+    if contiguous and p.numel() > chunk:  # (elementwise, or with norms: not whole)
         # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
         # temporaries are fresh allocations that page-fault on every step) and the step's
         # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
@@ -372,29 +373,29 @@ def step_param(
         pieces = [(p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), start)]
     else:
         pieces = [(p, grad, sbufs, mbufs, start)]
-    if opt._norm_terms is not None and not opt._elementwise and (len(pieces) > 1 or shards):
+    if rule.norm_terms is not None and (len(pieces) > 1 or shards):
         # First pass: the rule's whole-tensor sums (FP64), read-only.
         sums = None
         for piece_p, piece_g, piece_s, piece_m, _ in pieces:
             part = _param_sums(
                 piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
-                norm_terms=opt._norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
+                norm_terms=rule.norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
                 **qkw,
             )
             sums = part if sums is None else sums + part
         coeffs = {**coeffs, "sums": all_reduce_sums(cast(torch.Tensor, sums), shards)}
     for piece_p, piece_g, piece_s, piece_m, offset in pieces:
         _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
-                      math=opt._math, flags=flags, offset=offset, **extra, **qkw)
+                      math=rule.math, flags=flags, offset=offset, **extra, **qkw)
     advance(state, step, scaling, p.device)
 
 
 def _step_whole_fused(
     opt: OptimizerCore,
+    rule: Rule,
     group: dict[str, Any],
     p: torch.Tensor,
     storage: MasterStorage,
-    flags: dict[str, bool],
     sbufs: dict[str, torch.Tensor],
     mbufs: dict[str, torch.Tensor],
     step: int | torch.Tensor,
@@ -414,16 +415,16 @@ def _step_whole_fused(
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
         kernel = compiled._compiled_kernel(
-            type(opt), storage, flags, scaled=_mode(scaling),
+            rule.owner, storage, rule.flags, scaled=_mode(scaling),
             extra_key=(("whole", p.dim()),),
             signature=compiled._signature(p, grad, sbufs, mbufs),
-            fullgraph=not opt._whole_graph_breaks,
+            fullgraph=not rule.graph_breaks,
         )
         # (a new view, detached: handed the leaf itself, Inductor fails to compile, and a view
         # of a BF16 parameter with an FP32 gradient, Dynamo refuses the gradient)
         kernel(p.detach().view(p.shape), grad.view(p.shape), sbufs, mbufs, c32,
-               *compiled._key_tensors(lo, hi), storage=storage, math=opt._math,
-               flags=flags, **extra)
+               *compiled._key_tensors(lo, hi), storage=storage, math=rule.math,
+               flags=rule.flags, **extra)
     except _COMPILE_ERRORS as e:  # compilation failed before anything was written
         _disable_fused(opt, e)
         return False
@@ -504,7 +505,7 @@ def redo_entry(
         if core.host_counts(opt, e.p.device):
             step = int(e.count.item()) + 1
             compiled.run_fused(
-                opt, e.fused, grad, *step_coefficients(opt, e.group, step, memo),
+                e.fused, grad, *step_coefficients(opt, e.group, step, memo),
                 *random_keys(e.group, e.storage, step, e.index),
                 {} if scaling is None else scaling.kernel_args(e.p.device),
             )
@@ -512,7 +513,7 @@ def redo_entry(
             _, lo, hi, coeffs, extra = scaled_numbers(
                 opt, e.group, e.p, e.index, e.storage, e.state, scaling, memo
             )
-            compiled.run_fused(opt, e.fused, grad, coeffs, coeffs, lo, hi, extra)
+            compiled.run_fused(e.fused, grad, coeffs, coeffs, lo, hi, extra)
     except _COMPILE_ERRORS as err:  # (compilation failed before anything was written)
         _disable_fused(opt, err)
         return False
