@@ -649,3 +649,34 @@ def test_whole_tensor_rules_compile_for_fp32_gradients_of_bf16_parameters():
             opt.step()
         results.append(([p], opt))
     assert_same(*results[0], *results[1])
+
+
+def _kernel_families():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_families.py"
+    spec = importlib.util.spec_from_file_location("kernel_families", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("state", [None, "8bit"])
+@pytest.mark.parametrize("master", ["kahan", "split", "stochastic"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "adafactor", "muon"])
+def test_a_configuration_asks_for_its_kernels_whatever_its_shapes(name, master, state,
+                                                                  monkeypatch):
+    """One configuration (optimizer, master, state format, scaled or not) over a model of many
+    shapes (gathered pieces, a large parameter alone, odd sizes, matrices and vectors) and three
+    steps under a schedule asks for the kernels its kind of rule needs and no more
+    (``benchmarks/kernel_families.py``: the census and its ``expected`` counts); each kernel is
+    one graph for every size (test_changing_lr_does_not_recompile_and_shapes_share_kernels).
+    Counted with ``torch.compile`` replaced by the function itself: nothing is compiled."""
+    families = _kernel_families()
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    for scaled in (False, True):
+        names = families.census(name, master, state, scaled)
+        assert len(names) == families.expected(name, master, state), (scaled, names)
+        assert all(("_unscale_" in n) == scaled for n in names), names
