@@ -62,7 +62,6 @@ from lowprec.numerics import stream_key_halves
 from lowprec.optim import compiled, core, param_step
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
-from lowprec.optim.update import _eager_chunk, _param_sums, _param_update
 
 if TYPE_CHECKING:
     from lowprec.optim.compiled import _Fused
@@ -352,7 +351,6 @@ class _Bucket:
             g = self._gather(cast("list[torch.Tensor]", grads[a:b]), hi - lo, "grad")
         g = g.view(-1)
         rule = param_step.group_rule(opt, group, memo)
-        flags = rule.flags
         names = (self.sbufs, self.names[len(self.sbufs):])
         per = self.per
         state = self._state(a, b)  # (the piece's state, flat: lo to hi)
@@ -383,43 +381,21 @@ class _Bucket:
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
-        if not done:
+        if not done:  # (eager: the piece's elements, or each parameter's with random bits or
+            # whole-tensor sums, indexed from its first element, with its own key)
             coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
                       if isinstance(step, int) else step)
-            chunk = _eager_chunk(g.device)
-            qkw: dict[str, Any] = {"qstate": self.qstate} if self.qstate else {}
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
-
-            def at(sl: slice) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
-                                       dict[str, torch.Tensor]]:
-                # (elements sl of the piece, and their state)
-                return cast("tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], "
-                            "dict[str, torch.Tensor]]",
-                            (p[sl], g[sl], *({k: state[k][sl.start // per[k]:sl.stop // per[k]]
-                                              for k in ks} for ks in names)))
-
-            # (with random bits or whole-tensor sums: each parameter's elements on their own,
-            # with its key, indexed from its first element)
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
                        param_step.random_keys(group, storage, cast(int, step), self.indices[k]))
                       for k in range(a, b)]
                      if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
-            for first, last, (key_lo, key_hi) in spans:
-                # (whole blocks: a chunk is a multiple)
-                chunks = [slice(i, min(i + chunk, last)) for i in range(first, last, chunk)]
-                c: dict[str, Any] = coeffs
-                if self.norms:  # (first pass: the parameter's sums, read-only)
-                    norm_terms = cast("Callable[..., tuple[torch.Tensor, ...]]", rule.norm_terms)
-                    sums = sum(_param_sums(*at(sl), coeffs, storage=storage, flags=flags,
-                                           norm_terms=norm_terms,
-                                           inv_scale=extra.get("inv_scale"))
-                               for sl in chunks)
-                    c = {**coeffs, "sums": sums}
-                for sl in chunks:
-                    piece_p, piece_g, piece_s, piece_m = at(sl)
-                    _param_update(piece_p, piece_g, piece_s, piece_m, c, key_lo, key_hi,
-                                  storage=storage, math=rule.math, flags=flags,
-                                  offset=sl.start - first, **extra, **qkw)
+            for first, last, keys in spans:
+                sl = slice(first, last)
+                sb, mb = ({k: state[k][param_step._block_slice(sl, per[k])] for k in ks}
+                          for ks in names)
+                param_step.eager_flat(rule, storage, p[sl], g[sl], sb, mb, coeffs, *keys, extra,
+                                      self.qstate, per)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
             if self.gather_state:  # (the new state back into each shard's own tensors)

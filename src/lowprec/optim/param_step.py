@@ -19,6 +19,7 @@ step to step), and ``redo_entry`` runs it again while nothing it relied on chang
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
@@ -358,36 +359,69 @@ def step_param(
             if entries is not None:  # (kept for the next step: redo_entry)
                 entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
-    chunk = update._eager_chunk(p.device)
-    if contiguous and p.numel() > chunk:  # (elementwise, or with norms: not whole)
-        # Eager on a large tensor: go in chunks so the temporaries stay in cache (full-size
-        # temporaries are fresh allocations that page-fault on every step) and the step's
-        # peak memory stays a few MB over what it keeps. Elementwise rules and index-offset
-        # random bits make this bit-identical to one pass.
-        pieces = [
-            (p.view(-1)[sl], grad.view(-1)[sl], flat(sbufs, sl), flat(mbufs, sl),
-             start + sl.start)
-            for sl in (slice(i, i + chunk) for i in range(0, p.numel(), chunk))
-        ]
-    elif quantized:  # (codes: flat, their scales one per block)
-        pieces = [(p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), start)]
-    else:
-        pieces = [(p, grad, sbufs, mbufs, start)]
-    if rule.norm_terms is not None and (len(pieces) > 1 or shards):
-        # First pass: the rule's whole-tensor sums (FP64), read-only.
-        sums = None
-        for piece_p, piece_g, piece_s, piece_m, _ in pieces:
-            part = _param_sums(
-                piece_p, piece_g, piece_s, piece_m, coeffs, storage=storage,
-                norm_terms=rule.norm_terms, flags=flags, inv_scale=extra.get("inv_scale"),
-                **qkw,
-            )
-            sums = part if sums is None else sums + part
-        coeffs = {**coeffs, "sums": all_reduce_sums(cast(torch.Tensor, sums), shards)}
-    for piece_p, piece_g, piece_s, piece_m, offset in pieces:
-        _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
-                      math=rule.math, flags=flags, offset=offset, **extra, **qkw)
+    if contiguous:  # (elementwise, or with norms: not whole)
+        eager_flat(rule, storage, p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), coeffs,
+                   lo, hi, extra, quantized, per, offset=start, shards=shards)
+    else:  # (one pass on the tensors as they are)
+        if shards and rule.norm_terms is not None:
+            sums = _param_sums(p, grad, sbufs, mbufs, coeffs, storage=storage,
+                               norm_terms=rule.norm_terms, flags=flags,
+                               inv_scale=extra.get("inv_scale"), **qkw)
+            coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
+        _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage, math=rule.math,
+                      flags=flags, offset=start, **extra, **qkw)
     advance(state, step, scaling, p.device)
+
+
+def eager_flat(
+    rule: Rule,
+    storage: MasterStorage,
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor],
+    coeffs: dict[str, Any],
+    lo: int | torch.Tensor,
+    hi: int | torch.Tensor,
+    extra: dict[str, Any],
+    quantized: tuple[tuple[str, str], ...] = (),
+    per: dict[str, int] | None = None,
+    *,
+    offset: int = 0,
+    shards: Sequence[Any] = (),
+) -> None:
+    """The eager step of flat ``p`` (one parameter, or a bucket's piece of several stepped as
+    one where the rule is elementwise and no random key differs), with flat gradient and
+    buffers (``per``: elements of ``p`` per element of a buffer, for the codes' scales and 4-bit
+    codes), in chunks of ``update._eager_chunk``: the temporaries stay in cache (full-size
+    ones are fresh allocations that page-fault on every step) and the step's peak memory a few
+    MB over what it keeps. Elementwise rules and index-offset random bits (``offset``: the
+    index of ``p``'s first element, for its random bits) make this bit-identical to one pass;
+    a rule with norms takes its whole-tensor sums (FP64) in a first, read-only pass, added over
+    ``shards``' ranks."""
+    per = per or {}
+    qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
+    n, chunk = p.numel(), update._eager_chunk(p.device)
+
+    def at(sl: slice) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
+                               dict[str, torch.Tensor]]:
+        """Elements ``sl`` and their state (the blocks' scales of them, the bytes of their
+        4-bit codes)."""
+        def cut(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: v[_block_slice(sl, per[k]) if k in per else sl] for k, v in d.items()}
+        return p[sl], grad[sl], cut(sbufs), cut(mbufs)
+
+    chunks = [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)] or [slice(0, 0)]
+    flags = rule.flags
+    if rule.norm_terms is not None and (len(chunks) > 1 or shards):
+        sums = sum(_param_sums(*at(sl), coeffs, storage=storage, norm_terms=rule.norm_terms,
+                               flags=flags, inv_scale=extra.get("inv_scale"), **qkw)
+                   for sl in chunks)
+        coeffs = {**coeffs, "sums": all_reduce_sums(cast(torch.Tensor, sums), shards)}
+    for sl in chunks:
+        piece_p, piece_g, piece_s, piece_m = at(sl)
+        _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
+                      math=rule.math, flags=flags, offset=offset + sl.start, **extra, **qkw)
 
 
 def _step_whole_fused(
