@@ -394,7 +394,7 @@ class _Bucket:
                 sl = slice(first, last)
                 sb, mb = ({k: state[k][param_step._block_slice(sl, per[k])] for k in ks}
                           for ks in names)
-                param_step.eager_flat(rule, storage, p[sl], g[sl], sb, mb, coeffs, *keys, extra,
+                param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, coeffs, *keys, extra,
                                       self.qstate, per)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))

@@ -359,21 +359,17 @@ def step_param(
             if entries is not None:  # (kept for the next step: redo_entry)
                 entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
-    if contiguous:  # (elementwise, or with norms: not whole)
-        eager_flat(rule, storage, p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), coeffs,
+    # (flat where it is cut in chunks or holds codes; else the tensors as they are: one pass)
+    if contiguous and (quantized or p.numel() > update._eager_chunk(p.device)):
+        eager_step(rule, storage, p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), coeffs,
                    lo, hi, extra, quantized, per, offset=start, shards=shards)
-    else:  # (one pass on the tensors as they are)
-        if shards and rule.norm_terms is not None:
-            sums = _param_sums(p, grad, sbufs, mbufs, coeffs, storage=storage,
-                               norm_terms=rule.norm_terms, flags=flags,
-                               inv_scale=extra.get("inv_scale"), **qkw)
-            coeffs = {**coeffs, "sums": all_reduce_sums(sums, shards)}
-        _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage, math=rule.math,
-                      flags=flags, offset=start, **extra, **qkw)
+    else:
+        eager_step(rule, storage, p, grad, sbufs, mbufs, coeffs, lo, hi, extra, quantized,
+                   offset=start, shards=shards)
     advance(state, step, scaling, p.device)
 
 
-def eager_flat(
+def eager_step(
     rule: Rule,
     storage: MasterStorage,
     p: torch.Tensor,
@@ -390,38 +386,41 @@ def eager_flat(
     offset: int = 0,
     shards: Sequence[Any] = (),
 ) -> None:
-    """The eager step of flat ``p`` (one parameter, or a bucket's piece of several stepped as
-    one where the rule is elementwise and no random key differs), with flat gradient and
-    buffers (``per``: elements of ``p`` per element of a buffer, for the codes' scales and 4-bit
-    codes), in chunks of ``update._eager_chunk``: the temporaries stay in cache (full-size
-    ones are fresh allocations that page-fault on every step) and the step's peak memory a few
-    MB over what it keeps. Elementwise rules and index-offset random bits (``offset``: the
+    """The eager step of ``p`` (one parameter, or a bucket's piece of several stepped as one
+    where the rule is elementwise and no random key differs). Flat (1-d) and longer than
+    ``update._eager_chunk``, with flat gradient and buffers (``per``: elements of ``p`` per
+    element of a buffer, for the codes' scales and 4-bit codes), it goes in chunks: the
+    temporaries stay in cache (full-size ones are fresh allocations that page-fault on every
+    step) and the step's peak memory a few MB over what it keeps; otherwise in one pass on the
+    tensors as given, nothing sliced. Elementwise rules and index-offset random bits (``offset``: the
     index of ``p``'s first element, for its random bits) make this bit-identical to one pass;
     a rule with norms takes its whole-tensor sums (FP64) in a first, read-only pass, added over
     ``shards``' ranks."""
     per = per or {}
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     n, chunk = p.numel(), update._eager_chunk(p.device)
+    Piece = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
+                  int]
 
-    def at(sl: slice) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor],
-                               dict[str, torch.Tensor]]:
-        """Elements ``sl`` and their state (the blocks' scales of them, the bytes of their
-        4-bit codes)."""
+    def at(sl: slice) -> Piece:
+        """Elements ``sl``, their state (the blocks' scales of them, the bytes of their 4-bit
+        codes) and the first one's index."""
         def cut(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: v[_block_slice(sl, per[k]) if k in per else sl] for k, v in d.items()}
-        return p[sl], grad[sl], cut(sbufs), cut(mbufs)
+        return p[sl], grad[sl], cut(sbufs), cut(mbufs), offset + sl.start
 
-    chunks = [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)] or [slice(0, 0)]
+    pieces: list[Piece] = ([at(slice(i, min(i + chunk, n))) for i in range(0, n, chunk)]
+                           if p.dim() == 1 and n > chunk
+                           else [(p, grad, sbufs, mbufs, offset)])
     flags = rule.flags
-    if rule.norm_terms is not None and (len(chunks) > 1 or shards):
-        sums = sum(_param_sums(*at(sl), coeffs, storage=storage, norm_terms=rule.norm_terms,
+    if rule.norm_terms is not None and (len(pieces) > 1 or shards):
+        sums = sum(_param_sums(*piece[:4], coeffs, storage=storage, norm_terms=rule.norm_terms,
                                flags=flags, inv_scale=extra.get("inv_scale"), **qkw)
-                   for sl in chunks)
+                   for piece in pieces)
         coeffs = {**coeffs, "sums": all_reduce_sums(cast(torch.Tensor, sums), shards)}
-    for sl in chunks:
-        piece_p, piece_g, piece_s, piece_m = at(sl)
+    for piece_p, piece_g, piece_s, piece_m, first in pieces:
         _param_update(piece_p, piece_g, piece_s, piece_m, coeffs, lo, hi, storage=storage,
-                      math=rule.math, flags=flags, offset=offset + sl.start, **extra, **qkw)
+                      math=rule.math, flags=flags, offset=first, **extra, **qkw)
 
 
 def _step_whole_fused(
