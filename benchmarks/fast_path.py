@@ -8,14 +8,12 @@ The mechanisms (``docs/architecture.md``, "The fused step"):
   group whatever their number (``driver.step_buckets``); off, every parameter by its own full
   step (``driver.full_step``), as before buckets;
 * ``pairs``: on CPU, 16-bit tensors stepped as 32-bit words of two elements (vectorized C++);
-  off, the elementwise kernel (``compiled.pairs_plan`` returns None);
-* ``kept calls``: a parameter no bucket takes keeps its prepared compiled call
-  (``param_step._Entry``) and runs it again while nothing it relied on changed; off, it is
-  prepared anew at every step (``param_step.redo_entry`` declines).
+  off, the elementwise kernel (``compiled.pairs_plan`` returns None).
 
 Each is switched off by patching its module during the switched-off optimizer's step alone
-(``SWITCHES``). ``lamb-8bit`` and ``adafactor`` are rules whose parameters no bucket takes (8-bit
-codes with whole-tensor sums; whole tensors), the steps the kept calls serve.
+(``SWITCHES``). ``lamb-8bit`` and ``adafactor`` are rules whose parameters no bucket gathers
+(8-bit codes with whole-tensor sums: each a bucket of one, its call kept; whole tensors: each
+by its own step).
 
 The optimizers stepped with and without a mechanism are alive side by side and stepped in turn
 (which goes first alternates), each with its own parameters and the same fixed gradients; a
@@ -48,7 +46,7 @@ import torch
 
 import lowprec
 from lowprec.comparison.task import CharTransformer, ModelConfig
-from lowprec.optim import compiled, driver, param_step
+from lowprec.optim import compiled, driver
 
 CONFIGS = {  # name -> (optimizer class, keywords)
     "adamw-kahan": (lowprec.AdamW, {"lr": 1e-3, "master": "kahan"}),
@@ -64,10 +62,10 @@ _never = lambda *args, **kwargs: False  # noqa: E731
 _kind = driver._kind
 
 
-def _kind_off_pairs(opt, group, p, storage):
+def _kind_off_pairs(opt, rule, group, p, storage):
     """``driver._kind`` without pairs: stochastic rounding's parameters left out of buckets (a
     gathered piece's per-word random keys need the pairs kernel), each stepped on its own."""
-    return None if storage.needs_random_bits else _kind(opt, group, p, storage)
+    return None if storage.needs_random_bits else _kind(opt, rule, group, p, storage)
 
 # What switches a mechanism off, patched into its module for the switched-off optimizer's step
 # alone.
@@ -75,7 +73,6 @@ SWITCHES: dict[str, list[tuple[Any, str, Any]]] = {
     "buckets": [(driver, "step_buckets", _never), (driver, "flatten", lambda opt: None)],
     "pairs": [(compiled, "pairs_plan", lambda *args, **kwargs: None),
               (driver, "_kind", _kind_off_pairs)],
-    "kept calls": [(param_step, "redo_entry", _never)],
 }
 
 

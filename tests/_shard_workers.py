@@ -84,16 +84,30 @@ def new_scaler(cfg: dict[str, Any]) -> Any:
     return lowprec.LossScaler(init_scale=8.0, growth_interval=2) if cfg.get("scaler") else None
 
 
-def compiled_calls(opt: Any) -> tuple[int, int]:
-    """How the steps ran: (compiled calls the buckets and the parameters stepped on their own
-    prepared, those whose random bits start past index 0 of a larger parameter: a shard's
-    ``base``)."""
-    layout = opt.__dict__.get("_buckets")
-    if layout is None:
-        return 0, 0
-    fused = [f for bucket in layout.buckets for f in bucket.prepared.values()]
-    fused += [e.fused for entries in layout.entries.values() for e in entries.values()]
-    return len(fused), sum(f.base is not None for f in fused)
+@contextlib.contextmanager
+def _prepared_calls() -> Any:
+    """Inside, the compiled calls the step prepares (``compiled.prepare_fused``: the buckets'
+    and those of the parameters stepped on their own), listed as they are made."""
+    from lowprec.optim import compiled
+
+    made: list[Any] = []
+    real = compiled.prepare_fused
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    compiled.prepare_fused = spy
+    try:
+        yield made
+    finally:
+        compiled.prepare_fused = real
+
+
+def compiled_calls(made: list[Any]) -> tuple[int, int]:
+    """How the steps ran: (compiled calls prepared, those whose random bits start past index 0
+    of a larger parameter: a shard's ``base``)."""
+    return len(made), sum(f.base is not None for f in made)
 
 
 def _compiled_only(fused: Any) -> contextlib.AbstractContextManager[None]:
@@ -145,7 +159,7 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     opt = make(cfg, list(params.values()))
     scaler = new_scaler(cfg)
     out: dict[str, Any] = {}
-    with _compiled_only(cfg["kw"].get("fused")):
+    with _compiled_only(cfg["kw"].get("fused")), _prepared_calls() as made:
         try:
             for step in range(STEPS):
                 for n, g in grads_for_step(cfg, step, scaler).items():
@@ -153,7 +167,7 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                         g, mesh, params[n].placements
                     )
                 out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
-                out["compiled"] = compiled_calls(opt)
+                out["compiled"] = compiled_calls(made)
                 layout = opt.__dict__.get("_buckets")  # (shards in buckets: their state gathered)
                 out["bucketed"] = sum(len(b.params) for b in layout.buckets) if layout else 0
                 if step == 1 and cfg.get("resume"):

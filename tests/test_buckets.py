@@ -134,16 +134,18 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
                          scaled=scaled, shapes=NORM_SHAPES)
     assert_same(pa, oa, pb, ob)
     assert taken >= STEPS - 3, taken
-    (bucket,) = ob._buckets.buckets
+    bucket, *alone = sorted(ob._buckets.buckets, key=lambda b: -len(b.params))
+    assert [b.params[0].numel() for b in alone] == [7]  # (an odd size: a bucket of one)
     pieces = bucket._pieces(0, len(bucket.params))
     assert sorted(b - a for a, b in pieces) == [1, 1, 2, 3], pieces
 
 
-def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
+def test_a_parameter_no_bucket_gathers_is_a_bucket_of_one(monkeypatch):
     """LAMB with 8-bit state: its small parameters (FP32 state) go into a bucket, its 8-bit one
-    stays out of it; from its second step under each loss-scaler mode on, that one redoes the
-    compiled step prepared at the first (whose kernels are the mode's), where it was prepared
-    anew at every step; the bits are the step's without buckets."""
+    (codes are not stepped as rows) into a bucket of one; from its second step under each
+    loss-scaler mode on, that one runs the compiled step its bucket prepared at the first (whose
+    kernels are the mode's), where a parameter stepped on its own prepared it anew at every
+    step; the bits are the step's without buckets."""
     shapes = [(32, 256), (64,), (8, 8), (128,), (16, 8), (30,)]  # (the first: 8-bit state)
     make = lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True)  # noqa: E731
     pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch,
@@ -157,7 +159,7 @@ def test_parameters_outside_buckets_redo_their_prepared_step(monkeypatch):
                          monkeypatch=monkeypatch, scaled=_every_other_step, shapes=shapes)
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1, taken
-    assert len(ob._buckets.buckets) == 1 and len(ob._buckets.rest) == 1
+    assert [len(b.params) for b in ob._buckets.buckets] == [1, 5] and not ob._buckets.rest
     # Steps 0 (scaled) and 1 (plain) prepare it, one call per loss-scaler mode; 2-5 redo.
     assert prepared.count(32 * 256) == 2, prepared
 
@@ -194,11 +196,11 @@ def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
     lambda ps: Adafactor(ps, lr=1e-2, master="kahan", fused=True),
     lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True),
 ], ids=["adafactor", "lamb-8bit"])
-def test_a_step_no_bucket_takes_goes_through_the_layout(make, monkeypatch):
-    """Where no parameter goes into a bucket (whole-tensor rules; norms with 8-bit state), every
-    step, the first included, still goes through the layout, each parameter by its own step,
-    prepared once (128 x 4096, LAMB with 8-bit state: 122 ms a step prepared anew, 68 kept); the
-    bits are those of the full step."""
+def test_a_step_no_bucket_gathers_goes_through_the_layout(make, monkeypatch):
+    """Where no bucket gathers parameters (whole-tensor rules: each by its own step; norms with
+    8-bit state: each a bucket of one, its call prepared once: 128 x 4096, LAMB with 8-bit
+    state, 122 ms a step prepared anew, 68 kept), every step, the first included, still goes
+    through the layout; the bits are those of the full step."""
     shapes = [(4096,)] * 3
     pa, oa, _ = _run(make, CHANGES["nothing"], use_buckets=False, monkeypatch=monkeypatch,
                      steps=4, shapes=shapes)
@@ -209,7 +211,9 @@ def test_a_step_no_bucket_takes_goes_through_the_layout(make, monkeypatch):
     pb, ob, taken = _run(make, CHANGES["nothing"], use_buckets=True, monkeypatch=monkeypatch,
                          steps=4, shapes=shapes)
     assert_same(pa, oa, pb, ob)
-    assert ob._buckets.buckets == [] and len(ob._buckets.rest) == 3
+    alone = isinstance(ob, Adafactor)
+    assert [len(b.params) for b in ob._buckets.buckets] == ([] if alone else [1, 1, 1])
+    assert len(ob._buckets.rest) == (3 if alone else 0)
     assert taken == 3, taken
     assert len(prepared) == (0 if isinstance(ob, Adafactor) else 3), prepared
 
@@ -366,9 +370,12 @@ def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put(de
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
-    (bucket,) = opt._buckets.buckets
+    bucket, odd = opt._buckets.buckets
     inside = [p for p in params if p.numel() % 2 == 0 and p.numel() > 1]
     assert bucket.params == inside
+    # (an odd size a bucket of one, its state its own tensors; one element stepped on its own)
+    assert [p.numel() for p in odd.params] == [7] and len(opt._buckets.rest) == 1
+    assert opt.state[odd.params[0]]["exp_avg"] is odd.views["exp_avg"][0]
     for name in ("exp_avg", "exp_avg_sq", "compensation"):
         storages = {opt.state[p][name].untyped_storage().data_ptr() for p in inside}
         assert storages == {bucket.flats[name].untyped_storage().data_ptr()}, name

@@ -9,7 +9,7 @@ from torch import nn
 
 import lowprec
 import lowprec.optim as lo
-from lowprec.optim import in_backward, param_step
+from lowprec.optim import compiled, in_backward, param_step
 from tests._same import assert_same
 
 OPTIMIZERS = {  # name: (class, options)
@@ -257,23 +257,30 @@ def test_update_monitor_refuses_a_step_inside_backward():
 
 
 @pytest.mark.fused
-def test_later_steps_redo_the_prepared_step_and_notice_changes(monkeypatch):
-    # From the second step on, a large parameter's hook redoes its prepared compiled step (no full
-    # param_step.step_param) unless something it relied on changed; either way the same bits.
+def test_later_steps_run_the_bucket_s_prepared_call_and_notice_changes(monkeypatch):
+    # A large parameter's hook steps it through its bucket, as a piece of its own: its compiled
+    # call prepared at the first step and run again from then on, prepared anew only where
+    # something it relied on changed (a state tensor replaced: the buckets laid out again);
+    # either way the bits of the normal step.
     model = _model()
     opt = _optimizer("adamw", model, master="kahan", fused=True)
     ref_model = _model()
     ref = _optimizer("adamw", ref_model, master="kahan", fused=True)
-    handle = lowprec.step_in_backward(model, opt)
+    lowprec.step_in_backward(model, opt)
+    large = model[2].weight
+    prepared = []
+    real = compiled.prepare_fused
+    monkeypatch.setattr(compiled, "prepare_fused",
+                        lambda rule, storage, p, *a, **k:
+                        prepared.append(p.data_ptr()) or real(rule, storage, p, *a, **k))
     full = []
-    real = param_step.step_param
+    real_step = param_step.step_param
     monkeypatch.setattr(param_step, "step_param",
                         lambda o, *a, **k: (o is opt and full.append(a[1].shape))
-                        or real(o, *a, **k))
-    large = model[2].weight
+                        or real_step(o, *a, **k))
     for step in range(4):
-        full.clear()
-        if step == 2:  # (a state tensor replaced: that parameter takes the full step once)
+        prepared.clear()
+        if step == 2:  # (a state tensor replaced: that parameter's bucket laid out again)
             opt.state[large]["exp_avg"] = opt.state[large]["exp_avg"].clone()
             ref.state[ref_model[2].weight]["exp_avg"] = (
                 ref.state[ref_model[2].weight]["exp_avg"].clone())
@@ -282,7 +289,8 @@ def test_later_steps_redo_the_prepared_step_and_notice_changes(monkeypatch):
             m(x).float().square().mean().backward()
             o.step()
             o.zero_grad()
-        redone = [s for s in full if s == large.shape]
-        assert len(redone) == (1 if step in (0, 2) else 0), (step, full)
-    assert handle._entries
+            if o is opt:
+                mine = prepared.count(large.data_ptr())
+        assert mine == (1 if step in (0, 2) else 0), (step, prepared)
+    assert not full  # (every parameter in a bucket)
     assert_same(list(model.parameters()), opt, list(ref_model.parameters()), ref)

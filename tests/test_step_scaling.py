@@ -357,8 +357,8 @@ def test_scaled_step_makes_each_groups_numbers_once(fused, use_buckets, monkeypa
     # With the counts on the device, a step's numbers are made per group (one vector operation
     # per number for all its parameters), not once per parameter: on a GPU each of those
     # operations is a kernel launch, and per parameter they were most of the step. Through
-    # buckets: once for a bucket (from its one count: the first group's three parameters) and
-    # once for the parameters stepped on their own (the second group's two odd-sized ones).
+    # buckets: from each bucket's one count, per group: the first group's bucket of three
+    # parameters, the second group's two buckets of one (an odd size, and a size alone).
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     if not use_buckets:
         request.getfixturevalue("no_buckets")
@@ -382,5 +382,5 @@ def test_scaled_step_makes_each_groups_numbers_once(fused, use_buckets, monkeypa
         opt.step(grad_scale=torch.tensor(2.0, device=device),
                  found_inf=torch.zeros((), device=device))
         if step > 0:  # (the first step creates the state: its numbers come one by one)
-            assert sorted(calls) == ([(), (2,)] if use_buckets else [(2,), (3,)]), calls
+            assert sorted(calls) == ([(1,), (2,)] if use_buckets else [(2,), (3,)]), calls
     assert all(float(opt.state[p]["step"]) == 4 for p in params)

@@ -28,7 +28,8 @@ device. On the CPU the counts are read on the host (``core.host_counts``); off i
 a capturable optimizer, they stay on the device, and a bucket whose parameters all have a
 gradient and share one count (``same_counts``: read on the host only after the counts were
 written, which their version counter shows) makes the step's numbers there from that count once
-(``_device_numbers``), plain or scaled. A count written through ``.data`` between such steps
+(``_device_numbers``: ``param_step.scaled_numbers``, made for every bucket of a group at
+once), plain or scaled. A count written through ``.data`` between such steps
 bypasses the version counter and is not seen.
 
 A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust ratio, StableAdamW's
@@ -40,7 +41,9 @@ size of its own is a piece alone, in the kernels of a parameter's own step.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
 of consecutive parameters that have one and share a step count. Which parameters a bucket takes
-is ``driver._kind``'s choice; the others are stepped on their own, each by its kept call.
+is ``driver._kind``'s choice (a parameter that cannot be gathered with others, of an odd size,
+say, a bucket of one); the others (whole-tensor rules, ...) are stepped on their own. The update
+inside backward steps a parameter through its bucket too (``step_one``), as a piece alone.
 
 The bucket checks, each step, that what it relies on holds (``current``, ``gradients``): the
 parameters are the tensors it was made for (``model.to(...)`` or ``p.data = ...`` rebinds
@@ -59,7 +62,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.numerics import stream_key_halves
-from lowprec.optim import compiled, core, param_step
+from lowprec.optim import compiled, core, param_step, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
 
@@ -122,6 +125,7 @@ class _Bucket:
         "shapes",
         "sizes",
         "split_views",
+        "start",
         "states",
         "steps",
         "storage",
@@ -139,9 +143,10 @@ class _Bucket:
         self.indices = [i for _, i in members]
         p0 = self.params[0]
         self.sbufs = tuple(storage.buffers(p0))
-        self.names = tuple(name for name, _, _ in kind[-1])
+        *_, shard, layout, _ = kind
+        self.names = tuple(name for name, _, _ in layout)
         # (elements of a parameter per element of each buffer: 1, or the codes' and scales')
-        self.per = {name: n for name, _, n in kind[-1]}
+        self.per = {name: n for name, _, n in layout}
         self.states = [opt.state[p] for p in self.params]
         self.qstate = opt._qstate(group, self.states[0], p0)
         self.sizes = [p.numel() for p in self.params]
@@ -152,7 +157,7 @@ class _Bucket:
         # buffer at a time (the old tensors are freed as it goes).
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
-        self.gather_state = bool(kind[-2])
+        self.gather_state = bool(shard)
         self.flat_state: dict[str, list[torch.Tensor]] = {}  # (gather_state: flat views, kept)
         for name in self.names:
             src = [st[name] for st in self.states]
@@ -160,6 +165,9 @@ class _Bucket:
             if self.gather_state:  # (each its own tensor: _state gathers a piece's)
                 self.views[name] = src
                 self.flat_state[name] = [t.view(-1) for t in src]
+                continue
+            if len(src) == 1:  # (a bucket of one: its own tensors, flat)
+                self.flats[name], self.views[name] = src[0].view(-1), src
                 continue
             flat = torch.empty(self.offsets[-1] // n, dtype=src[0].dtype, device=p0.device)
             views = [flat[a // n:b // n].view(t.shape)
@@ -178,6 +186,10 @@ class _Bucket:
         self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         self.norms = opt.rule(group).norms  # (whole-tensor sums: pieces of one size)
+        # (a DTensor's shard, a bucket of one: its random bits keyed from the index of its
+        # first element in the whole parameter)
+        offsets = opt.__dict__.get("_shard_offsets") or {}
+        self.start = offsets.get(id(p0), 0) if self.keyed and shard else 0
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries: Callable[[Any], tuple[Any, ...]] = (
             operator.itemgetter("step", *self.names) if self.names
@@ -242,7 +254,7 @@ class _Bucket:
         if self.on_device(opt):
             if all(g is None for g in grads):  # (a frozen bucket: nothing to step)
                 return
-            numbers = self._device_numbers(opt, memo)
+            numbers = self._device_numbers(opt, memo, 0)
             done = 0
             try:
                 for a, b in self._pieces(0, len(grads)):
@@ -277,6 +289,19 @@ class _Bucket:
                         self.counts[i:done].add_(scaling.taken_on(self.counts.device))
             i = j
 
+    def step_one(self, opt: OptimizerCore, k: int, memo: Memo) -> None:
+        """Parameter ``k`` alone, a piece of its own (the update inside backward, whose hooks
+        see one gradient at a time; no loss scaler), its count advanced."""
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        grads[k] = self.params[k].grad
+        if self.on_device(opt):
+            self._run(opt, k, k + 1, grads, self._device_numbers(opt, memo, k), memo, None)
+            self.counts[k:k + 1].add_(1)
+        else:
+            step = int(self.counts[k]) + 1
+            self._run(opt, k, k + 1, grads, step, memo, None)
+            self.counts[k:k + 1].fill_(step)
+
     def on_device(self, opt: OptimizerCore) -> bool:
         """Whether a step takes its numbers on the device from the counts kept there
         (``core.host_counts``: off the CPU, or a capturable optimizer)."""
@@ -292,23 +317,15 @@ class _Bucket:
             self.version = self.counts._version
         return self.same
 
-    def _device_numbers(self, opt: OptimizerCore, memo: Memo) -> dict[str, torch.Tensor]:
-        """The step's coefficients as 0-d FP32 tensors on the counts' device, from the bucket's
-        one count (``same_counts``) as the full step makes them
-        (``param_step.scaled_numbers_many``): the numbers that depend on the count computed there,
-        the others the group's constants."""
-        device = self.counts.device
-        step = self.counts[0].double() + 1
-        shared = memo.group_constants(self.group, device)
-        out: dict[str, torch.Tensor] = {}
-        for k, v in param_step.group_rule(opt, self.group, memo).coefficients(step).items():
-            if isinstance(v, torch.Tensor):
-                out[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
-            else:
-                if k not in shared:
-                    shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
-                out[k] = shared[k]
-        return out
+    def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
+                        ) -> dict[str, torch.Tensor]:
+        """The step's coefficients as 0-d FP32 tensors on the counts' device, from parameter
+        ``k``'s count (the bucket's one count, ``same_counts``): its numbers as the full step
+        makes them (``param_step.scaled_numbers``; ``driver.step_buckets`` makes those of every
+        bucket's first parameter at once, per group)."""
+        p = self.params[k]
+        return param_step.scaled_numbers(opt, self.group, p, self.indices[k], self.storage,
+                                         self.states[k], None, memo)[3]
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
         """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
@@ -358,11 +375,14 @@ class _Bucket:
         extra: dict[str, Any] = {} if scaling is None else scaling.kernel_args(p.device)
         rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
         keys: tuple[Any, Any] = (0, 0)
-        if self.keyed:  # (``step`` is the host's count: buckets with keys have it there)
-            keys, owner = self._keys(opt, a, b, cast(int, step))
+        if self.keyed:
+            keys, owner = self._keys(a, b, step)
             extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
-        if _fused_enabled(opt, group, self.params[0]):
+        start = self.start  # (a shard's, alone: fused where its words' indices allow)
+        if _fused_enabled(opt, group, self.params[0]) and (not start or (
+                start + hi - lo <= update._INT32_MAX
+                and (start % 2 == 0 or p.dtype != torch.bfloat16))):
             # (``step``: the count on the host, or the numbers made on the device from it)
             coeffs, c32 = (param_step.step_coefficients(opt, group, step, memo)
                            if isinstance(step, int) else (step, step))
@@ -375,6 +395,7 @@ class _Bucket:
                     fused = self.prepared[key] = compiled.prepare_fused(
                         rule, storage, p, g, *({k: state[k] for k in ks} for ks in names),
                         scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
+                        start=start,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
                 compiled.run_fused(fused, g, coeffs, c32, *keys, extra)
@@ -386,16 +407,15 @@ class _Bucket:
             coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
                       if isinstance(step, int) else step)
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
-            spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo,
-                       param_step.random_keys(group, storage, cast(int, step), self.indices[k]))
-                      for k in range(a, b)]
-                     if self.keyed or self.norms else [(0, hi - lo, (0, 0))])
-            for first, last, keys in spans:
+            spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo, k) for k in range(a, b)]
+                     if self.keyed or self.norms else [(0, hi - lo, -1)])
+            for first, last, k in spans:
                 sl = slice(first, last)
-                sb, mb = ({k: state[k][param_step._block_slice(sl, per[k])] for k in ks}
-                          for ks in names)
-                param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, coeffs, *keys, extra,
-                                      self.qstate, per)
+                sb, mb = ({n: state[n][param_step._block_slice(sl, per[n])] for n in ns}
+                          for ns in names)
+                key_lo, key_hi = self._keys(k, k + 1, step)[0] if self.keyed else (0, 0)
+                param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, coeffs, key_lo, key_hi,
+                                      extra, self.qstate, per, offset=start)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
             if self.gather_state:  # (the new state back into each shard's own tensors)
@@ -407,22 +427,29 @@ class _Bucket:
             torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
 
     def _keys(
-        self, opt: OptimizerCore, a: int, b: int, step: int
+        self, a: int, b: int, step: int | dict[str, torch.Tensor]
     ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
-        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step``: a parameter
-        alone, its key's halves (``_keys``); a gathered piece, one key half per parameter
-        (int64, made for all of them at once: ``numerics.stream_key_halves``) with each word's
-        parameter and index within it (``owner``, ``idx``: ``_word_owners``, kept per piece),
-        so that every element gets the bits it gets in a step of its own."""
+        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step`` (the host's
+        count, or the numbers made on the device: the key from parameter ``a``'s count there,
+        0-d int64 tensors): a parameter alone, its key's halves; a gathered piece, one key half
+        per parameter (int64, made for all of them at once: ``numerics.stream_key_halves``)
+        with each word's parameter and index within it (``owner``, ``idx``: ``_word_owners``,
+        kept per piece), so that every element gets the bits it gets in a step of its own."""
+        count = step if isinstance(step, int) else self.counts[a].long() + 1
         if b - a == 1:
-            return param_step.random_keys(self.group, self.storage, step, self.indices[a]), {}
+            if isinstance(count, int):
+                return param_step.random_keys(self.group, self.storage, count, self.indices[a]), {}
+            return stream_key_halves(self.group["seed"], count, self.indices[a]), {}
         index = self.index_tensors.get((a, b))
+        device = self.counts.device
         if index is None:
-            index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64)
-        keys = stream_key_halves(self.group["seed"], step, index)
+            index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64,
+                                                            device=device)
+        keys = stream_key_halves(self.group["seed"], count, index)
         layout = self.layouts.get((a, b))
         if layout is None:
-            layout = self.layouts[a, b] = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
+            owner, idx = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
+            layout = self.layouts[a, b] = (owner.to(device), idx.to(device))
         return keys, {"owner": layout[0], "idx": layout[1]}
 
     def _state(self, a: int, b: int) -> dict[str, torch.Tensor]:

@@ -448,7 +448,7 @@ def prepare_fused(
     the step's numbers: flattened views (or words of pairs) of its buffers, and the kernel
     variants.
     It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
-    (``buckets``, ``param_step._Entry``).
+    (``buckets``).
 
     ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
     index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's

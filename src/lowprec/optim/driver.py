@@ -2,20 +2,21 @@
 
 ``step()`` (``base``) makes a ``StepContext`` of the loss scaler's inputs and calls ``run``. A
 group's parameters are laid out in buckets (``flatten``: which parameter goes where, ``_kind``;
-each bucket a ``buckets._Bucket``) as soon as their state exists, so every step, the first
-included, goes through ``step_buckets``: a few calls per bucket
-whatever the number of tensors, and the parameters no bucket takes (whole-tensor rules, odd
-sizes, ...) each by its own step, prepared once and kept (``param_step._Entry``). The first step,
-or one after something the buckets were made for changed (a parameter rebound, state loaded),
-validates every parameter (``_collect``, raising before anything is written), creates the
-missing state, lays the buckets out again and steps through them. ``full_step``, every parameter
-on its own, is left for what the buckets decline: buffers an option turned on since a
-parameter's last step (``param_step.step_late``), and a step under a loss scaler on a GPU whose
-bucket counts differ. Nothing is recorded and replayed: a bucket keeps its compiled calls, and
-that is the whole cache.
+each bucket a ``buckets._Bucket``, a parameter that cannot be gathered with others a bucket of
+one) as soon as their state exists, so every step, the first included, goes through
+``step_buckets``: a few calls per bucket whatever the number of tensors, and the parameters no
+bucket takes (whole-tensor rules, one-element or non-contiguous tensors, ...) each by its own
+step (``param_step.step_param``). The first step, or one after something the buckets were made
+for changed (a parameter rebound, state loaded), validates every parameter (``_collect``,
+raising before anything is written), creates the missing state, lays the buckets out again and
+steps through them. ``full_step``, every parameter on its own, is left for what the buckets
+decline: buffers an option turned on since a parameter's last step (``param_step.step_late``),
+and a step under a loss scaler on a GPU whose bucket counts differ. Nothing is recorded and
+replayed: a bucket keeps its compiled calls, and that is the whole cache.
 
-The update inside backward (``in_backward``) ends its step here too, and a DTensor's parameters
-are stepped as their local shards (``shards.local_shards``), in buckets of their own.
+The update inside backward (``in_backward``) steps its parameters through the same buckets, and
+a DTensor's parameters are stepped as their local shards (``shards.local_shards``), in buckets
+of their own.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import torch
 from lowprec.optim import core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
-from lowprec.optim.loss_scale import _advance_counts, _mode, _Scaling
+from lowprec.optim.loss_scale import _Scaling
 from lowprec.optim.options import in_step
-from lowprec.optim.param_step import Memo, _Entry
+from lowprec.optim.param_step import Memo
 from lowprec.optim.shards import local_shards, reduce_groups
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,28 +123,29 @@ def _kind(
     storage: MasterStorage,
 ) -> tuple[Any, ...] | None:
     """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
-    of ``p`` per element), or None where ``p`` is stepped on its own: a whole-tensor ``rule``
-    always; an elementwise one, or one elementwise but for whole-tensor sums (LAMB, StableAdamW:
-    a piece of parameters of one size takes them per row), where the layout allows."""
+    of ``p`` per element; a key of its own where ``p`` cannot be gathered with others: a bucket
+    of one), or None where ``p`` is stepped on its own: a whole-tensor ``rule``, or a layout
+    the flat buffers cannot hold."""
     if rule.whole:
         return None
     state = opt.state.get(p)
-    if not state or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous():
-        return None  # (odd sizes would put the next tensor's words off their pair boundary)
-    keyed = storage.needs_random_bits
-    if keyed and not (p.device.type == "cpu" and storage.pairs_ok(p.dtype)
-                      and core.host_counts(opt, p.device)):
-        # (random bits keyed per word of a piece of many parameters: on pairs, from the count
-        # on the host; else each parameter's own key, made on the device: scaled_numbers)
+    if not state or p.numel() < 2 or not p.is_contiguous():
         return None
+    keyed = storage.needs_random_bits
     # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
     # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
     # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
-    # python storage"; one keyed from its offset in the whole parameter, or whose whole-tensor
-    # sums add every rank's, is a step of its own)
+    # python storage"; one whose whole-tensor sums add every rank's is a step of its own, in the
+    # order of the parameters, so that every rank makes its all-reduces in the same order,
+    # whatever its shards' sizes make of its buckets)
     shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
-    if shard and (keyed or (rule.norms and reduce_groups(opt, p))):
+    if shard and rule.norms and reduce_groups(opt, p):
         return None
+    # A bucket of one: an odd size (it would put the next tensor's words off their pair
+    # boundary); random bits keyed per word of a piece need pairs; a shard keyed from its offset
+    # in the whole parameter; codes are never stepped on pairs, nor their rows' sums taken per
+    # row.
+    alone = p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):
@@ -154,8 +156,7 @@ def _kind(
     per: dict[str, int] = {}
     for name, f in opt._qstate(group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
-    if per and (keyed or rule.norms):
-        return None  # (codes are never stepped on pairs, nor their rows' sums taken per row)
+    alone = alone or bool(per and (keyed or rule.norms))
     maths = opt._math_buffers(group, p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
     layout: list[tuple[str, torch.dtype, int]] = []
@@ -163,27 +164,28 @@ def _kind(
         t, n = state.get(name), per.get(name, 1)
         if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
                 or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
-                or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled.pairs_plan)
                 or opt._buffer_shape(name, p) is not None
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
+        alone = alone or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled.pairs_plan)
         layout.append((name, t.dtype, n))
-    return (p.device, p.dtype, storage.name, step.dtype, step.device, shard, tuple(layout))
+    return (p.device, p.dtype, storage.name, step.dtype, step.device, shard, tuple(layout),
+            id(p) if alone else None)
 
 
 class _Layout:
     """An optimizer's buckets, and what they were made for: its groups, their parameters, options
-    and flags, and the parameters stepped on their own (``rest``: group, position, index)."""
+    and flags; the parameters stepped on their own (``rest``: group, position, index), and each
+    bucketed parameter's bucket and position in it (``where``: the update inside backward)."""
 
-    __slots__ = ("buckets", "entries", "groups", "rest")
+    __slots__ = ("buckets", "groups", "rest", "where")
 
     def __init__(self, opt: OptimizerCore) -> None:
         self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
         self.rest: list[tuple[int, int, int]] = []
-        self.entries: dict[Any, dict[int, _Entry]] = {}  # (the rest's prepared steps per
-        # loss-scaler mode, whose kernels differ: _step_rest)
+        self.where: dict[int, tuple[_Bucket, int]] = {}
 
     def same_groups(self, opt: OptimizerCore) -> bool:
         groups = opt.param_groups
@@ -192,6 +194,11 @@ class _Layout:
             and all(map(operator.is_, group["params"], params))
             for group, (ref, params, _, _) in zip(groups, self.groups, strict=True)
         )
+
+    def same_options(self, opt: OptimizerCore) -> bool:
+        """Whether each group's options and flags are those its buckets' calls were made for."""
+        return all(opt._plan_options(g) == options and opt._flags(g) == flags
+                   for g, _, options, flags in self.groups)
 
 
 def _layout(opt: OptimizerCore) -> _Layout | None:
@@ -225,9 +232,6 @@ def flatten(opt: OptimizerCore) -> None:
             else:
                 kinds.setdefault(kind, []).append((p, index, pi, storage))
         for kind, members in kinds.items():
-            if len(members) < 2:
-                layout.rest.extend((gi, pi, index) for _, index, pi, _ in members)
-                continue
             # (the large parameters first, each a piece of its own; the small ones after them,
             # together, so that their pieces gather many: _pieces; for a rule with whole-tensor
             # sums, which steps a piece's parameters as rows, equal sizes side by side)
@@ -239,17 +243,16 @@ def flatten(opt: OptimizerCore) -> None:
                 bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
                                  members[0][3])
             layout.buckets.append(bucket)
+            layout.where.update((id(p), (bucket, k)) for k, p in enumerate(bucket.params))
     layout.rest.sort()
-    # (the rest's prepared calls are not carried over: they were prepared under the options and
-    # flags of the old layout, which may have changed)
     opt.__dict__["_buckets"] = layout
 
 
 def laid_out(opt: OptimizerCore) -> bool:
-    """Whether the buckets ``flatten`` laid out still hold: the same groups and parameters, and
-    every bucket's parameters and state entries its own."""
+    """Whether the buckets ``flatten`` laid out still hold: the same groups, parameters, options
+    and flags, and every bucket's parameters and state entries its own."""
     layout = _layout(opt)
-    return (layout is not None and layout.same_groups(opt)
+    return (layout is not None and layout.same_groups(opt) and layout.same_options(opt)
             and all(b.current(opt) for b in layout.buckets))
 
 
@@ -276,7 +279,8 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         if g is None:
             return False
         first = next((x for x in g if x is not None), None)  # (all of one dtype: gradients)
-        if bucket.keyed and first is not None and first.dtype not in _PAIR_DTYPES:
+        if (bucket.keyed and len(g) > 1 and first is not None
+                and first.dtype not in _PAIR_DTYPES):
             return False  # (random bits keyed per word need pairs: BF16 or FP32 gradients)
         grads.append(g)
     rest: list[WorkItem] = []
@@ -309,34 +313,14 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
                                    opt.__dict__.get("_shard_reduce"))
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
+    counted += [(b.group, b.params[0], b.indices[0], b.storage, b.states[0])
+                for b, g in zip(layout.buckets, grads, strict=True)
+                if b.on_device(opt) and any(x is not None for x in g)]  # (from its one count)
     if counted:  # (their numbers on the device, all at once: as the full step makes them)
         param_step.scaled_numbers_many(opt, counted, scaling, memo)
     for bucket, g in zip(layout.buckets, grads, strict=True):
         bucket.step(opt, g, memo, scaling)
-    _step_rest(opt, layout, rest, memo, scaling)
+    for group, p, index, storage in rest:
+        param_step.step_param(opt, group, p, index, storage, scaling, memo)
     return True
 
-
-def _step_rest(
-    opt: OptimizerCore,
-    layout: _Layout,
-    rest: list[WorkItem],
-    memo: Memo,
-    scaling: _Scaling | None,
-) -> None:
-    """The parameters outside buckets, each by its compiled step as prepared at its last step
-    (``layout.entries``, redone by ``param_step.redo_entry``) where nothing it
-    relied on changed, else by its full step, which prepares it anew. Without the entries each
-    step prepared every such call again: LAMB with 8-bit state, whose 8-bit parameters stay out
-    of buckets, lost 14% of a step of ``lowprec compare``'s model to its small parameters'
-    buckets (``benchmarks/fast_path.py``)."""
-    entries = layout.entries.setdefault(_mode(scaling), {})  # (kernels per scaler mode)
-    memo.entries = entries
-    fused: list[_Entry] = []  # (redone by their compiled call: their counts advance below)
-    try:
-        for group, p, index, storage in rest:
-            if not param_step.redo_entry(opt, entries.get(id(p)), memo, scaling, fused):
-                param_step.step_param(opt, group, p, index, storage, scaling, memo)
-    finally:
-        if fused:  # (also when a later parameter raised: these were stepped)
-            _advance_counts([e.state["step"] for e in fused], scaling)

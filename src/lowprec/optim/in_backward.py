@@ -7,9 +7,10 @@ as soon as autograd has summed its gradient, and frees the gradient right after,
 the gradients autograd is still producing exist at any moment (optimi's "gradient release",
 torch's private ``_apply_optimizer_in_backward``).
 
-It runs the optimizer's own per-parameter step (``param_step.step_param``, compiled where the step
-is fused, its prepared call kept and run again: ``param_step.redo_entry``), with the numbers of
-the parameter's group made once per step, so the result equals
+It steps the parameter through its bucket, as a piece of its own (``buckets._Bucket.step_one``:
+the compiled call the bucket keeps for it; a parameter no bucket takes, Adafactor's or Muon's,
+by its own step, ``param_step.step_param``), with the numbers of the parameter's group made once
+per step, so the result equals
 the same optimizer stepped normally bit for bit, for every optimizer and ``master=`` strategy:
 each parameter's update depends on its own gradient and state alone (LAMB's and StableAdamW's
 norms are per tensor; stochastic rounding's key is the parameter's index and step). Small
@@ -51,7 +52,7 @@ from lowprec.optim import driver, param_step, qstate
 from lowprec.optim.core import OptimizerCore
 from lowprec.optim.dtensor import is_dtensor
 from lowprec.optim.options import in_step
-from lowprec.optim.param_step import Memo, _Entry
+from lowprec.optim.param_step import Memo
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.storage import MasterStorage
@@ -107,7 +108,6 @@ class StepInBackward:
         self._groups: list[tuple[Any, ...]] = []  # (what _items was made from)
         # (state tensors last found valid, per parameter)
         self._checked: dict[int, tuple[int, ...]] = {}
-        self._entries: dict[int, _Entry] = {}
         self._small_waiting = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
@@ -136,7 +136,7 @@ class StepInBackward:
             same = all(it.p.dtype == it.dtype
                        for it in cast("dict[int, _Item]", self._items).values())
         if not same:  # (what step() checks of the groups: each parameter's strategy, devices)
-            self._items, self._groups, self._entries = {}, [], {}
+            self._items, self._groups = {}, []
             index = -1
             for gi, group in enumerate(groups):
                 storages = opt._validate_group(group, gi)
@@ -156,14 +156,13 @@ class StepInBackward:
             elif it.p.requires_grad:
                 new.append(it)
         # (the state of the parameters this backward steps, created before any is stepped and
-        # laid out in the buckets at once, or again where the layout no longer holds: the
-        # small ones' step at the end of backward, and the large ones' kept calls, find it
-        # where it stays)
+        # laid out in the buckets at once, or again where the layout no longer holds: the hooks
+        # and the small ones' step at the end of backward find it where it stays)
         for it in new:
             opt.state[it.p].update(opt._init_state(it.group, it.p, it.storage))
         if new or not driver.laid_out(opt):
             driver.flatten(opt)
-        return Memo(self._entries)
+        return Memo()
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -191,28 +190,19 @@ class StepInBackward:
                 self._small_waiting = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
-        if not self._redo(p, memo):
-            self.optimizer._check_grad(p, it.where)
-            self._step(it, memo)
+        self.optimizer._check_grad(p, it.where)
+        self._step(it, memo)
         p.grad = None
 
-    def _redo(self, p: torch.Tensor, memo: Memo) -> bool:
-        """The parameter's compiled step as prepared at its last step (its ``_Entry``), redone as
-        the buckets redo the parameters they step on their own (``param_step.redo_entry``), if
-        nothing it relied on changed; False, having written nothing, otherwise."""
-        opt = self.optimizer
-        if getattr(opt, "_fused_broken", False):  # (compilation failed: eager from now on)
-            self._entries.clear()
-        e = self._entries.get(id(p))
-        fused: list[_Entry] = []
-        if not param_step.redo_entry(opt, e, memo, None, fused):
-            return False
-        cast(_Entry, e).count.add_(1)  # (redone: an entry)
-        return True
-
     def _step(self, it: _Item, memo: Memo) -> None:
-        """A parameter's full step, as ``step()`` takes it (recording its prepared step)."""
+        """A parameter's step: through its bucket (laid out by ``_begin``, its state entries the
+        bucket's, so nothing to check), else on its own, as ``step()`` takes it."""
         opt = self.optimizer
+        layout = driver._layout(opt)
+        where = layout.where.get(id(it.p)) if layout is not None else None
+        if where is not None:
+            where[0].step_one(opt, where[1], memo)
+            return
         state = opt.state.get(it.p)
         work = (it.group, it.p, it.index, it.storage)
         if state and opt._check_state(state, it.group, it.p, it.storage, it.where):

@@ -4,8 +4,7 @@
 leaves every parameter as it was), adds its finding to ``found_inf`` and takes ``1 / grad_scale``
 as GradScaler does; the kernels then take ``kernel_args``: the inverse scale, which multiplies
 the gradient inside the update (``update._param_update``), and the skip flag, which selects the
-old value for every write. ``_mode`` is the part of a compiled kernel's key this decides;
-``_advance_counts`` advances the step counts of parameters stepped together by ``1 - skip``.
+old value for every write. ``_mode`` is the part of a compiled kernel's key this decides.
 ``_host_counts`` says where a step under a scaler reads its counts on the host (the CPU) or
 computes its numbers on the device (``param_step.scaled_numbers``); tests replace it, so the modules
 that read it read it through this one (``loss_scale._host_counts``).
@@ -161,19 +160,6 @@ def _one(device: torch.device) -> torch.Tensor:
 def _mode(scaling: _Scaling | None) -> str | bool:
     """How a step's kernels take a loss scaler's inputs (``_Scaling.mode``); False: none."""
     return False if scaling is None else scaling.mode
-
-
-def _advance_counts(counts: list[torch.Tensor], scaling: _Scaling | None) -> None:
-    """Advance the step counts of parameters stepped together, in one call per device. Each
-    holds the whole number read on the host before the step (or, under a loss scaler off the CPU,
-    the count its numbers were computed from on its device), so adding 1 stores what
-    ``param_step.advance``'s ``fill_(count + 1)`` would, for floating-point or integer counts (a
-    loaded checkpoint keeps its dtype); under a loss scaler, ``1 - skip``, decided on the device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for c in counts:
-        by_device.setdefault(c.device, []).append(c)
-    for device, same in by_device.items():
-        torch._foreach_add_(same, 1 if scaling is None else scaling.taken_on(device))
 
 
 def _host_counts(device: torch.device) -> bool:

@@ -11,14 +11,11 @@ coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coeffic
 stochastic rounding's keys (``random_keys``) and, under a loss scaler off the CPU, all of them
 made on the device from the step counts kept there (``scaled_numbers_many``). ``advance``
 advances a parameter's count once it is stepped (by ``1 - skip`` under a loss scaler, decided on
-the device). A parameter stepped on its own keeps its prepared compiled call (``_Entry``, in the
-``memo``'s ``"entries"``, which the buckets' layout and the update inside backward hold from
-step to step), and ``redo_entry`` runs it again while nothing it relied on changed.
+the device).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -36,7 +33,6 @@ from lowprec.optim.update import _param_sums, _param_update
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
-    from lowprec.optim.compiled import _Fused
     from lowprec.optim.core import OptimizerCore, Rule
 
 #: A parameter's numbers for a step counted on its device (``scaled_numbers``):
@@ -50,18 +46,16 @@ class Memo:
     rule per group (``group_rule``: ``OptimizerCore.rule``), its coefficients per group and step number, on the
     host and as 0-d FP32 tensors (``step_coefficients``), the numbers made on the device for a
     parameter whose count is kept there (``scaled_numbers``), the group's constants on each
-    device, and (where the caller keeps them from step to step) the prepared calls of the
-    parameters stepped on their own (``entries``: ``redo_entry``)."""
+    device."""
 
-    __slots__ = ("coeffs", "constants", "entries", "numbers", "rules")
+    __slots__ = ("coeffs", "constants", "numbers", "rules")
 
-    def __init__(self, entries: dict[int, _Entry] | None = None) -> None:
+    def __init__(self) -> None:
         self.rules: dict[int, Rule] = {}
         self.coeffs: dict[tuple[int, int],
                           tuple[dict[str, Any], dict[str, torch.Tensor] | None]] = {}
         self.numbers: dict[int, _ScaledNumbers] = {}
         self.constants: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
-        self.entries = entries
 
     def group_constants(self, group: dict[str, Any], device: torch.device
                         ) -> dict[str, torch.Tensor]:
@@ -280,8 +274,7 @@ def step_param(
 ) -> None:
     """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
     group shares (flags, coefficients and their tensors for a given step number), so that a
-    model of many small tensors does not pay for them per tensor; its ``"entries"`` (where
-    present) keeps the parameter's prepared compiled call for ``redo_entry``. ``first_use``: the
+    model of many small tensors does not pay for them per tensor. ``first_use``: the
     first step of buffers created late (``step_late``), eager, with
     ``_first_use_coefficients``."""
     memo = Memo() if memo is None else memo
@@ -355,9 +348,6 @@ def step_param(
             _disable_fused(opt, e)
         else:
             advance(state, step, scaling, p.device)
-            entries = memo.entries
-            if entries is not None:  # (kept for the next step: redo_entry)
-                entries[id(p)] = _Entry(group, p, index, storage, state, fused)
             return
     # (flat where it is cut in chunks or holds codes; else the tensors as they are: one pass)
     if contiguous and (quantized or p.numel() > update._eager_chunk(p.device)):
@@ -472,83 +462,3 @@ def advance(
         state["step"].fill_(step)
     else:  # one more step unless this one was skipped, decided on the device
         state["step"].add_(scaling.taken_on(device))
-
-
-def _grad_kind(g: torch.Tensor) -> tuple[Any, ...]:
-    """What a step's path depends on in a gradient besides its shape."""
-    return g.dtype, g.device, g.layout, g.is_contiguous(), g.storage_offset() % 2
-
-
-class _Entry:
-    """A parameter's compiled step as ``step_param`` prepared it (``compiled._Fused``: views and
-    kernels), with what ``current`` checks before ``redo_entry`` runs it again: the parameter,
-    the layout of its gradient, its state tensors. It holds no gradient, so that a gradient the
-    training loop drops is freed. Without it, each step of a parameter stepped on its own
-    prepared the call again: LAMB with 8-bit state, whose 8-bit parameters stay out of buckets,
-    lost 14% of a step of ``lowprec compare``'s model to it."""
-
-    __slots__ = ("count", "dtype", "fused", "gkind", "group", "index", "names", "p", "ptr",
-                 "shape", "size", "state", "storage", "stride", "tensors")
-
-    def __init__(
-        self,
-        group: dict[str, Any],
-        p: torch.Tensor,
-        index: int,
-        storage: MasterStorage,
-        state: dict[str, Any],
-        fused: _Fused,
-    ) -> None:
-        self.group, self.p, self.index, self.storage, self.fused = group, p, index, storage, fused
-        self.state, self.count = state, state["step"]
-        self.names = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor))
-        self.tensors = tuple(state[k] for k in self.names)
-        self.size = len(state)
-        self.ptr, self.dtype, self.shape, self.stride = p.data_ptr(), p.dtype, p.shape, p.stride()
-        self.gkind = _grad_kind(cast(torch.Tensor, p.grad))  # (a stepped parameter's)
-
-    def current(self, state: dict[Any, Any]) -> bool:
-        p = self.p
-        g = p.grad  # (checked every step: an entry that held it would keep it alive)
-        if g is None or g.shape != self.shape or _grad_kind(g) != self.gkind:
-            return False
-        st = state.get(p)
-        return (
-            st is self.state and p.data_ptr() == self.ptr and p.dtype == self.dtype
-            and p.shape == self.shape and p.stride() == self.stride and len(st) == self.size
-            and all(map(operator.is_, map(st.get, self.names), self.tensors))
-        )
-
-
-def redo_entry(
-    opt: OptimizerCore,
-    e: _Entry | None,
-    memo: Memo,
-    scaling: _Scaling | None,
-    fused: list[_Entry],
-) -> bool:
-    """A parameter's compiled step as prepared at its last step (its ``_Entry``), run again with
-    this step's numbers if nothing it relied on changed; False, having written nothing,
-    otherwise. ``fused`` collects it: its count is the caller's to advance
-    (``loss_scale._advance_counts``, one call for all of them)."""
-    if e is None or not e.current(opt.state) or not _fused_enabled(opt, e.group, e.p):
-        return False
-    grad = cast(torch.Tensor, e.p.grad)  # (present: checked by e.current)
-    try:
-        if core.host_counts(opt, e.p.device):
-            step = int(e.count.item()) + 1
-            compiled.run_fused(
-                e.fused, grad, *step_coefficients(opt, e.group, step, memo),
-                *random_keys(e.group, e.storage, step, e.index),
-                {} if scaling is None else scaling.kernel_args(e.p.device),
-            )
-        else:  # (the count on the device: the numbers made there)
-            _, lo, hi, coeffs, extra = scaled_numbers(
-                opt, e.group, e.p, e.index, e.storage, e.state, scaling, memo
-            )
-            compiled.run_fused(e.fused, grad, coeffs, coeffs, lo, hi, extra)
-    except _COMPILE_ERRORS as err:  # (compilation failed before anything was written)
-        _disable_fused(opt, err)
-        return False
-    fused.append(e)
-    return True
