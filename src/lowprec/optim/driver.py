@@ -266,13 +266,10 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     layout = _layout(opt)
     if layout is None or not layout.same_groups(opt):
         return False
-    storages: list[list[MasterStorage]] = []
-    for gi, (group, (_, _, options, flags)) in enumerate(
-        zip(opt.param_groups, layout.groups, strict=True)
-    ):
-        storages.append(opt._validate_group(group, gi))  # (raises as the full step would)
-        if opt._plan_options(group) != options or opt._flags(group) != flags:
-            return False
+    # (every group validated first: raises as the full step would)
+    storages = [opt._validate_group(group, gi) for gi, group in enumerate(opt.param_groups)]
+    if not layout.same_options(opt):
+        return False
     grads: list[list[torch.Tensor | None]] = []
     for bucket in layout.buckets:
         g = bucket.gradients() if bucket.current(opt) else None
