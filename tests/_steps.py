@@ -27,7 +27,8 @@ STEPS = 6
 @contextlib.contextmanager
 def full_steps():
     """Every parameter stepped on its own by its full step (``driver.full_step``:
-    ``param_step.step_param``) at every step: no bucket and no kept call, the reference of the
+    ``param_step.step_param``, eager but for whole-tensor rules) at every step: no bucket and
+    no kept call, the reference of the
     buckets' step (and ``tests/conftest.py``'s ``no_buckets``)."""
     with mock.patch.object(driver, "step_buckets", lambda *args: False), \
             mock.patch.object(driver, "flatten", lambda opt: None):
@@ -124,6 +125,9 @@ CHANGES = {
     "a_grad_missing": lambda params, opt, saved: [
         setattr(p, "grad", None) for p in params[1::2]],
     "grads_in_fp32": _set_grads(lambda params: [p.grad.float() for p in params]),
+    # (gradients of two dtypes in one bucket: each parameter a piece of its own)
+    "a_grad_in_fp32": _set_grads(lambda params: [
+        p.grad.float() if i == 2 else p.grad for i, p in enumerate(params)]),
     "grad_non_contiguous": _set_grads(lambda params: [
         p.grad.t().contiguous().t() if p.dim() == 2 else p.grad for p in params]),
     "weight_decay_off": lambda params, opt, saved: opt.param_groups[0].update(weight_decay=0.0),

@@ -1,15 +1,16 @@
 """Buckets (``lowprec.optim.buckets``): from the first step, a group's state is views of flat
-buffers and a step takes a few compiled calls per bucket, whatever the number of tensors; the
-parameters no bucket takes keep their prepared compiled call.
+buffers and a step takes a few compiled calls per bucket, whatever the number of tensors; a
+parameter that cannot be gathered with others is a bucket of one.
 
 The reference is the step without buckets (``tests/_steps.py``'s ``full_steps``: every
-parameter's full step, compiled per tensor), itself checked against eager and torch.optim
+parameter's full step, eager per tensor), itself checked against torch.optim
 elsewhere; every comparison is bit for bit. Each change between two steps that the buckets must
 notice or carry through (``CHANGES``) is applied to both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import pathlib
@@ -31,6 +32,7 @@ from lowprec.optim import (
     loss_scale,
 )
 from tests import _steps
+from tests._host import no_host_reads
 from tests._same import assert_same, bits
 from tests._steps import CHANGES, STEPS, full_steps
 
@@ -56,7 +58,7 @@ def _run(make, change, *, use_buckets, monkeypatch, steps=STEPS, scaled=None, **
 # step, which lays the buckets out again).
 KEPT = ("nothing", "momentum_in_place", "lr_and_betas", "step_count_written",
         "step_counts_past_2_24", "step_counts_written_through_data", "a_grad_missing",
-        "grads_in_fp32", "grad_non_contiguous")
+        "grads_in_fp32", "a_grad_in_fp32", "grad_non_contiguous")
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
@@ -286,15 +288,58 @@ def test_buckets_with_counts_on_the_device_equal_the_step_without_them(name, sca
     the counts stay on the device and the step's numbers are made there from the bucket's one
     count. Bit for bit the full step's (which makes them per parameter), across the changes a
     step must notice; a count written in place is seen through the counts' version counter. A
-    bucket with a parameter missing its gradient, or counts that differ, takes the full step."""
+    bucket with a parameter missing its gradient, or counts that differ, steps each parameter
+    as a piece of its own, with its own count's numbers (``_Bucket.each``), still laid out."""
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
                      scaled=scaled)
     pb, ob, taken = _run(_adamw_kahan, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch,
                          scaled=scaled)
     assert_same(pa, oa, pb, ob)
-    if name in ("nothing", "grads_in_fp32", "lr_and_betas"):
+    if name != "state_loaded":
         assert taken == STEPS - 1, taken
+
+
+def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeypatch):
+    """With the counts on the device (``loss_scale._host_counts`` patched off, as on a GPU), a
+    step where a parameter has no gradient and the steps after it, whose counts differ, go
+    through the bucket as it was laid out, a piece per parameter with its own count's numbers:
+    no full step and no layout again, the counts read on the host only once (whether they are
+    the same again: the first step with every gradient), skipped steps included, and the bits
+    of the full step."""
+    from lowprec.optim import driver
+
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    calls = {"flatten": 0, "full_step": 0}
+    for name in calls:
+        real = getattr(driver, name)
+        monkeypatch.setattr(driver, name, lambda *a, _n=name, _f=real: (
+            calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1])
+    runs = []
+    for use in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(s, generator=gen).bfloat16().requires_grad_()
+                  for s in [(32, 4), (64,), (16, 6)]]
+        opt = _adamw_kahan(params)
+        for step in range(6):
+            for k, p in enumerate(params):
+                p.grad = (None if step == 1 and k == 1
+                          else torch.randn(p.shape, generator=gen).bfloat16() * 4)
+            kw = {"grad_scale": torch.tensor(4.0), "found_inf": torch.tensor(float(step == 4))}
+            if not use:
+                with full_steps():
+                    opt.step(**kw)
+                continue
+            if step == 1:
+                calls.update(flatten=0, full_step=0)
+            with contextlib.nullcontext() if step in (0, 2) else no_host_reads():
+                opt.step(**kw)
+        runs.append((params, opt))
+    assert calls == {"flatten": 0, "full_step": 0}, calls
+    (bucket,) = runs[1][1]._buckets.buckets
+    assert len(bucket.params) == 3 and not bucket.same_counts()
+    assert [float(runs[1][1].state[p]["step"]) for p in runs[1][0]] == [5, 4, 5]
+    assert_same(*runs[0], *runs[1])
 
 
 # Parameters of whole blocks (8-bit or 4-bit state, in one bucket) and smaller ones (FP32 state:

@@ -207,13 +207,16 @@ def check_sharded(cfg, ranks, name, unsharded):
         assert got["found"] == found, rank  # (an inf in one shard: every rank skips)
         calls, based = got["compiled"]
         if (cfg["kw"].get("master") == "kahan" and not cfg["kw"].get("state_dtype")
-                and cfg["cls"] in ("AdamW", "SGD")):
+                and cfg["cls"] in ("AdamW", "SGD", "Lamb")):
             # (the even-sized shards of a group go into a bucket, their state gathered per
             # piece, so that a checkpoint can deep-copy it, as the resume runs do; LAMB's,
-            # whose sums add every rank's, are stepped on their own)
+            # whose sums add every rank's, each a bucket of one, stepped in the parameters'
+            # order)
             assert got["bucketed"] >= 2, (rank, got["bucketed"])
         if cfg["kw"].get("fused"):  # (not silently eager: the same bits would pass)
             assert calls > 0, rank
+            if not cfg.get("resume"):  # (the buckets' calls kept: none prepared at the last)
+                assert got["prepared"][-1] == got["prepared"][-2], (rank, got["prepared"])
             # A shard past the start of a stochastic parameter keys its bits in the kernel (in
             # 4 ranks' results, the 2 x 2 mesh's or two 2-rank meshes': the second shard, odd
             # ranks).

@@ -28,7 +28,6 @@ from lowprec.numerics import split
 from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, update
 from tests._cases import pairwise
 from tests._same import assert_same, bits
-from tests._steps import full_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.fused]
 
@@ -270,12 +269,12 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
 
 
 @pytest.mark.parametrize("master", ["none", "kahan", "split", "stochastic", "fp32"])
-def test_small_lamb_parameters_take_their_own_calls(master):
-    """Small LAMB parameters are not batched (per-parameter norms made batches slower than a call
-    each: benchmarks/fast_path.py): each BF16 parameter takes its own sums and update passes, bit
-    for bit the eager step, a parameter without a gradient at a step and a seed whose keys use
-    all 64 bits included. Split and stochastic rounding step on pairs (words), the others on the
-    elements, as FP32 parameters do."""
+def test_small_lamb_parameters_take_a_call_per_size(master):
+    """Small LAMB parameters step in their bucket's pieces, one per size (equal sizes as rows of
+    a matrix, each row's own sums; an odd size a bucket of one), bit for bit the eager step, a
+    parameter without a gradient at a step and a seed whose keys use all 64 bits included.
+    Split and stochastic rounding step on pairs (words), the others on the elements, as FP32
+    parameters (a bucket of their own) do."""
     shapes = [(64, 30), (6,), (2, 3, 5), (33,), (8, 2), (4, 4)]
     init = [torch.randn(s).to(torch.bfloat16) for s in shapes]
     init[4] = init[4] * 100  # a very different ||w|| (ratios differ by parameter)
@@ -288,15 +287,15 @@ def test_small_lamb_parameters_take_their_own_calls(master):
     opt = make(params, True)
     for p in params:
         p.grad = torch.randn(p.shape).to(p.dtype)
-    with _kernel_calls() as calls, full_steps():
-        opt.step()  # (every parameter through its own step)
+    with _kernel_calls() as calls:
+        opt.step()  # (the first step: through the buckets)
     on_pairs = master in compiled._PAIRS_FASTER
     sums = sorted((n for name, _, n in calls
                    if name == ("_param_sums_pairs" if on_pairs else "_param_sums")), reverse=True)
-    if on_pairs:  # (each its own words; 33: 16 and one eager)
-        assert sums == [960, 16, 15, 8, 8, 3], calls
-    else:  # (each its own elements, the FP32 parameter's 10 among them)
-        assert sums == [1920, 33, 30, 16, 16, 10, 6], calls
+    if on_pairs:  # (each size its own words, (8, 2) and (4, 4) as two rows; 33: 16 and one eager)
+        assert sums == [960, 16, 16, 15, 3], calls
+    else:  # (each size its own elements, the FP32 parameter's 10 among them)
+        assert sums == [1920, 33, 32, 30, 10, 6], calls
 
 
 def _sequential_sum_trap(words: int) -> torch.Tensor:

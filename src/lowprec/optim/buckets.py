@@ -40,7 +40,9 @@ its update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``).
 size of its own is a piece alone, in the kernels of a parameter's own step.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
-of consecutive parameters that have one and share a step count. Which parameters a bucket takes
+of consecutive parameters that have one and share a step count (with the counts on the device,
+where one lacks a gradient or the counts differ, a piece per parameter, each with its own
+count's numbers: ``each``; gradients of two dtypes, a piece per parameter too). Which parameters a bucket takes
 is ``driver._kind``'s choice (a parameter that cannot be gathered with others, of an odd size,
 say, a bucket of one); the others (whole-tensor rules, ...) are stepped on their own. The update
 inside backward steps a parameter through its bucket too (``step_one``), as a piece alone.
@@ -65,6 +67,7 @@ from lowprec.numerics import stream_key_halves
 from lowprec.optim import compiled, core, param_step, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
+from lowprec.optim.shards import reduce_groups
 
 if TYPE_CHECKING:
     from lowprec.optim.compiled import _Fused
@@ -123,6 +126,7 @@ class _Bucket:
         "sbufs",
         "scratch",
         "shapes",
+        "shards",
         "sizes",
         "split_views",
         "start",
@@ -190,12 +194,14 @@ class _Bucket:
         # first element in the whole parameter)
         offsets = opt.__dict__.get("_shard_offsets") or {}
         self.start = offsets.get(id(p0), 0) if self.keyed and shard else 0
+        # (a DTensor's shard whose whole-tensor sums add every rank's, a bucket of one:
+        # ``driver.step_buckets`` steps these in the parameters' order, on every rank alike)
+        self.shards = tuple(reduce_groups(opt, p0)) if shard and self.norms else ()
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries: Callable[[Any], tuple[Any, ...]] = (
             operator.itemgetter("step", *self.names) if self.names
             else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
-        self.made = [t for ts in zip(self.steps, *(self.views[k] for k in self.names),
-                                     strict=True) for t in ts]
+        self.made = self._made()
         self.same, self.version = False, None  # (same_counts: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, _Fused] = {}
@@ -218,25 +224,28 @@ class _Bucket:
         except KeyError:  # (an entry deleted)
             return False
 
-    def gradients(self) -> list[torch.Tensor | None] | None:
-        """The parameters' gradients, or None where one does not fit the bucket's step (the full
-        step then checks it, and raises where it must): strided, shaped as their parameters, on
-        their device, of one dtype."""
+    def gradients(self) -> tuple[list[torch.Tensor | None], bool] | None:
+        """The parameters' gradients, and whether each parameter takes a piece of its own (their
+        dtypes differ, or stochastic rounding's keys per word would need pairs: BF16 or FP32);
+        None where one does not fit the step (the full validation then raises): strided,
+        shaped as their parameters, on their device."""
         grads = list(map(_GRAD, self.params))
         present, shapes = grads, self.shapes
         if any(map(operator.is_, grads, itertools.repeat(None))):  # (`None in` compares tensors)
             present = [g for g in grads if g is not None]
             shapes = [s for g, s in zip(grads, shapes, strict=True) if g is not None]
         if not present:  # (a frozen bucket: nothing to step)
-            return grads
+            return grads, False
         # (the device by its index, as torch's own check of an assigned gradient compares it:
         # ~3x cheaper than reading each tensor's device)
         if (list(map(_SHAPE, present)) != shapes
-                or len(set(map(_DTYPE, present))) != 1
                 or set(map(_LAYOUT, present)) != {torch.strided}
                 or set(map(torch.Tensor.get_device, present)) != {self.device_index}):
             return None
-        return grads
+        dtypes = set(map(_DTYPE, present))
+        alone = len(grads) > 1 and (len(dtypes) != 1 or (
+            self.keyed and not dtypes <= set(compiled._PAIR_DTYPES)))
+        return grads, alone
 
     def step(
         self,
@@ -244,15 +253,28 @@ class _Bucket:
         grads: list[torch.Tensor | None],
         memo: Memo,
         scaling: _Scaling | None,
+        alone: bool = False,
     ) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones that share a step
-        count (all of them, in a plain loop), a compiled call per piece (``_pieces``). Under a
-        loss scaler (``scaling``) the counts advance by ``1 - skip``, decided on the device;
-        where they are kept there (``on_device``), every parameter has a gradient and one count
-        (``same_counts``, checked by ``step_buckets``), and the step's numbers are made there
-        from it: no value is read on the host."""
+        count (all of them, in a plain loop), a compiled call per piece (``_pieces``; one per
+        parameter where ``alone``: ``gradients``). Under a loss scaler (``scaling``) the counts
+        advance by ``1 - skip``, decided on the device. Where they are kept there
+        (``on_device``) the step's numbers are made there, no value read on the host: from the
+        one count where every parameter has a gradient and all counts are the same
+        (``same_counts``), else each parameter's from its own (``each``), a piece each."""
         if self.on_device(opt):
             if all(g is None for g in grads):  # (a frozen bucket: nothing to step)
+                return
+            if self.each(grads, alone):
+                taken = 1 if scaling is None else scaling.taken_on(self.counts.device)
+                read = self.version == self.counts._version  # (``same`` holds)
+                for k, g in enumerate(grads):
+                    if g is not None:
+                        self._run(opt, k, k + 1, grads, self._device_numbers(opt, memo, k), memo,
+                                  scaling)
+                        self.counts[k:k + 1].add_(taken)
+                if read and all(g is not None for g in grads):  # (all moved alike: still holds)
+                    self.version = self.counts._version
                 return
             numbers = self._device_numbers(opt, memo, 0)
             done = 0
@@ -277,7 +299,7 @@ class _Bucket:
             step = int(counts[i]) + 1
             done = i
             try:
-                for a, b in self._pieces(i, j):
+                for a, b in ([(k, k + 1) for k in range(i, j)] if alone else self._pieces(i, j)):
                     self._run(opt, a, b, grads, step, memo, scaling)
                     done = b
             finally:  # (one write per run; a step that raises part way leaves each count
@@ -294,13 +316,33 @@ class _Bucket:
         see one gradient at a time; no loss scaler), its count advanced."""
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         grads[k] = self.params[k].grad
-        if self.on_device(opt):
-            self._run(opt, k, k + 1, grads, self._device_numbers(opt, memo, k), memo, None)
-            self.counts[k:k + 1].add_(1)
-        else:
-            step = int(self.counts[k]) + 1
-            self._run(opt, k, k + 1, grads, step, memo, None)
-            self.counts[k:k + 1].fill_(step)
+        self.step(opt, grads, memo, None, alone=True)
+
+    def each(self, grads: list[torch.Tensor | None], alone: bool) -> bool:
+        """Whether a step with the counts on the device takes each parameter's numbers from its
+        own count: some parameters have no gradient, their counts differ, or each is a piece of
+        its own (``alone``)."""
+        return alone or any(g is None for g in grads) or not self.same_counts()
+
+    def place_counts(self) -> None:
+        """The counts moved to the parameters' device, where a step on the device makes its
+        numbers from them (a checkpoint's counts are loaded on the CPU)."""
+        device = self.params[0].device
+        if self.counts.device == device:
+            return
+        self.counts = self.counts.to(device)
+        self.steps = list(self.counts.unbind())
+        for st, view in zip(self.states, self.steps, strict=True):
+            st["step"] = view
+        self.made = self._made()
+        self.index_tensors.clear()
+        self.layouts.clear()
+        self.version = None
+
+    def _made(self) -> list[torch.Tensor]:
+        """Every state entry the bucket made, per parameter in ``entries``' order (``current``)."""
+        return [t for ts in zip(self.steps, *(self.views[k] for k in self.names), strict=True)
+                for t in ts]
 
     def on_device(self, opt: OptimizerCore) -> bool:
         """Whether a step takes its numbers on the device from the counts kept there
@@ -395,7 +437,7 @@ class _Bucket:
                     fused = self.prepared[key] = compiled.prepare_fused(
                         rule, storage, p, g, *({k: state[k] for k in ks} for ks in names),
                         scaled=mode, qstate=self.qstate, keyed=self.keyed and not one, rows=rows,
-                        start=start,
+                        start=start, shards=self.shards,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
                 compiled.run_fused(fused, g, coeffs, c32, *keys, extra)
@@ -415,7 +457,8 @@ class _Bucket:
                           for ns in names)
                 key_lo, key_hi = self._keys(k, k + 1, step)[0] if self.keyed else (0, 0)
                 param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, coeffs, key_lo, key_hi,
-                                      extra, self.qstate, per, offset=start)
+                                      extra, self.qstate, per, offset=start,
+                                      shards=self.shards)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
             if self.gather_state:  # (the new state back into each shard's own tensors)

@@ -9,14 +9,15 @@ bucket takes (whole-tensor rules, one-element or non-contiguous tensors, ...) ea
 step (``param_step.step_param``). The first step, or one after something the buckets were made
 for changed (a parameter rebound, state loaded), validates every parameter (``_collect``,
 raising before anything is written), creates the missing state, lays the buckets out again and
-steps through them. ``full_step``, every parameter on its own, is left for what the buckets
-decline: buffers an option turned on since a parameter's last step (``param_step.step_late``),
-and a step under a loss scaler on a GPU whose bucket counts differ. Nothing is recorded and
-replayed: a bucket keeps its compiled calls, and that is the whole cache.
+steps through them. ``full_step``, every parameter on its own and eager, is left for what the
+buckets decline: buffers an option turned on since a parameter's last step
+(``param_step.step_late``). Nothing is recorded and replayed: a bucket keeps its compiled
+calls, and that is the whole cache.
 
 The update inside backward (``in_backward``) steps its parameters through the same buckets, and
 a DTensor's parameters are stepped as their local shards (``shards.local_shards``), in buckets
-of their own.
+of their own (those whose whole-tensor sums add every rank's stepped in the parameters'
+order, ``step_buckets``).
 """
 
 from __future__ import annotations
@@ -135,17 +136,15 @@ def _kind(
     # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
     # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
     # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
-    # python storage"; one whose whole-tensor sums add every rank's is a step of its own, in the
-    # order of the parameters, so that every rank makes its all-reduces in the same order,
-    # whatever its shards' sizes make of its buckets)
+    # python storage")
     shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
-    if shard and rule.norms and reduce_groups(opt, p):
-        return None
     # A bucket of one: an odd size (it would put the next tensor's words off their pair
     # boundary); random bits keyed per word of a piece need pairs; a shard keyed from its offset
-    # in the whole parameter; codes are never stepped on pairs, nor their rows' sums taken per
-    # row.
-    alone = p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
+    # in the whole parameter, or whose whole-tensor sums add every rank's (stepped in the
+    # parameters' order: step_buckets); codes are never stepped on pairs, nor their rows' sums
+    # taken per row.
+    alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
+             or (shard and rule.norms and bool(reduce_groups(opt, p))))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):
@@ -260,9 +259,12 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
     its errors), step each bucket and the parameters stepped on their own; False, having written
     nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
-    ``grad_scale`` and ``found_inf``) the gradients are checked first, as the full step checks them
-    (``loss_scale._Scaling``), where the step counts are read on the host (the CPU); elsewhere
-    the full step computes each parameter's numbers on its device."""
+    ``grad_scale`` and ``found_inf``) the gradients are checked first (``loss_scale._Scaling``).
+    With the counts on the device (``core.host_counts``) the step's numbers are made there, per
+    group at once (``param_step.scaled_numbers_many``): from each bucket's one count, or each
+    parameter's where they differ (``_Bucket.each``). The buckets whose whole-tensor sums add
+    every rank's (a DTensor's shards, ``_Bucket.shards``) and the parameters stepped on their own
+    go last, in the parameters' order, so that every rank makes its all-reduces in one order."""
     layout = _layout(opt)
     if layout is None or not layout.same_groups(opt):
         return False
@@ -270,16 +272,12 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     storages = [opt._validate_group(group, gi) for gi, group in enumerate(opt.param_groups)]
     if not layout.same_options(opt):
         return False
-    grads: list[list[torch.Tensor | None]] = []
+    grads: list[tuple[list[torch.Tensor | None], bool]] = []
     for bucket in layout.buckets:
-        g = bucket.gradients() if bucket.current(opt) else None
-        if g is None:
+        got = bucket.gradients() if bucket.current(opt) else None
+        if got is None:
             return False
-        first = next((x for x in g if x is not None), None)  # (all of one dtype: gradients)
-        if (bucket.keyed and len(g) > 1 and first is not None
-                and first.dtype not in _PAIR_DTYPES):
-            return False  # (random bits keyed per word need pairs: BF16 or FP32 gradients)
-        grads.append(g)
+        grads.append(got)
     rest: list[WorkItem] = []
     expected: dict[Any, dict[str, torch.dtype]] = {}
     for gi, pi, index in layout.rest:
@@ -293,31 +291,33 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         rest.append((group, p, index, storage))
     scaling = None
     memo = Memo()
-    work: list[WorkItem] = []
-    for bucket, gs in zip(layout.buckets, grads, strict=True):
-        present = [g is not None for g in gs]
-        if bucket.on_device(opt) and any(present) and (
-            bucket.counts.device != bucket.params[0].device or not all(present)
-            or not bucket.same_counts()
-        ):  # (the full step moves the counts there, or steps the parameters one by one)
-            return False
-        if ctx.scaled:
-            work += [(bucket.group, p, i, bucket.storage)
-                     for p, i, g in zip(bucket.params, bucket.indices, present, strict=True) if g]
-    if ctx.scaled:
-        work += rest
-        scaling = _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf,
-                                   opt.__dict__.get("_shard_reduce"))
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
-    counted += [(b.group, b.params[0], b.indices[0], b.storage, b.states[0])
-                for b, g in zip(layout.buckets, grads, strict=True)
-                if b.on_device(opt) and any(x is not None for x in g)]  # (from its one count)
-    if counted:  # (their numbers on the device, all at once: as the full step makes them)
+    if ctx.scaled:
+        work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
+                for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
+        scaling = _Scaling.prepare(work + rest, ctx.grad_scale, ctx.found_inf,
+                                   opt.__dict__.get("_shard_reduce"))
+    for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
+        present = [k for k, g in enumerate(gs) if g is not None]
+        if present and bucket.on_device(opt):  # (from its first count, or each one's)
+            bucket.place_counts()
+            counted += [(bucket.group, bucket.params[k], bucket.indices[k], bucket.storage,
+                         bucket.states[k])
+                        for k in (present if bucket.each(gs, alone) else [0])]
+    if counted:  # (their numbers on the device, all at once per group)
         param_step.scaled_numbers_many(opt, counted, scaling, memo)
-    for bucket, g in zip(layout.buckets, grads, strict=True):
-        bucket.step(opt, g, memo, scaling)
-    for group, p, index, storage in rest:
-        param_step.step_param(opt, group, p, index, storage, scaling, memo)
+    last: list[tuple[int, _Bucket | WorkItem, Any]] = []
+    for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
+        if bucket.shards:
+            last.append((bucket.indices[0], bucket, (gs, alone)))
+        else:
+            bucket.step(opt, gs, memo, scaling, alone)
+    last += [(item[2], item, None) for item in rest]
+    last.sort(key=operator.itemgetter(0))
+    for _, what, got in last:
+        if isinstance(what, _Bucket):
+            what.step(opt, got[0], memo, scaling, got[1])
+        else:
+            param_step.step_param(opt, *what, scaling, memo)
     return True
-

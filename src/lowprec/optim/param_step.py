@@ -1,10 +1,11 @@
 """One parameter's step, and the step's numbers: what the step (``driver``, ``buckets``) runs
-for a parameter it steps on its own, and the numbers every call of a step shares.
+for a parameter no bucket takes, and the numbers every call of a step shares.
 
-``step_param`` steps one parameter: compiled (``compiled.prepare_fused``, ``compiled.run_fused``;
-one call in the parameter's shape for a rule that needs it whole, ``_step_whole_fused``) where
-enabled and possible, else eager (``update._param_update``), in chunks on a large tensor, a rule's
-whole-tensor sums first. ``step_late`` creates the buffers an option turned on and takes their
+``step_param`` steps one parameter: a rule that needs it whole in one compiled call in the
+parameter's shape (``_step_whole_fused``) where enabled and possible; else eager
+(``update._param_update``), in chunks on a large tensor, a rule's whole-tensor sums first
+(``eager_step``, which the buckets' eager pieces run too). Every compiled call of an
+elementwise rule or one with norms is a bucket's (``buckets``). ``step_late`` creates the buffers an option turned on and takes their
 first, eager, step. The step's numbers are made once per group and step number and shared through
 a ``Memo`` (which a stage keeps for one ``step()``): the group's rule (``group_rule``), its
 coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coefficients``),
@@ -272,11 +273,11 @@ def step_param(
     memo: Memo | None = None,
     first_use: bool = False,
 ) -> None:
-    """One parameter's step. ``memo`` caches, for one ``step()`` call, what every parameter of a
+    """One parameter's step: compiled for a whole-tensor rule (``_step_whole_fused``), else
+    eager (``eager_step``). ``memo`` caches, for one ``step()`` call, what every parameter of a
     group shares (flags, coefficients and their tensors for a given step number), so that a
     model of many small tensors does not pay for them per tensor. ``first_use``: the
-    first step of buffers created late (``step_late``), eager, with
-    ``_first_use_coefficients``."""
+    first step of buffers created late (``step_late``), with ``_first_use_coefficients``."""
     memo = Memo() if memo is None else memo
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
@@ -308,9 +309,6 @@ def step_param(
     offsets = opt.__dict__.get("_shard_offsets")
     if offsets and storage.needs_random_bits:
         start = offsets.get(id(p), 0)
-    fusable = not start or (
-        start + p.numel() <= update._INT32_MAX and (start % 2 == 0 or p.dtype != torch.bfloat16)
-    )
     tensors = (p, grad, *sbufs.values(), *mbufs.values())
     # Flattening must give views for the in-place writes to land: both the fused kernel and
     # the chunked eager step need contiguous tensors.
@@ -335,20 +333,6 @@ def step_param(
                           **shape)
         advance(state, step, scaling, p.device)
         return
-    if (p.numel() > 1 and contiguous and fusable and not first_use
-            and _fused_enabled(opt, group, p)):
-        coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
-        try:
-            fused = compiled.prepare_fused(
-                rule, storage, p, grad, sbufs, mbufs, scaled=_mode(scaling),
-                start=start, shards=shards, qstate=quantized,
-            )
-            compiled.run_fused(fused, grad, coeffs, c32, lo, hi, extra)
-        except _COMPILE_ERRORS as e:  # compilation failed before anything was written
-            _disable_fused(opt, e)
-        else:
-            advance(state, step, scaling, p.device)
-            return
     # (flat where it is cut in chunks or holds codes; else the tensors as they are: one pass)
     if contiguous and (quantized or p.numel() > update._eager_chunk(p.device)):
         eager_step(rule, storage, p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), coeffs,
