@@ -14,8 +14,11 @@ skip, 4-bit codes, whose moments no master touches): their tests take
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import pathlib
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 
@@ -36,3 +39,14 @@ def pairwise(first: Sequence[Any], second: Sequence[Any],
         raise ValueError("pairwise: the third factor must be the shortest")
     return [(a, b, third[(i + j) % len(third)])
             for (i, a), (j, b) in itertools.product(enumerate(first), enumerate(second))]
+
+
+def kernel_families() -> ModuleType:
+    """``benchmarks/kernel_families.py``, the matrix of configurations (optimizer x master x
+    state format) and its census of kernels, loaded as a module."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_families.py"
+    spec = importlib.util.spec_from_file_location("kernel_families", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,7 +10,6 @@ notice or carry through (``CHANGES``) is applied to both.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import pathlib
@@ -32,7 +31,6 @@ from lowprec.optim import (
     loss_scale,
 )
 from tests import _steps
-from tests._host import no_host_reads
 from tests._same import assert_same, bits
 from tests._steps import CHANGES, STEPS, full_steps
 
@@ -298,48 +296,6 @@ def test_buckets_with_counts_on_the_device_equal_the_step_without_them(name, sca
     assert_same(pa, oa, pb, ob)
     if name != "state_loaded":
         assert taken == STEPS - 1, taken
-
-
-def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeypatch):
-    """With the counts on the device (``loss_scale._host_counts`` patched off, as on a GPU), a
-    step where a parameter has no gradient and the steps after it, whose counts differ, go
-    through the bucket as it was laid out, a piece per parameter with its own count's numbers:
-    no full step and no layout again, the counts read on the host only once (whether they are
-    the same again: the first step with every gradient), skipped steps included, and the bits
-    of the full step."""
-    from lowprec.optim import driver
-
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    calls = {"flatten": 0, "full_step": 0}
-    for name in calls:
-        real = getattr(driver, name)
-        monkeypatch.setattr(driver, name, lambda *a, _n=name, _f=real: (
-            calls.__setitem__(_n, calls[_n] + 1), _f(*a))[1])
-    runs = []
-    for use in (False, True):
-        gen = torch.Generator().manual_seed(0)
-        params = [torch.randn(s, generator=gen).bfloat16().requires_grad_()
-                  for s in [(32, 4), (64,), (16, 6)]]
-        opt = _adamw_kahan(params)
-        for step in range(6):
-            for k, p in enumerate(params):
-                p.grad = (None if step == 1 and k == 1
-                          else torch.randn(p.shape, generator=gen).bfloat16() * 4)
-            kw = {"grad_scale": torch.tensor(4.0), "found_inf": torch.tensor(float(step == 4))}
-            if not use:
-                with full_steps():
-                    opt.step(**kw)
-                continue
-            if step == 1:
-                calls.update(flatten=0, full_step=0)
-            with contextlib.nullcontext() if step in (0, 2) else no_host_reads():
-                opt.step(**kw)
-        runs.append((params, opt))
-    assert calls == {"flatten": 0, "full_step": 0}, calls
-    (bucket,) = runs[1][1]._buckets.buckets
-    assert len(bucket.params) == 3 and not bucket.same_counts()
-    assert [float(runs[1][1].state[p]["step"]) for p in runs[1][0]] == [5, 4, 5]
-    assert_same(*runs[0], *runs[1])
 
 
 # Parameters of whole blocks (8-bit or 4-bit state, in one bucket) and smaller ones (FP32 state:

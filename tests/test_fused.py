@@ -26,7 +26,7 @@ import torch
 
 from lowprec.numerics import split
 from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, update
-from tests._cases import pairwise
+from tests._cases import kernel_families, pairwise
 from tests._same import assert_same, bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.fused]
@@ -650,17 +650,6 @@ def test_whole_tensor_rules_compile_for_fp32_gradients_of_bf16_parameters():
     assert_same(*results[0], *results[1])
 
 
-def _kernel_families():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_families.py"
-    spec = importlib.util.spec_from_file_location("kernel_families", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("state", [None, "8bit"])
 @pytest.mark.parametrize("master", ["kahan", "split", "stochastic"])
 @pytest.mark.parametrize("name", ["adamw", "lamb", "adafactor", "muon"])
@@ -672,7 +661,7 @@ def test_a_configuration_asks_for_its_kernels_whatever_its_shapes(name, master, 
     (``benchmarks/kernel_families.py``: the census and its ``expected`` counts); each kernel is
     one graph for every size (test_changing_lr_does_not_recompile_and_shapes_share_kernels).
     Counted with ``torch.compile`` replaced by the function itself: nothing is compiled."""
-    families = _kernel_families()
+    families = kernel_families()
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
     monkeypatch.setattr(compiled, "_KERNELS", {})
     for scaled in (False, True):

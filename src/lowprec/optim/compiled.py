@@ -638,6 +638,14 @@ def _pairs_pay(storage: MasterStorage) -> bool:
                                              and _cpu_drops_round_trips())
 
 
+def pairs_device(device: torch.device) -> bool:
+    """Whether a step on ``device`` may take the pairs kernel (``pairs_plan``): the CPU's, where
+    Inductor's C++ code vectorizes integer words it cannot vectorize as 16-bit elements. Off
+    it there are no pairs, and so no per-word random keys: a parameter with stochastic rounding
+    is a bucket of one there (``driver._kind``)."""
+    return device.type == "cpu"
+
+
 def pairs_plan(
     rule: Rule,
     storage: MasterStorage,
@@ -657,7 +665,7 @@ def pairs_plan(
         not storage.pairs_ok(p.dtype) or not _pairs_pay(storage)
         or p.numel() < 2 or p.storage_offset() % 2
         or rule.whole
-        or p.device.type != "cpu"
+        or not pairs_device(p.device)
     ):
         return None
     plan = [("grad", grad.dtype)]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 # (called through their modules: tests replace these functions and loss_scale._host_counts)
-from lowprec.optim import core, param_step, qstate
+from lowprec.optim import compiled, core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
 from lowprec.optim.loss_scale import _Scaling
@@ -139,11 +139,14 @@ def _kind(
     # python storage")
     shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
     # A bucket of one: an odd size (it would put the next tensor's words off their pair
-    # boundary); random bits keyed per word of a piece need pairs; a shard keyed from its offset
-    # in the whole parameter, or whose whole-tensor sums add every rank's (stepped in the
-    # parameters' order: step_buckets); codes are never stepped on pairs, nor their rows' sums
-    # taken per row.
-    alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
+    # boundary); random bits keyed per word of a piece need pairs (BF16, on the CPU: on a GPU
+    # a gathered piece raised "per-word random keys need the fused step on pairs"); a shard
+    # keyed from its offset in the whole parameter, or whose whole-tensor sums add every rank's
+    # (stepped in the parameters' order: step_buckets); codes are never stepped on pairs, nor
+    # their rows' sums taken per row.
+    alone = (p.numel() % 2 or (keyed and not (storage.pairs_ok(p.dtype)
+                                              and compiled.pairs_device(p.device)))
+             or (shard and keyed)
              or (shard and rule.norms and bool(reduce_groups(opt, p))))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
