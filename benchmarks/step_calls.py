@@ -14,9 +14,9 @@ Per layout and row it prints
 
 Layouts: ``N x E`` is N tensors of E elements; ``25M`` is ``optimizer_step.py``'s transformer
 layout. Rows: ``buckets`` is lowprec's default step (``lowprec.optim.buckets``), ``per-tensor``
-the same optimizer with buckets turned off (every parameter's full step, a compiled call per
-tensor prepared anew each step: what takes the step where the buckets decline; before issue 53
-the recorded step, batches and shared calls made it faster), ``eager`` the default step without
+the same optimizer with buckets turned off (every parameter's full step, eager per tensor: what
+takes the step where the buckets decline, a buffer an option turned on; before issue 53 a
+compiled call per tensor, and the recorded step, batches and shared calls), ``eager`` the default step without
 ``torch.compile``, ``scaled`` the default step under the loss-scaler contract (``grad_scale`` and
 ``found_inf`` set as GradScaler sets them), ``8bit`` with 8-bit moments; ``lamb`` and
 ``stable-adamw`` (rules with whole-tensor sums, in buckets as rows of equal-sized parameters)
@@ -25,6 +25,11 @@ against torch's fused AdamW, the nearest torch has.
     python benchmarks/step_calls.py                       # 16 x 4096, 512 x 4096, 25M
     python benchmarks/step_calls.py --layouts 512x4096 --rounds 40
     python benchmarks/step_calls.py --device cuda --layouts 128x781250   # issue 39's GPU row
+    python benchmarks/step_calls.py --gpu-shape --layouts 16x4096,512x4096  # a GPU's calls, here
+
+``--gpu-shape`` steps on the CPU as a GPU does (the step counts on the device, no pairs
+kernel: ``tests/test_gpu_shape.py``'s switches), to count the calls a GPU's step would make;
+its times are not a GPU's.
 """
 
 from __future__ import annotations
@@ -181,7 +186,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--gpu-shape", action="store_true",
+                    help="on the CPU, step as a GPU does (counts on the device, no pairs kernel)")
     args = ap.parse_args()
+    if args.gpu_shape:
+        from lowprec.optim import compiled, loss_scale
+
+        compiled.pairs_device = lambda device: False
+        loss_scale._host_counts = lambda device: False
     torch.set_num_threads(args.threads)
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]

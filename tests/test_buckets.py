@@ -286,8 +286,9 @@ def test_buckets_with_counts_on_the_device_equal_the_step_without_them(name, sca
     the counts stay on the device and the step's numbers are made there from the bucket's one
     count. Bit for bit the full step's (which makes them per parameter), across the changes a
     step must notice; a count written in place is seen through the counts' version counter. A
-    bucket with a parameter missing its gradient, or counts that differ, steps each parameter
-    as a piece of its own, with its own count's numbers (``_Bucket.each``), still laid out."""
+    bucket with a parameter missing its gradient, or counts that differ, steps its parameters in
+    runs of equal counts, each with its first count's numbers (``_Bucket.runs``), still laid
+    out."""
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
                      scaled=scaled)

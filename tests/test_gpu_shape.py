@@ -4,7 +4,7 @@ the CPU makes its numbers there: ``loss_scale._host_counts`` patched off) and no
 run here, against the eager step bit for bit. No GPU has run the step since buckets: on one, a
 group of small BF16 parameters with stochastic rounding raised "per-word random keys need the
 fused step on pairs" at its first step, which ``test_every_configuration_steps_as_a_gpu_would``
-now shows on the CPU.
+showed on the CPU at once.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 import pytest
 import torch
 
+from lowprec import step_in_backward
 from lowprec.optim import AdamW, Lamb, buckets, compiled, driver, loss_scale
 from tests._cases import kernel_families
 from tests._host import no_host_reads
@@ -96,13 +97,40 @@ def test_the_update_inside_backward_steps_as_a_gpu_would(master, monkeypatch):
         assert_same(*got, *ref)
 
 
+def test_the_update_inside_backward_gathers_the_small_parameters_on_the_device(monkeypatch):
+    """The GPU's way, the small parameters the end of backward steps share their bucket with the
+    large ones their hooks stepped: the bucket knows their counts are still equal (its marks)
+    and gathers them, a call for each run of them (here the two on either side of the large
+    one), where it made a call per parameter while it could only ask whether every count was
+    the same. No value is read on the host after the first step."""
+    from tests.test_in_backward import _model, _optimizer
+
+    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    model = _model()
+    opt = _optimizer("adamw", model, master="kahan", fused=True)
+    step_in_backward(model, opt)
+    pieces = []
+    real = buckets._Bucket._run
+    monkeypatch.setattr(buckets._Bucket, "_run", lambda self, o, a, b, *rest: (
+        pieces.append(b - a), real(self, o, a, b, *rest))[1])
+    for step in range(3):
+        pieces.clear()
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).bfloat16()
+        with contextlib.nullcontext() if step == 0 else no_host_reads():
+            model(x).float().square().mean().backward()
+            opt.step()
+    (bucket,) = opt._buckets.buckets
+    assert len(bucket.params) == 8 and bucket.sizes[2] == 300 * 256
+    assert pieces == [1, 2, 5], pieces  # (the hook's; the end's two runs)
+
+
 def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeypatch):
     """With the counts on the device (``loss_scale._host_counts`` patched off, as on a GPU), a
     step where a parameter has no gradient and the steps after it, whose counts differ, go
-    through the bucket as it was laid out, a piece per parameter with its own count's numbers:
-    no full step and no layout again, the counts read on the host only once (whether they are
-    the same again: the first step with every gradient), skipped steps included, and the bits
-    of the full step."""
+    through the bucket as it was laid out, each run of equal counts with its first count's
+    numbers: no full step and no layout again, the counts read on the host only at the first
+    step (which counts are equal is then kept from the steps: ``_Bucket._marks``), skipped steps
+    included, and the bits of the full step."""
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     calls = {"flatten": 0, "full_step": 0}
     for name in calls:
@@ -126,12 +154,13 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
                 continue
             if step == 1:
                 calls.update(flatten=0, full_step=0)
-            with contextlib.nullcontext() if step in (0, 2) else no_host_reads():
+            with contextlib.nullcontext() if step == 0 else no_host_reads():
                 opt.step(**kw)
         runs.append((params, opt))
     assert calls == {"flatten": 0, "full_step": 0}, calls
     (bucket,) = runs[1][1]._buckets.buckets
-    assert len(bucket.params) == 3 and not bucket.same_counts()
+    assert len(bucket.params) == 3 and bucket.runs([p.grad for p in bucket.params],
+                                                    bucket._marks()) == [(0, 1), (1, 2), (2, 3)]
     assert [float(runs[1][1].state[p]["step"]) for p in runs[1][0]] == [5, 4, 5]
     assert_same(*runs[0], *runs[1])
 
@@ -140,24 +169,24 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
     lambda ps, fused: AdamW(ps, lr=1e-2, master="stochastic", fused=fused, seed=5),
     lambda ps, fused: Lamb(ps, lr=1e-2, master="stochastic", fused=fused, seed=5),
 ], ids=["adamw", "lamb"])
-def test_stochastic_rounding_off_the_cpu_steps_each_parameter_as_a_bucket_of_one(make,
-                                                                               monkeypatch):
+def test_stochastic_rounding_off_the_cpu_gathers_small_parameters(make, monkeypatch):
     """Off the CPU there is no pairs kernel (``compiled.pairs_device``, patched off here, with
-    the counts on the device as there), and so no per-word random keys: a parameter with
-    stochastic rounding is a bucket of one, in the kernel that keys each element by its index
-    (gathered, its piece raised a ValueError), bit for bit the eager step."""
+    the counts on the device as there): a gathered piece's per-word random keys go into the
+    elementwise kernel (``update._random_bits``' ``owner`` and ``idx``; such a piece raised a
+    ValueError before), bit for bit the eager step, and the step's calls stay a few per
+    bucket (LAMB's as rows of one size)."""
     monkeypatch.setattr(compiled, "pairs_device", lambda device: False)
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     runs = []
     for fused in (False, True):
         gen = torch.Generator().manual_seed(0)
         params = [torch.randn(s, generator=gen).bfloat16().requires_grad_()
-                  for s in [(32, 4), (64,), (16, 8)]]
+                  for s in [(32, 4), (64,), (16, 8), (8, 8)]]
         opt = make(params, fused)
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen).bfloat16()
             opt.step()
         runs.append((params, opt))
-    assert [len(b.params) for b in runs[1][1]._buckets.buckets] == [1, 1, 1]
+    assert [len(b.params) for b in runs[1][1]._buckets.buckets] == [4]
     assert_same(*runs[0], *runs[1])

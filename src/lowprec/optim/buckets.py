@@ -25,12 +25,13 @@ Under a loss scaler the gradients are checked for inf/NaN first (``loss_scale._S
 ``driver.step_buckets``), the kernels take the scaler's inputs, the unscaled gradients are
 copied back where they were gathered, and the counts advance by ``1 - skip``, decided on the
 device. On the CPU the counts are read on the host (``core.host_counts``); off it, and for
-a capturable optimizer, they stay on the device, and a bucket whose parameters all have a
-gradient and share one count (``same_counts``: read on the host only after the counts were
-written, which their version counter shows) makes the step's numbers there from that count once
-(``_device_numbers``: ``param_step.scaled_numbers``, made for every bucket of a group at
-once), plain or scaled. A count written through ``.data`` between such steps
-bypasses the version counter and is not seen.
+a capturable optimizer, they stay on the device, and each run of parameters with equal counts
+makes the step's numbers there from its first count (``_device_numbers``:
+``param_step.scaled_numbers``, made for every run of a group at once), plain or scaled. Which
+counts are equal the bucket knows on the host (``_marks``): read once, after something else
+wrote the counts (their version counter shows it), then kept from its own steps, whose runs
+advance alike; a count written through ``.data`` bypasses the version counter and is not
+seen.
 
 A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust ratio, StableAdamW's
 RMS) takes a piece's parameters as rows of a matrix, all of one size (``driver.flatten`` puts
@@ -40,9 +41,8 @@ its update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``).
 size of its own is a piece alone, in the kernels of a parameter's own step.
 
 Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
-of consecutive parameters that have one and share a step count (with the counts on the device,
-where one lacks a gradient or the counts differ, a piece per parameter, each with its own
-count's numbers: ``each``; gradients of two dtypes, a piece per parameter too). Which parameters a bucket takes
+of consecutive parameters that have one and share a step count, on the host or the device
+(``runs``; gradients of two dtypes, a piece per parameter). Which parameters a bucket takes
 is ``driver._kind``'s choice (a parameter that cannot be gathered with others, of an odd size,
 say, a bucket of one); the others (whole-tensor rules, ...) are stepped on their own. The update
 inside backward steps a parameter through its bucket too (``step_one``), as a piece alone.
@@ -114,6 +114,7 @@ class _Bucket:
         "kind",
         "layouts",
         "made",
+        "marks",
         "names",
         "norms",
         "offsets",
@@ -122,7 +123,6 @@ class _Bucket:
         "prepared",
         "ptrs",
         "qstate",
-        "same",
         "sbufs",
         "scratch",
         "shapes",
@@ -137,7 +137,7 @@ class _Bucket:
         "views",
     )
 
-    #: The counts' version when ``same`` was last read (None: not read yet)
+    #: The counts' version when ``marks`` was last made (None: not yet)
     version: int | None
 
     def __init__(self, opt: OptimizerCore, group: dict[str, Any], kind: tuple[Any, ...],
@@ -202,7 +202,8 @@ class _Bucket:
             operator.itemgetter("step", *self.names) if self.names
             else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
         self.made = self._made()
-        self.same, self.version = False, None  # (same_counts: not read yet)
+        self.marks: list[int] = []
+        self.version = None  # (_marks: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, _Fused] = {}
         self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
@@ -256,38 +257,41 @@ class _Bucket:
         alone: bool = False,
     ) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones that share a step
-        count (all of them, in a plain loop), a compiled call per piece (``_pieces``; one per
-        parameter where ``alone``: ``gradients``). Under a loss scaler (``scaling``) the counts
-        advance by ``1 - skip``, decided on the device. Where they are kept there
-        (``on_device``) the step's numbers are made there, no value read on the host: from the
-        one count where every parameter has a gradient and all counts are the same
-        (``same_counts``), else each parameter's from its own (``each``), a piece each."""
-        if self.on_device(opt):
-            if all(g is None for g in grads):  # (a frozen bucket: nothing to step)
-                return
-            if self.each(grads, alone):
-                taken = 1 if scaling is None else scaling.taken_on(self.counts.device)
-                read = self.version == self.counts._version  # (``same`` holds)
-                for k, g in enumerate(grads):
-                    if g is not None:
-                        self._run(opt, k, k + 1, grads, self._device_numbers(opt, memo, k), memo,
-                                  scaling)
-                        self.counts[k:k + 1].add_(taken)
-                if read and all(g is not None for g in grads):  # (all moved alike: still holds)
-                    self.version = self.counts._version
-                return
-            numbers = self._device_numbers(opt, memo, 0)
-            done = 0
-            try:
-                for a, b in self._pieces(0, len(grads)):
-                    self._run(opt, a, b, grads, numbers, memo, scaling)
-                    done = b
-            finally:  # (as below: the counts of what was stepped)
-                self.counts[:done].add_(1 if scaling is None
-                                        else scaling.taken_on(self.counts.device))
-                self.version = self.counts._version  # (their values moved alike)
-            return
-        counts = self.counts.tolist()
+        count (``runs``), a compiled call per piece (``_pieces``; one per parameter where
+        ``alone``: ``gradients``), and one write of the run's counts. Under a loss scaler
+        (``scaling``) the counts advance by ``1 - skip``, decided on the device. Where they are
+        kept there (``on_device``) the step's numbers are made there from the run's first
+        count, and no value is read on the host: the runs follow the counts' ``marks``."""
+        on = self.on_device(opt)
+        counts = self._marks() if on else self.counts.tolist()
+        moved: list[tuple[int, int]] = []
+        try:
+            for i, j in self.runs(grads, counts):
+                step = self._device_numbers(opt, memo, i) if on else int(counts[i]) + 1
+                done = i
+                try:
+                    for a, b in ([(k, k + 1) for k in range(i, j)] if alone
+                                 else self._pieces(i, j)):
+                        self._run(opt, a, b, grads, step, memo, scaling)
+                        done = b
+                finally:  # (one write per run; a step that raises part way leaves each count
+                    # matching what was stepped)
+                    if done > i:
+                        if isinstance(step, int) and scaling is None:
+                            self.counts[i:done].fill_(step)
+                        else:
+                            self.counts[i:done].add_(1 if scaling is None
+                                                     else scaling.taken_on(self.counts.device))
+                        moved.append((i, done))
+        finally:
+            if on:
+                self._moved(moved)
+
+    @staticmethod
+    def runs(grads: list[torch.Tensor | None], counts: list[Any]) -> list[tuple[int, int]]:
+        """The runs of consecutive parameters that have a gradient and equal ``counts`` (the
+        counts read on the host, or their ``marks``)."""
+        out: list[tuple[int, int]] = []
         i, n = 0, len(grads)
         while i < n:
             if grads[i] is None:
@@ -296,20 +300,9 @@ class _Bucket:
             j = i + 1
             while j < n and grads[j] is not None and counts[j] == counts[i]:
                 j += 1
-            step = int(counts[i]) + 1
-            done = i
-            try:
-                for a, b in ([(k, k + 1) for k in range(i, j)] if alone else self._pieces(i, j)):
-                    self._run(opt, a, b, grads, step, memo, scaling)
-                    done = b
-            finally:  # (one write per run; a step that raises part way leaves each count
-                # matching what was stepped)
-                if done > i:
-                    if scaling is None:
-                        self.counts[i:done].fill_(step)
-                    else:
-                        self.counts[i:done].add_(scaling.taken_on(self.counts.device))
+            out.append((i, j))
             i = j
+        return out
 
     def step_one(self, opt: OptimizerCore, k: int, memo: Memo) -> None:
         """Parameter ``k`` alone, a piece of its own (the update inside backward, whose hooks
@@ -317,12 +310,6 @@ class _Bucket:
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         grads[k] = self.params[k].grad
         self.step(opt, grads, memo, None, alone=True)
-
-    def each(self, grads: list[torch.Tensor | None], alone: bool) -> bool:
-        """Whether a step with the counts on the device takes each parameter's numbers from its
-        own count: some parameters have no gradient, their counts differ, or each is a piece of
-        its own (``alone``)."""
-        return alone or any(g is None for g in grads) or not self.same_counts()
 
     def place_counts(self) -> None:
         """The counts moved to the parameters' device, where a step on the device makes its
@@ -349,20 +336,32 @@ class _Bucket:
         (``core.host_counts``: off the CPU, or a capturable optimizer)."""
         return not core.host_counts(opt, self.params[0].device)
 
-    def same_counts(self) -> bool:
-        """Whether every count of the bucket is the same, read on the host only where they were
-        written since this bucket's last step under a loss scaler on the device (the counts'
-        version counter: ``opt.state[p]["step"].fill_(...)`` and the bucket's own plain steps
-        move it; a write through ``.data`` bypasses it and is not seen)."""
+    def _marks(self) -> list[int]:
+        """The counts kept on the device as marks, equal where the counts are: read on the host
+        only where something else wrote the counts since this bucket's last step (their version
+        counter: ``opt.state[p]["step"].fill_(...)`` moves it, a write through ``.data``
+        bypasses it and is not seen), else kept on the host from the steps (``_moved``)."""
         if self.version != self.counts._version:
-            self.same = bool((self.counts == self.counts[0]).all())
+            values = self.counts.tolist()
+            ids = {v: k for k, v in enumerate(dict.fromkeys(values))}
+            self.marks = [ids[v] for v in values]
             self.version = self.counts._version
-        return self.same
+        return self.marks
+
+    def _moved(self, spans: list[tuple[int, int]]) -> None:
+        """The counts of the parameters in ``spans`` advanced by one step, alike (by 1, or by
+        ``1 - skip`` decided on the device): their marks part from the others'."""
+        top = max(self.marks) + 1
+        fresh: dict[int, int] = {}
+        for a, b in spans:
+            for k in range(a, b):
+                self.marks[k] = fresh.setdefault(self.marks[k], top + len(fresh))
+        self.version = self.counts._version
 
     def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
                         ) -> dict[str, torch.Tensor]:
         """The step's coefficients as 0-d FP32 tensors on the counts' device, from parameter
-        ``k``'s count (the bucket's one count, ``same_counts``): its numbers as the full step
+        ``k``'s count (the first of a run of equal counts, ``runs``): its numbers as the full step
         makes them (``param_step.scaled_numbers``; ``driver.step_buckets`` makes those of every
         bucket's first parameter at once, per group)."""
         p = self.params[k]
@@ -542,9 +541,9 @@ class _Bucket:
 
 
 def _word_owners(words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a piece on pairs of parameters of ``words`` words each: every word's parameter (its
+    """For a piece of BF16 parameters of ``words`` words (pairs) each: every word's parameter (its
     position in the piece) and its index within that parameter (int32 each), for
-    ``update._param_update_pairs``'s per-word random keys."""
+    ``update._param_update_pairs``'s and ``update._random_bits``' per-word random keys."""
     counts = torch.tensor(words, dtype=torch.int64)
     total = sum(words)
     owner = torch.repeat_interleave(torch.arange(len(words), dtype=torch.int64), counts,

@@ -450,7 +450,8 @@ def prepare_fused(
     It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
     (``buckets``).
 
-    ``keyed``: per-word random keys (a batch of small parameters on pairs). ``start``: the
+    ``keyed``: per-word random keys (a gathered piece of BF16 parameters, on pairs or, off
+    the CPU, elementwise). ``start``: the
     index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
     shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
     over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
@@ -488,8 +489,6 @@ def prepare_fused(
                    {k: qstate_mod.rows(v, four, role.get(k, "values"))
                     for k, v in mbufs.items()})
     elif pairs is None:
-        if keyed:
-            raise ValueError("per-word random keys need the fused step on pairs")
         f.views = ({k: v.view(-1) for k, v in sbufs.items()},
                    {k: v.view(-1) for k, v in mbufs.items()})
     else:
@@ -518,8 +517,8 @@ def prepare_fused(
         )
     f.kernel = _compiled_kernel(
         rule.owner, storage, flags, scaled=scaled, fn=f.update_fn,
-        extra_key=(*(codes_key if pairs is None
-                     else (*pairs, *((("keys", "batched"),) if keyed else ()))), *rows_key),
+        extra_key=(*(codes_key if pairs is None else pairs),
+                   *((("keys", "batched"),) if keyed else ()), *rows_key),
         signature=signature,
     )
     return f
@@ -641,8 +640,8 @@ def _pairs_pay(storage: MasterStorage) -> bool:
 def pairs_device(device: torch.device) -> bool:
     """Whether a step on ``device`` may take the pairs kernel (``pairs_plan``): the CPU's, where
     Inductor's C++ code vectorizes integer words it cannot vectorize as 16-bit elements. Off
-    it there are no pairs, and so no per-word random keys: a parameter with stochastic rounding
-    is a bucket of one there (``driver._kind``)."""
+    it the elementwise kernel takes a gathered piece's per-word random keys
+    (``update._random_bits``)."""
     return device.type == "cpu"
 
 

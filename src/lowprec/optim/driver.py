@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 # (called through their modules: tests replace these functions and loss_scale._host_counts)
-from lowprec.optim import compiled, core, param_step, qstate
+from lowprec.optim import core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
 from lowprec.optim.loss_scale import _Scaling
@@ -139,14 +139,11 @@ def _kind(
     # python storage")
     shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
     # A bucket of one: an odd size (it would put the next tensor's words off their pair
-    # boundary); random bits keyed per word of a piece need pairs (BF16, on the CPU: on a GPU
-    # a gathered piece raised "per-word random keys need the fused step on pairs"); a shard
+    # boundary); random bits keyed per word of a piece need words of BF16 pairs; a shard
     # keyed from its offset in the whole parameter, or whose whole-tensor sums add every rank's
     # (stepped in the parameters' order: step_buckets); codes are never stepped on pairs, nor
     # their rows' sums taken per row.
-    alone = (p.numel() % 2 or (keyed and not (storage.pairs_ok(p.dtype)
-                                              and compiled.pairs_device(p.device)))
-             or (shard and keyed)
+    alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
              or (shard and rule.norms and bool(reduce_groups(opt, p))))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
@@ -264,8 +261,8 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
     ``grad_scale`` and ``found_inf``) the gradients are checked first (``loss_scale._Scaling``).
     With the counts on the device (``core.host_counts``) the step's numbers are made there, per
-    group at once (``param_step.scaled_numbers_many``): from each bucket's one count, or each
-    parameter's where they differ (``_Bucket.each``). The buckets whose whole-tensor sums add
+    group at once (``param_step.scaled_numbers_many``): from the first count of each run of
+    equal counts (``_Bucket.runs``). The buckets whose whole-tensor sums add
     every rank's (a DTensor's shards, ``_Bucket.shards``) and the parameters stepped on their own
     go last, in the parameters' order, so that every rank makes its all-reduces in one order."""
     layout = _layout(opt)
@@ -301,13 +298,11 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
                 for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
         scaling = _Scaling.prepare(work + rest, ctx.grad_scale, ctx.found_inf,
                                    opt.__dict__.get("_shard_reduce"))
-    for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
-        present = [k for k, g in enumerate(gs) if g is not None]
-        if present and bucket.on_device(opt):  # (from its first count, or each one's)
+    for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
+        if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
-            counted += [(bucket.group, bucket.params[k], bucket.indices[k], bucket.storage,
-                         bucket.states[k])
-                        for k in (present if bucket.each(gs, alone) else [0])]
+            counted += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
+                         bucket.states[i]) for i, _ in bucket.runs(gs, bucket._marks())]
     if counted:  # (their numbers on the device, all at once per group)
         param_step.scaled_numbers_many(opt, counted, scaling, memo)
     last: list[tuple[int, _Bucket | WorkItem, Any]] = []

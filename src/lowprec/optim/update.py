@@ -171,6 +171,8 @@ def _param_update(
     base: torch.Tensor | None = None,
     qstate: tuple[tuple[str, str], ...] = (),
     shape: tuple[int, ...] | None = None,
+    idx: torch.Tensor | None = None,
+    owner: torch.Tensor | None = None,
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
@@ -185,7 +187,9 @@ def _param_update(
 
     ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
     (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
-    steps of a DTensor's shard) moves every index by as much: ``_random_bits``. Under a loss
+    steps of a DTensor's shard) moves every index by as much: ``_random_bits``; ``idx`` and
+    ``owner`` key a gathered piece of BF16 parameters per word, as ``_param_update_pairs``
+    describes (off the CPU, which has no pairs kernel). Under a loss
     scaler, ``inv_scale`` (0-d FP32) multiplies the gradient, which is written back unscaled (as
     ``torch.amp.GradScaler`` leaves gradients: for code that reads them after the step), and
     ``skip`` (0-d bool) selects the old values for every write but the gradient's.
@@ -205,7 +209,8 @@ def _param_update(
         new_w, new_m = new_w.reshape(rows), {k: v.reshape(rows) for k, v in new_m.items()}
     bits = None
     if storage.needs_random_bits:
-        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base)
+        bits = _random_bits(offset, p.numel(), p.device, key_lo, key_hi, p.dtype, base,
+                            idx, owner)
         bits = bits.view(p.shape)
     new_p, new_s = storage.store(new_w, p, sbufs, bits)
     new_q = {}  # (quantized buffers: their codes and scales, written as they are)
@@ -227,7 +232,8 @@ def _param_update(
 
 def _random_bits(
     offset: int, numel: int, device: torch.device, key_lo: Any, key_hi: Any, dtype: torch.dtype,
-    base: torch.Tensor | None = None,
+    base: torch.Tensor | None = None, idx: torch.Tensor | None = None,
+    owner: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
 
@@ -240,7 +246,9 @@ def _random_bits(
     half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements: it is
     computed once per pair here as in the fused step on pairs (hashing it per element made an
     eager BF16 stochastic AdamW step ~13% longer). Other dtypes (float16 takes 24 bits) get the
-    hash of ``i`` itself.
+    hash of ``i`` itself. ``idx`` and ``owner`` (a gathered piece of bfloat16 parameters,
+    ``offset`` 0): each word's index within its parameter and that parameter's place in the
+    piece, whose key halves ``key_lo`` and ``key_hi`` hold, one per parameter.
     """
     # int32 indices where they fit (the hash is then int32 throughout, much cheaper than int64 on
     # CPUs without 64-bit vector multiplies); the same bits either way.
@@ -254,7 +262,10 @@ def _random_bits(
     # Each pair's hash once: its low half for the even element, its high half (shifted down)
     # for the odd one, interleaved; elements offset .. offset + numel - 1 are a slice of them.
     first = offset // 2
-    words = torch.arange(first, (offset + numel - 1) // 2 + 1, device=device, dtype=itype)
+    if owner is not None and idx is not None:
+        words, key_lo, key_hi = idx, key_lo[owner], key_hi[owner]
+    else:
+        words = torch.arange(first, (offset + numel - 1) // 2 + 1, device=device, dtype=itype)
     h = hash_bits(words if base is None else words + base, key_lo, key_hi)
     halves = torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1).view(-1)
     start = offset - 2 * first
