@@ -350,18 +350,14 @@ def test_family_scaled_step_with_counts_on_the_device_equals_unscaled(name, mast
     _assert_same(_snapshot(params, opt), _snapshot(ref_params, ref_opt))
 
 
-@pytest.mark.parametrize("use_buckets", [False, True], ids=["full-step", "buckets"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_scaled_step_makes_each_groups_numbers_once(fused, use_buckets, monkeypatch, device,
-                                                     request):
+def test_scaled_step_makes_each_groups_numbers_once(fused, monkeypatch, device):
     # With the counts on the device, a step's numbers are made per group (one vector operation
     # per number for all its parameters), not once per parameter: on a GPU each of those
     # operations is a kernel launch, and per parameter they were most of the step. Through
     # buckets: from each bucket's one count, per group: the first group's bucket of three
     # parameters, the second group's two buckets of one (an odd size, and a size alone).
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
-    if not use_buckets:
-        request.getfixturevalue("no_buckets")
     torch.manual_seed(0)
     params = [torch.randn(s, device=device, dtype=torch.bfloat16, requires_grad=True)
               for s in [(16, 8), (8,), (4, 4), (3,), (300,)]]
@@ -382,5 +378,5 @@ def test_scaled_step_makes_each_groups_numbers_once(fused, use_buckets, monkeypa
         opt.step(grad_scale=torch.tensor(2.0, device=device),
                  found_inf=torch.zeros((), device=device))
         if step > 0:  # (the first step creates the state: its numbers come one by one)
-            assert sorted(calls) == ([(1,), (2,)] if use_buckets else [(2,), (3,)]), calls
+            assert sorted(calls) == [(1,), (2,)], calls
     assert all(float(opt.state[p]["step"]) == 4 for p in params)

@@ -361,9 +361,9 @@ class _Bucket:
     def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
                         ) -> dict[str, torch.Tensor]:
         """The step's coefficients as 0-d FP32 tensors on the counts' device, from parameter
-        ``k``'s count (the first of a run of equal counts, ``runs``): its numbers as the full step
-        makes them (``param_step.scaled_numbers``; ``driver.step_buckets`` makes those of every
-        bucket's first parameter at once, per group)."""
+        ``k``'s count (the first of a run of equal counts, ``runs``): ``param_step``'s
+        ``scaled_numbers``, which ``driver.step_buckets`` makes for every run's first parameter
+        at once, per group."""
         p = self.params[k]
         return param_step.scaled_numbers(opt, self.group, p, self.indices[k], self.storage,
                                          self.states[k], None, memo)[3]

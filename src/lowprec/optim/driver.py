@@ -107,10 +107,6 @@ def full_step(
         scaling = _Scaling.prepare(
             work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
         )
-    counted = [(g, p, i, s, opt.state[p]) for g, p, i, s in work
-               if "step" in opt.state.get(p, ()) and not core.host_counts(opt, p.device)]
-    if counted:  # (every parameter's numbers at once, per group: not one by one)
-        param_step.scaled_numbers_many(opt, counted, scaling, memo)
     if late:
         param_step.step_late(opt, late, scaling)
         ids = {id(p) for _, p, _, _ in late}

@@ -166,21 +166,6 @@ def _coefficient_tensors(
     return c32
 
 
-def kernel_coefficients(
-    opt: OptimizerCore,
-    group: dict[str, Any],
-    step: int | torch.Tensor,
-    coeffs: dict[str, Any],
-    memo: Memo,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A compiled call's coefficients: on the host and as 0-d FP32 tensors, shared by the
-    group's parameters at a host step number (``step_coefficients``); for a step counted
-    on the device (``scaled_numbers``' tensors) made from ``coeffs``."""
-    if isinstance(step, int):
-        return step_coefficients(opt, group, step, memo)
-    return coeffs, {k: torch.as_tensor(v, dtype=torch.float32) for k, v in coeffs.items()}
-
-
 def scaled_numbers(
     opt: OptimizerCore,
     group: dict[str, Any],
@@ -418,7 +403,9 @@ def _step_whole_fused(
     written nothing, where it failed to compile (the eager call then takes it)."""
     if storage.name == "kahan" and compiled._round_trips_dropped(p):
         return False  # (this torch's C++ code would drop Kahan's round trip: eager)
-    coeffs, c32 = kernel_coefficients(opt, group, step, coeffs, memo)
+    # (a host step number's are the group's, shared; a step counted on the device has its
+    # numbers as FP32 tensors already: scaled_numbers)
+    c32 = step_coefficients(opt, group, step, memo)[1] if isinstance(step, int) else coeffs
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
         kernel = compiled._compiled_kernel(
