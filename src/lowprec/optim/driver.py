@@ -289,6 +289,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     memo = Memo()
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
+    firsts: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]] = []
     if ctx.scaled:
         work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
                 for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
@@ -297,10 +298,11 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
         if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
-            counted += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
-                         bucket.states[i]) for i, _ in bucket.runs(gs, bucket._marks())]
-    if counted:  # (their numbers on the device, all at once per group)
-        param_step.scaled_numbers_many(opt, counted, scaling, memo)
+            firsts += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
+                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket._marks())]
+    for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
+        if items:  # a bucket makes its pieces' random keys itself)
+            param_step.scaled_numbers_many(opt, items, scaling, memo, keys)
     last: list[tuple[int, _Bucket | WorkItem, Any]] = []
     for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
         if bucket.shards:

@@ -194,12 +194,15 @@ def scaled_numbers_many(
     items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
     scaling: _Scaling | None,
     memo: Memo,
+    keys: bool = True,
 ) -> None:
     """``scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
     per group and device the step counts are stacked and every number is computed for all of
     them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
     which on a GPU were most of a step), each parameter's share a view. ``items``: (group,
-    p, index, storage, state) of parameters whose counts are kept on their devices.
+    p, index, storage, state) of parameters whose counts are kept on their devices. ``keys``
+    False: no random keys (zeros in their place; a bucket makes its pieces' own, ``_keys``:
+    on a GPU each of the hash's operations is a launch).
 
     The views lie 16 bytes apart, as a tensor of their own would begin: a compiled kernel
     may take an input it was compiled for aligned only after copying it."""
@@ -211,7 +214,8 @@ def scaled_numbers_many(
     for (_, device), (group, members) in sets.items():
         step = torch.stack([opt.state[p]["step"] for p, _, _ in members]).double() + 1
         steps = _aligned_views(step)
-        if any(storage.needs_random_bits for _, _, storage in members):
+        keyed = keys and any(storage.needs_random_bits for _, _, storage in members)
+        if keyed:
             # (kept: a host list copied to a GPU waits for the work queued before it)
             indices = tuple(i for _, i, _ in members)
             cache = opt.__dict__.setdefault("_index_tensors", {})
@@ -234,7 +238,7 @@ def scaled_numbers_many(
         extra = {} if scaling is None else scaling.kernel_args(device)
         for i, (p, _, storage) in enumerate(members):
             coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
-            lo_i, hi_i = (los[i], his[i]) if storage.needs_random_bits else (0, 0)
+            lo_i, hi_i = (los[i], his[i]) if keyed and storage.needs_random_bits else (0, 0)
             memo.numbers[id(p)] = (steps[i], lo_i, hi_i, coeffs, extra)
 
 
