@@ -5,7 +5,8 @@ for a parameter no bucket takes, and the numbers every call of a step shares.
 parameter's shape (``_step_whole_fused``) where enabled and possible; else eager
 (``update._param_update``), in chunks on a large tensor, a rule's whole-tensor sums first
 (``eager_step``, which the buckets' eager pieces run too). Every compiled call of an
-elementwise rule or one with norms is a bucket's (``buckets``). ``step_late`` creates the buffers an option turned on and takes their
+elementwise rule or one with norms is a bucket's (``buckets``). ``step_late`` creates the
+buffers an option turned on and takes their
 first, eager, step. The step's numbers are made once per group and step number and shared through
 a ``Memo`` (which a stage keeps for one ``step()``): the group's rule (``group_rule``), its
 coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coefficients``),
