@@ -304,6 +304,7 @@ class _Kernel:
         self.fn, self.name, self.warm = fn, name, False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _unviewed(args), _unviewed(kwargs)
         if self.warm:
             with vector_casts():  # (a call can recompile: a new pattern of sizes)
                 return self.fn(*args, **kwargs)
@@ -324,6 +325,23 @@ class _Kernel:
             _COMPILE_SPENT[0] += time.perf_counter() - start
         self.warm = True
         return out
+
+
+def _unviewed(x: Any) -> Any:
+    """``x`` with every tensor that is a view of another (a piece of a bucket's flat buffer, a
+    parameter's flat view) replaced by an alias that is not (``detach``: the same memory and
+    version counter, no ``_base``), in tuples and dicts too. Dynamo guards a view's base: its
+    size, its rank, and whether it equals the view's (duck sizing), so a kernel first called on
+    a 1-d parameter's view recompiled for a matrix's, and again for a bucket's piece (three
+    graphs of one kernel, each a cold compile of seconds). Inputs that share memory are still
+    seen as aliases (AOTAutograd compares their storages)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach() if x._is_view() else x
+    if isinstance(x, dict):
+        return {k: _unviewed(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return tuple(_unviewed(v) for v in x)
+    return x
 
 
 def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
@@ -354,12 +372,13 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
     words of pairs of elements. Always a new view of ``t`` detached, even of a 1-d ``t``: handed
     a 1-d parameter itself (a leaf that requires grad), a parameter's own call fails to compile
     in Inductor, and handed a view of a BF16 parameter whose gradient is FP32 (``grad_dtype``
-    None), Dynamo's fake copy of it refuses the FP32 gradient."""
-    t = t.detach()
+    None), Dynamo's fake copy of it refuses the FP32 gradient. Detached after the view, so that
+    it is no view (``_unviewed``)."""
     if f.qkw:  # (8-bit or 4-bit state: rows of a block; see prepare_fused)
-        return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]))
+        return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"])).detach()
     v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
-    return v.view(f.rows, -1) if f.rows else v  # (rows: a bucket's parameters of one size)
+    # (rows: a bucket's parameters of one size)
+    return (v.view(f.rows, -1) if f.rows else v).detach()
 
 
 def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor] | list[None]:
@@ -496,6 +515,7 @@ def prepare_fused(
                    {k: _pair_words(v, n) for k, v in mbufs.items()})
     if rows:
         f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
+    f.views = _unviewed(f.views)
     # (The parameter's own view is made by each call, like the gradient's: a view kept here
     # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
     # The whole-tensor sums in a compiled pass of their own, so that the update pass
@@ -600,13 +620,13 @@ def _run_fused_rows(
         pieces = [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
         def cut(d: dict[str, torch.Tensor], sl: slice) -> dict[str, torch.Tensor]:
             return {k: v[sl] for k, v in d.items()}
-        f.row_cuts = [(sl, cut(sv, sl), cut(mv, sl)) for sl in pieces]
+        f.row_cuts = [(sl, *_unviewed((cut(sv, sl), cut(mv, sl)))) for sl in pieces]
     cuts = f.row_cuts
     kw: dict[str, Any] = dict(storage=f.storage, flags=f.flags, **f.qkw)
     if f.sums_kernel is not None:  # (read-only: the scaler's skip is the update's concern)
         sums = None
         for sl, s_sl, m_sl in cuts:
-            part = f.sums_kernel(pv[sl], gv[sl], s_sl, m_sl, c32,
+            part = f.sums_kernel(pv[sl].detach(), gv[sl].detach(), s_sl, m_sl, c32,
                                  norm_terms=f.rule.norm_terms,
                                  inv_scale=extra.get("inv_scale"), **kw)
             sums = part if sums is None else sums + part
@@ -614,7 +634,7 @@ def _run_fused_rows(
     keys = _key_tensors(lo, hi)
     bases = _row_bases(f, [sl for sl, _, _ in cuts])
     for (sl, s_sl, m_sl), base in zip(cuts, bases, strict=True):
-        f.kernel(pv[sl], gv[sl], s_sl, m_sl, c32, *keys, math=f.rule.math,
+        f.kernel(pv[sl].detach(), gv[sl].detach(), s_sl, m_sl, c32, *keys, math=f.rule.math,
                  **kw, **extra, **({} if base is None else {"base": base}))
 
 
