@@ -334,7 +334,9 @@ def _unviewed(x: Any) -> Any:
     size, its rank, and whether it equals the view's (duck sizing), so a kernel first called on
     a 1-d parameter's view recompiled for a matrix's, and again for a bucket's piece (three
     graphs of one kernel, each a cold compile of seconds). Inputs that share memory are still
-    seen as aliases (AOTAutograd compares their storages)."""
+    seen as aliases (AOTAutograd compares their storages). ``_Kernel`` applies it to every call;
+    the views a prepared call keeps (``prepare_fused``, ``_run_fused_rows``' pieces) are
+    detached once where they are made, so that a step adds no ``detach`` per kept view."""
     if isinstance(x, torch.Tensor):
         return x.detach() if x._is_view() else x
     if isinstance(x, dict):
