@@ -328,15 +328,11 @@ class _Kernel:
 
 
 def _unviewed(x: Any) -> Any:
-    """``x`` with every tensor that is a view of another (a piece of a bucket's flat buffer, a
-    parameter's flat view) replaced by an alias that is not (``detach``: the same memory and
-    version counter, no ``_base``), in tuples and dicts too. Dynamo guards a view's base: its
-    size, its rank, and whether it equals the view's (duck sizing), so a kernel first called on
-    a 1-d parameter's view recompiled for a matrix's, and again for a bucket's piece (three
-    graphs of one kernel, each a cold compile of seconds). Inputs that share memory are still
-    seen as aliases (AOTAutograd compares their storages). ``_Kernel`` applies it to every call;
-    the views a prepared call keeps (``prepare_fused``, ``_run_fused_rows``' pieces) are
-    detached once where they are made, so that a step adds no ``detach`` per kept view."""
+    """``x`` (tensors, in tuples and dicts too) with each view replaced by a detached alias (same
+    memory and version counter, no ``_base``): Dynamo guards a view's base (rank, size, duck
+    sizing), so one kernel compiled anew for a vector's view, a matrix's and a bucket's piece.
+    Aliases are still seen (AOTAutograd compares storages). Kept views are detached once where
+    they are made (``prepare_fused``, ``_run_fused_rows``), so a step adds no op per kept view."""
     if isinstance(x, torch.Tensor):
         return x.detach() if x._is_view() else x
     if isinstance(x, dict):
