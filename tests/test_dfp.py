@@ -1049,22 +1049,22 @@ def test_conv2d_unbatched_input():
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_dfp_layers_inside_torch_compile_equal_eager(rounding):
-    # A compiled model with DFP layers gives eager's bits, forward and backward. Stochastic
-    # rounding draws from the default generator (torch.randint(..., generator=None) failed to
-    # trace); with fallback_random, Inductor draws what eager draws.
+    # A compiled DFP layer gives eager's bits, forward and backward (the input's gradient too:
+    # what a layer below would receive). Stochastic rounding draws from the default generator
+    # (torch.randint(..., generator=None) failed to trace); with fallback_random, Inductor draws
+    # what eager draws. One layer: a second one of other shapes compiled 33 frames, not 17.
     import torch._inductor.config
 
     @torch._inductor.config.patch(fallback_random=True)
     def run(compiled):
         torch.manual_seed(0)
-        model = nn.Sequential(DFPLinear(32, 48, rounding=rounding), nn.ReLU(),
-                              DFPLinear(48, 4, rounding=rounding))
-        x = torch.randn(8, 32)
+        model = DFPLinear(32, 4, rounding=rounding)
+        x = torch.randn(8, 32, requires_grad=True)
         f = torch.compile(model) if compiled else model
         torch.manual_seed(1)
         y = f(x)
         y.pow(2).sum().backward()
-        return y.detach(), [p.grad for p in model.parameters()]
+        return y.detach(), [x.grad, *(p.grad for p in model.parameters())]
 
     (ya, ga), (yb, gb) = run(False), run(True)
     assert torch.equal(ya, yb)
