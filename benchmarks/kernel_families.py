@@ -3,6 +3,11 @@ format x loss-scaler mode, over a model of many shapes (small tensors gathered i
 pieces, one large enough for a call of its own, odd and even sizes, matrices and vectors) and a
 few steps under a learning-rate schedule.
 
+A scaled configuration is counted twice: as the CPU takes it (the gradients unscaled in place on
+the host, then the plain step: ``loss_scale.skipped_on_host``, so the plain step's kernels) and
+with its counts on the device, as a GPU or ``capturable=True`` takes it (the scaler's inputs in
+the kernels: kernels of their own).
+
 Each distinct ``compiled._compiled_kernel`` key is a graph Inductor compiles (its shapes are
 dynamic: one graph serves every size, but for Inductor's specialisation on a length that is a
 multiple of its vector width, which ``tests/test_fused.py`` bounds). Here ``torch.compile`` is
@@ -27,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 import lowprec
-from lowprec.optim import compiled
+from lowprec.optim import compiled, loss_scale
 
 #: (class, keywords): every optimizer; Muon's vectors take AdamW's rule (a group of their own).
 OPTIMIZERS = {
@@ -64,8 +69,8 @@ def expected(name: str, master: str, state: str | None) -> int:
     rounding a second for the gathered pieces' per-word keys; a rule with norms twice as many
     (a sums pass and an update pass), each for a parameter alone and for a piece's rows;
     8-bit state one more per pass (the codes' rows); Adafactor one per number of dimensions;
-    Muon its whole-tensor graph and its AdamW group's. Plain and scaled alike (each scaler mode
-    its own kernels)."""
+    Muon its whole-tensor graph and its AdamW group's. Plain and scaled alike (a scaled step
+    with its counts on the device has kernels of its own; on the CPU it takes the plain ones)."""
     if name == "adafactor":
         return 2
     keyed = master == "stochastic"
@@ -76,9 +81,20 @@ def expected(name: str, master: str, state: str | None) -> int:
     return 1 + keyed + (state is not None)
 
 
-def census(name: str, master: str, state: str | None, scaled: bool, steps: int = 3):
+def census(name: str, master: str, state: str | None, scaled: bool, steps: int = 3,
+           host: bool = True):
     """The kernels' names one configuration asks for in ``steps`` steps (``torch.compile``
-    replaced by the function itself: see ``main``)."""
+    replaced by the function itself: see ``main``); ``host`` False: the step counts kept on the
+    device, as off the CPU (``loss_scale._host_counts``)."""
+    real = loss_scale._host_counts
+    loss_scale._host_counts = lambda device: host and real(device)  # type: ignore[assignment]
+    try:
+        return _census(name, master, state, scaled, steps)
+    finally:
+        loss_scale._host_counts = real  # type: ignore[assignment]
+
+
+def _census(name: str, master: str, state: str | None, scaled: bool, steps: int):
     compiled._KERNELS.clear()
     gen = torch.Generator().manual_seed(0)
     params = [(torch.randn(s, generator=gen) * 0.1).bfloat16().requires_grad_() for s in SHAPES]
@@ -95,6 +111,10 @@ def census(name: str, master: str, state: str | None, scaled: bool, steps: int =
     return sorted(k.name for k in compiled._KERNELS.values())
 
 
+#: (scaled, counts on the host, the table's label): plain; scaled on the CPU; scaled as on a GPU.
+MODES = ((False, True, "no"), (True, True, "host"), (True, False, "device"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max", type=int, default=0,
@@ -109,11 +129,11 @@ def main() -> int:
     for name in args.optimizers.split(","):
         for master in MASTERS:
             for state in STATES:
-                for scaled in (False, True):
-                    names = census(name, master, state, scaled)
+                for scaled, host, mode in MODES:
+                    names = census(name, master, state, scaled, host=host)
                     short = [n.split(f"_{master}", 1)[-1].lstrip("_") for n in names]
                     families.update(short)
-                    print(f"{name:<13} {master:<11} {state or '-':<5} {scaled!s:<6} "
+                    print(f"{name:<13} {master:<11} {state or '-':<5} {mode:<6} "
                           f"{len(names):>7}  {' '.join(short)}")
                     if args.max and len(names) > args.max:
                         over.append((name, master, state, scaled, len(names)))

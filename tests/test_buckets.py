@@ -143,9 +143,10 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
 def test_a_parameter_no_bucket_gathers_is_a_bucket_of_one(monkeypatch):
     """LAMB with 8-bit state: its small parameters (FP32 state) go into a bucket, its 8-bit one
     (codes are not stepped as rows) into a bucket of one; from its second step under each
-    loss-scaler mode on, that one runs the compiled step its bucket prepared at the first (whose
-    kernels are the mode's), where a parameter stepped on its own prepared it anew at every
-    step; the bits are the step's without buckets."""
+    step on, that one runs the compiled step its bucket prepared at the first (on the CPU a
+    scaled step is the plain one on gradients unscaled in place: loss_scale.skipped_on_host),
+    where a parameter stepped on its own prepared it anew at every step; the bits are the step's
+    without buckets."""
     shapes = [(32, 256), (64,), (8, 8), (128,), (16, 8), (30,)]  # (the first: 8-bit state)
     make = lambda ps: Lamb(ps, lr=1e-2, master="kahan", state_dtype="8bit", fused=True)  # noqa: E731
     pa, oa, _ = _run(make, CHANGES["a_grad_missing"], use_buckets=False, monkeypatch=monkeypatch,
@@ -160,8 +161,8 @@ def test_a_parameter_no_bucket_gathers_is_a_bucket_of_one(monkeypatch):
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1, taken
     assert [len(b.params) for b in ob._buckets.buckets] == [1, 5] and not ob._buckets.rest
-    # Steps 0 (scaled) and 1 (plain) prepare it, one call per loss-scaler mode; 2-5 redo.
-    assert prepared.count(32 * 256) == 2, prepared
+    # Step 0 (scaled) prepares it, the plain step's call; 1-5 (plain and scaled) redo it.
+    assert prepared.count(32 * 256) == 1, prepared
 
 
 def test_rows_of_fp32_parameters_equal_the_step_without_them(device):

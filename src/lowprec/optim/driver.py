@@ -32,7 +32,7 @@ import torch
 from lowprec.optim import core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
-from lowprec.optim.loss_scale import _Scaling
+from lowprec.optim.loss_scale import _Scaling, skipped_on_host
 from lowprec.optim.options import in_step
 from lowprec.optim.param_step import Memo
 from lowprec.optim.shards import local_shards, reduce_groups
@@ -104,15 +104,28 @@ def full_step(
     memo = Memo()
     scaling = None
     if ctx.scaled:
-        scaling = _Scaling.prepare(
-            work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
-        )
+        skipped = _skipped_on_host(opt, ctx, work)
+        if skipped:
+            return
+        if skipped is None:
+            scaling = _Scaling.prepare(
+                work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
+            )
     if late:
         param_step.step_late(opt, late, scaling)
         ids = {id(p) for _, p, _, _ in late}
         work = [item for item in work if id(item[1]) not in ids]
     for group, p, index, storage in work:
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
+
+
+def _skipped_on_host(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> bool | None:
+    """Whether a scaled step whose counts are read on the host (``core.host_counts``: the CPU)
+    is skipped (True) or is the plain step on gradients unscaled in place (False), decided before
+    anything is written (``loss_scale.skipped_on_host``); None: ``_Scaling`` takes it."""
+    if not core.host_counts(opt, torch.device("cpu")):
+        return None
+    return skipped_on_host(work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce"))
 
 
 def _kind(
@@ -293,8 +306,12 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     if ctx.scaled:
         work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
                 for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
-        scaling = _Scaling.prepare(work + rest, ctx.grad_scale, ctx.found_inf,
-                                   opt.__dict__.get("_shard_reduce"))
+        skipped = _skipped_on_host(opt, ctx, work + rest)
+        if skipped:
+            return True
+        if skipped is None:
+            scaling = _Scaling.prepare(work + rest, ctx.grad_scale, ctx.found_inf,
+                                       opt.__dict__.get("_shard_reduce"))
     for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
         if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
