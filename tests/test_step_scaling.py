@@ -380,3 +380,40 @@ def test_scaled_step_makes_each_groups_numbers_once(fused, monkeypatch, device):
         if step > 0:  # (the first step creates the state: its numbers come one by one)
             assert sorted(calls) == [(1,), (2,)], calls
     assert all(float(opt.state[p]["step"]) == 4 for p in params)
+
+
+@pytest.mark.parametrize(("dtype", "scale", "in_kernels"), [
+    (torch.bfloat16, 256.0, False), (torch.float32, 2.0**-3, False),
+    (torch.bfloat16, 3.0, True), (torch.float16, 256.0, True),
+], ids=["bf16-pow2", "fp32-pow2", "bf16-three", "fp16-pow2"])
+def test_cpu_scaled_steps_unscale_in_place_only_where_that_is_exact(dtype, scale, in_kernels,
+                                                                    monkeypatch):
+    """On the CPU a scaled step whose unscaled gradients are exact in their own dtype (BF16 or
+    FP32 and a power-of-two scale) is the plain step on gradients unscaled in place
+    (loss_scale.skipped_on_host: the plain step's kernels); a scale of 3, or FP16 gradients
+    (which would lose what only the scale kept), take the kernels that unscale in FP32. Either
+    way the gradients come back as GradScaler's unscale_ leaves them, and a skipped step writes
+    nothing. (Kernels' names counted, nothing compiled: the bits are the tests' above.)"""
+    from lowprec.optim import compiled
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    monkeypatch.setattr(compiled, "_KERNELS", {})
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(64, 32, generator=gen).to(dtype).requires_grad_()
+    opt = AdamW([p], lr=1e-2, master="kahan" if dtype != torch.float32 else "none", fused=True)
+    inv = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    for bad in (False, True):
+        p.grad = (torch.randn(64, 32, generator=gen) * scale).to(dtype)
+        if bad:
+            p.grad[3, 4] = float("inf")
+        expected = (p.grad.float() * inv).to(dtype)
+        before = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()
+                                       if isinstance(v, torch.Tensor)})
+        found = torch.zeros(())
+        opt.step(grad_scale=torch.tensor(scale), found_inf=found)
+        assert torch.equal(p.grad, expected) and float(found) == float(bad)
+        if bad:  # (nothing written, the count included)
+            assert torch.equal(p, before[0])
+            assert all(torch.equal(v, opt.state[p][k]) for k, v in before[1].items())
+    names = [k.name for k in compiled._KERNELS.values()]
+    assert names and all(("_unscale_" in n) == in_kernels for n in names), names
