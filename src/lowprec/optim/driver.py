@@ -102,15 +102,10 @@ def full_step(
     under a loss scaler, create the buffers an option turned on (``late``:
     ``param_step.step_late``), step the others (``param_step.step_param``)."""
     memo = Memo()
-    scaling = None
-    if ctx.scaled:
-        skipped = _skipped_on_host(opt, ctx, work)
-        if skipped:
-            return
-        if skipped is None:
-            scaling = _Scaling.prepare(
-                work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce")
-            )
+    got = _scaling(opt, ctx, work)
+    if got is True:
+        return
+    scaling = got or None
     if late:
         param_step.step_late(opt, late, scaling)
         ids = {id(p) for _, p, _, _ in late}
@@ -119,13 +114,19 @@ def full_step(
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
 
 
-def _skipped_on_host(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> bool | None:
-    """Whether a scaled step whose counts are read on the host (``core.host_counts``: the CPU)
-    is skipped (True) or is the plain step on gradients unscaled in place (False), decided before
-    anything is written (``loss_scale.skipped_on_host``); None: ``_Scaling`` takes it."""
-    if not core.host_counts(opt, torch.device("cpu")):
-        return None
-    return skipped_on_host(work, ctx.grad_scale, ctx.found_inf, opt.__dict__.get("_shard_reduce"))
+def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Scaling | bool:
+    """How the step of ``work`` takes ``ctx``'s loss scaler, decided before anything is written:
+    True, skipped; False, the plain step (no scaler, or, where the counts are read on the host,
+    ``core.host_counts``, the gradients unscaled in place: ``loss_scale.skipped_on_host``); else
+    the kernels take the scaler's inputs (``_Scaling``)."""
+    if not ctx.scaled:
+        return False
+    reduce = opt.__dict__.get("_shard_reduce")
+    if core.host_counts(opt, torch.device("cpu")):
+        skipped = skipped_on_host(work, ctx.grad_scale, ctx.found_inf, reduce)
+        if skipped is not None:
+            return skipped
+    return _Scaling.prepare(work, ctx.grad_scale, ctx.found_inf, reduce)
 
 
 def _kind(
@@ -298,7 +299,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         if opt._check_param(group, p, storage, (gi, pi), expected):
             return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
-    scaling = None
+    scaling: _Scaling | None = None
     memo = Memo()
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
@@ -306,12 +307,10 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     if ctx.scaled:
         work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
                 for p, i, g in zip(b.params, b.indices, gs, strict=True) if g is not None]
-        skipped = _skipped_on_host(opt, ctx, work + rest)
-        if skipped:
+        got = _scaling(opt, ctx, work + rest)
+        if got is True:
             return True
-        if skipped is None:
-            scaling = _Scaling.prepare(work + rest, ctx.grad_scale, ctx.found_inf,
-                                       opt.__dict__.get("_shard_reduce"))
+        scaling = got or None
     for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
         if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
