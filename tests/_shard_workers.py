@@ -169,7 +169,7 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
                 out["compiled"] = compiled_calls(made)
                 out.setdefault("prepared", []).append(len(made))
-                layout = opt.__dict__.get("_buckets")  # (shards in buckets: their state gathered)
+                layout = lowprec.optim.core.stages(opt).buckets  # (shards in buckets: their state gathered)
                 out["bucketed"] = sum(len(b.params) for b in layout.buckets) if layout else 0
                 if step == 1 and cfg.get("resume"):
                     # A checkpoint in the middle: copied, saved to bytes and loaded back (as each

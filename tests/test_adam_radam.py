@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lowprec.numerics import split
-from lowprec.optim import AdamW, loss_scale
+from lowprec.optim import AdamW, core, loss_scale
 from lowprec.optim.adam import Adam
 from lowprec.optim.radam import RAdam
 from tests._host import no_host_reads
@@ -140,7 +140,7 @@ def test_unsupported_options_are_refused(ours, kw):
         with pytest.raises(ValueError, match=r"differentiable"):
             ours([torch.randn(3, requires_grad=True)], **kw)
     else:
-        assert ours([torch.randn(3, requires_grad=True)], **kw)._capturable
+        assert core.stages(ours([torch.randn(3, requires_grad=True)], **kw)).capturable
 
 
 def _error_inputs():

@@ -28,6 +28,7 @@ from lowprec.optim import (
     StableAdamW,
     buckets,
     compiled,
+    core,
     loss_scale,
 )
 from tests import _steps
@@ -39,6 +40,11 @@ pytestmark = pytest.mark.fused
 
 # Even-sized tensors (one bucket), an odd-sized and a one-element one (stepped alone).
 SHAPES = [(300, 256), (64,), (32, 4), (7,), (1,), (16, 6)]
+
+
+def _layout(opt):
+    """The buckets ``driver.flatten`` laid out last for ``opt``."""
+    return core.stages(opt).buckets
 
 
 def _adamw_kahan(params):
@@ -134,7 +140,7 @@ def test_buckets_of_rules_with_norms_equal_the_step_without_them(make, change, s
                          scaled=scaled, shapes=NORM_SHAPES)
     assert_same(pa, oa, pb, ob)
     assert taken >= STEPS - 3, taken
-    bucket, *alone = sorted(ob._buckets.buckets, key=lambda b: -len(b.params))
+    bucket, *alone = sorted(_layout(ob).buckets, key=lambda b: -len(b.params))
     assert [b.params[0].numel() for b in alone] == [7]  # (an odd size: a bucket of one)
     pieces = bucket._pieces(0, len(bucket.params))
     assert sorted(b - a for a, b in pieces) == [1, 1, 2, 3], pieces
@@ -160,7 +166,7 @@ def test_a_parameter_no_bucket_gathers_is_a_bucket_of_one(monkeypatch):
                          monkeypatch=monkeypatch, scaled=_every_other_step, shapes=shapes)
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 1, taken
-    assert [len(b.params) for b in ob._buckets.buckets] == [1, 5] and not ob._buckets.rest
+    assert [len(b.params) for b in _layout(ob).buckets] == [1, 5] and not _layout(ob).rest
     # Step 0 (scaled) prepares it, the plain step's call; 1-5 (plain and scaled) redo it.
     assert prepared.count(32 * 256) == 1, prepared
 
@@ -184,7 +190,7 @@ def test_rows_of_fp32_parameters_equal_the_step_without_them(device):
             else:
                 with full_steps():  # (the step without buckets)
                     opt.step()
-    (bucket,) = opts[0]._buckets.buckets
+    (bucket,) = _layout(opts[0]).buckets
     assert [b - a for a, b in bucket._pieces(0, len(bucket.params))] == [1, 2, 2]
     assert all(f.pairs is None for f in bucket.prepared.values())
     for a, b in zip(*made, strict=True):
@@ -213,8 +219,8 @@ def test_a_step_no_bucket_gathers_goes_through_the_layout(make, monkeypatch):
                          steps=4, shapes=shapes)
     assert_same(pa, oa, pb, ob)
     alone = isinstance(ob, Adafactor)
-    assert [len(b.params) for b in ob._buckets.buckets] == ([] if alone else [1, 1, 1])
-    assert len(ob._buckets.rest) == (3 if alone else 0)
+    assert [len(b.params) for b in _layout(ob).buckets] == ([] if alone else [1, 1, 1])
+    assert len(_layout(ob).rest) == (3 if alone else 0)
     assert taken == 3, taken
     assert len(prepared) == (0 if isinstance(ob, Adafactor) else 3), prepared
 
@@ -236,7 +242,7 @@ def test_stochastic_rounding_in_buckets_equals_the_step_without_them(change, lim
     pb, ob, taken = _run(make, CHANGES[change], use_buckets=True, monkeypatch=monkeypatch)
     assert_same(pa, oa, pb, ob)
     assert taken >= (STEPS - 1 if change != "state_loaded" else STEPS - 2), taken
-    assert ob._buckets.buckets[0].keyed
+    assert _layout(ob).buckets[0].keyed
 
 
 @pytest.mark.parametrize("name", ["nothing", "a_grad_missing", "grads_in_fp32",
@@ -324,8 +330,8 @@ def test_buckets_with_quantized_state_equal_the_step_without_them(state_dtype, s
                          scaled=scaled)
     assert_same(pa, oa, pb, ob)
     assert taken >= (STEPS - 1 if name in KEPT else STEPS - 2), taken
-    coded = [b for b in ob._buckets.buckets if b.qstate]
-    assert len(coded) == 1 and len(coded[0].params) == 3, ob._buckets.buckets
+    coded = [b for b in _layout(ob).buckets if b.qstate]
+    assert len(coded) == 1 and len(coded[0].params) == 3, _layout(ob).buckets
     scale = coded[0].flats["exp_avg_scale"]
     assert scale.numel() == sum(p.numel() for p in coded[0].params) // 256
 
@@ -356,7 +362,7 @@ def test_buckets_under_a_loss_scaler_on_the_device(mode, device):
                 with full_steps():
                     opt.step(**kw)
         if use:
-            assert opt._buckets is not None
+            assert _layout(opt) is not None
         assert all(opt.state[p]["step"].item() == 4 for p in params)
         runs.append((params, opt))
     assert_same(*runs[0], *runs[1])
@@ -373,11 +379,11 @@ def test_state_becomes_views_of_one_buffer_per_bucket_and_parameters_stay_put(de
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
-    bucket, odd = opt._buckets.buckets
+    bucket, odd = _layout(opt).buckets
     inside = [p for p in params if p.numel() % 2 == 0 and p.numel() > 1]
     assert bucket.params == inside
     # (an odd size a bucket of one, its state its own tensors; one element stepped on its own)
-    assert [p.numel() for p in odd.params] == [7] and len(opt._buckets.rest) == 1
+    assert [p.numel() for p in odd.params] == [7] and len(_layout(opt).rest) == 1
     assert opt.state[odd.params[0]]["exp_avg"] is odd.views["exp_avg"][0]
     for name in ("exp_avg", "exp_avg_sq", "compensation"):
         storages = {opt.state[p][name].untyped_storage().data_ptr() for p in inside}
@@ -426,7 +432,7 @@ def test_host_calls_per_step_do_not_grow_with_the_number_of_tensors(make, device
         opt.step()  # (creates the state and lays the buckets out)
         opt.step()
         calls[n] = step_calls.host_calls(opt.step)[0]
-        assert opt._buckets is not None
+        assert _layout(opt) is not None
     assert calls[512] <= 2 * calls[16], calls
 
 
@@ -442,9 +448,9 @@ def test_a_model_moved_after_buckets_is_laid_out_again():
         if step == 2:
             for p in params:
                 p.data = p.data.clone()
-            assert not opt._buckets.buckets[0].current(opt)
+            assert not _layout(opt).buckets[0].current(opt)
         opt.step()
-    assert opt._buckets.buckets[0].current(opt)
+    assert _layout(opt).buckets[0].current(opt)
     assert all(opt.state[p]["step"].item() == 4 for p in params)
 
 
@@ -467,7 +473,7 @@ def test_a_hogwild_model_in_shared_memory_is_stepped_in_place():
                     opt.step()
         assert [p.data_ptr() for p in params] == ptrs and all(p.is_shared() for p in params)
         if use:
-            assert opt._buckets is not None
+            assert _layout(opt) is not None
         runs.append((params, opt))
     assert_same(*runs[0], *runs[1])
 
@@ -485,7 +491,7 @@ def test_an_option_that_adds_a_buffer_lays_the_buckets_out_again(monkeypatch):
     pb, ob, taken = _run(make, momentum_on, use_buckets=True, monkeypatch=monkeypatch)
     assert_same(pa, oa, pb, ob)
     assert taken == STEPS - 2
-    assert "momentum_buffer" in ob._buckets.buckets[0].names
+    assert "momentum_buffer" in _layout(ob).buckets[0].names
 
 
 def test_a_large_non_contiguous_gradient_is_gathered_on_its_own(monkeypatch):
@@ -507,7 +513,7 @@ def test_a_large_non_contiguous_gradient_is_gathered_on_its_own(monkeypatch):
                 with full_steps():
                     opt.step()
         runs.append((params, opt))
-    assert runs[1][1]._buckets is not None
+    assert _layout(runs[1][1]) is not None
     assert_same(*runs[0], *runs[1])
 
 
@@ -555,7 +561,7 @@ def test_a_compile_failure_in_the_buckets_falls_back_to_their_eager_step(monkeyp
             opt.step()
         ref.step()
         assert_same(params, opt, ref_params, ref)
-    assert opt._buckets.buckets
+    assert _layout(opt).buckets
 
 
 def test_step_counts_past_2_24_are_read_as_the_full_step_reads_them(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adafactor, AdamW, driver
+from lowprec.optim import SGD, Adafactor, AdamW, core, driver
 
 # (fused: a compiled step that falls back to eager fails the test, tests/_fallback.py)
 pytestmark = pytest.mark.fused
@@ -94,4 +94,4 @@ def test_a_buffer_an_option_turns_on_takes_the_full_step_once(monkeypatch):
     _step(opt, params)
     _step(opt, params)
     assert taken == [("step_buckets", False), ("full_step", False), ("step_buckets", False)]
-    assert "momentum_buffer" in opt._buckets.buckets[0].names
+    assert "momentum_buffer" in core.stages(opt).buckets.buckets[0].names

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lowprec.numerics import split
-from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, update
+from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, core, update
 from tests._cases import kernel_families, pairwise
 from tests._same import assert_same, bits
 
@@ -262,7 +262,7 @@ def test_small_stochastic_parameters_share_one_call_with_their_own_random_bits()
         init, steps=4, seed=3, drop=(1, 1),
     )
     assert [int(opt.state[p]["step"]) for p in params] == [4, 3, 4, 4, 4]
-    assert opt._buckets.buckets[0].keyed
+    assert core.stages(opt).buckets.buckets[0].keyed
     # The four even-length parameters' 3840 + 6 + 30 + 16 elements in one call (words of two);
     # from the step the (6,) parameter missed on, the runs around it (which then has a count of
     # its own): 3840, 6 and 30 + 16; the (33,) one alone, its last element eager.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowprec import step_in_backward
-from lowprec.optim import AdamW, Lamb, buckets, compiled, driver, loss_scale
+from lowprec.optim import AdamW, Lamb, buckets, compiled, core, driver, loss_scale
 from tests._cases import kernel_families
 from tests._host import no_host_reads
 from tests._same import assert_same
@@ -119,7 +119,7 @@ def test_the_update_inside_backward_gathers_the_small_parameters_on_the_device(m
         with contextlib.nullcontext() if step == 0 else no_host_reads():
             model(x).float().square().mean().backward()
             opt.step()
-    (bucket,) = opt._buckets.buckets
+    (bucket,) = core.stages(opt).buckets.buckets
     assert len(bucket.params) == 8 and bucket.sizes[2] == 300 * 256
     assert pieces == [1, 2, 5], pieces  # (the hook's; the end's two runs)
 
@@ -158,7 +158,7 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
                 opt.step(**kw)
         runs.append((params, opt))
     assert calls == {"flatten": 0, "full_step": 0}, calls
-    (bucket,) = runs[1][1]._buckets.buckets
+    (bucket,) = core.stages(runs[1][1]).buckets.buckets
     assert len(bucket.params) == 3 and bucket.runs([p.grad for p in bucket.params],
                                                     bucket._marks()) == [(0, 1), (1, 2), (2, 3)]
     assert [float(runs[1][1].state[p]["step"]) for p in runs[1][0]] == [5, 4, 5]
@@ -188,5 +188,5 @@ def test_stochastic_rounding_off_the_cpu_gathers_small_parameters(make, monkeypa
                 p.grad = torch.randn(p.shape, generator=gen).bfloat16()
             opt.step()
         runs.append((params, opt))
-    assert [len(b.params) for b in runs[1][1]._buckets.buckets] == [4]
+    assert [len(b.params) for b in core.stages(runs[1][1]).buckets.buckets] == [4]
     assert_same(*runs[0], *runs[1])

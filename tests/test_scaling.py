@@ -16,7 +16,7 @@ from torch import nn
 
 import lowprec
 from lowprec import LossScaler, NonFiniteLossError
-from lowprec.optim import SGD, AdamW, loss_scale
+from lowprec.optim import SGD, AdamW, core, loss_scale
 from tests._host import no_host_reads
 
 pytestmark = pytest.mark.floor  # (also run under the oldest torch claimed: .ci/run)
@@ -488,7 +488,7 @@ def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(use_buck
             stepped = scaler.step(opt)  # unscale, inf/NaN check and skip all on the device
         assert bool(stepped) == (i != 2)
         scaler.update()
-    assert (opt.__dict__.get("_buckets") is not None) == use_buckets
+    assert (core.stages(opt).buckets is not None) == use_buckets
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, loss_scale
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, core, loss_scale
 from tests._cases import axes
 from tests._host import no_host_reads
 from tests._steps import full_steps
@@ -152,7 +152,7 @@ def test_scaled_buckets_of_small_parameters_step_as_each_alone(name, master, mon
     # shared call) and AdamW with every master (tests/_cases.py: axes).
     monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(32, 18), (6,), (4, 4), (0,), (1,)])
     params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5))
-    assert opt._buckets.buckets
+    assert core.stages(opt).buckets.buckets
     with full_steps():
         alone_params, alone_opt, alone_found = _run(
             name, master, fused=True, scaled=True, bad_steps=(2, 5)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import lowprec
-from lowprec.optim import Adafactor, Muon, compiled, muon_param_groups
+from lowprec.optim import Adafactor, Muon, compiled, core, muon_param_groups
 from tests._cases import pairwise
 from tests._same import assert_same, bits
 from tests.test_optim import assert_rel_close, feed, grad_sequence
@@ -142,7 +142,7 @@ def test_every_strategy_follows_fp32_and_fused_is_the_eager_step(cls, master, dt
     # Adafactor's whole-tensor step compiles as one graph (its sums in FP64, so the bits are the
     # eager step's); Muon's compiles its elementwise work as two graphs, its matmuls eager.
     assert calls
-    assert not getattr(runs[1][1], "_fused_broken", False)
+    assert not core.stages(runs[1][1]).fused_broken
     assert_same(*runs[0], *runs[1])
     fp32 = [p.detach().to(dtype).float().requires_grad_() for p in ref]
     opt = cls(fp32, master="none", **KW[cls])

@@ -337,7 +337,7 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r} steps inside backward, whose hooks it "
                              "installs on the model: pass the model as params.")
         opt = _OPTIMIZERS[key](params, master=self.master, **hyperparameters)
-        if self.step_in_backward:  # (the handle lives on the optimizer: opt._in_backward)
+        if self.step_in_backward:  # (the handle lives on the optimizer: core.Stages.in_backward)
             optim.step_in_backward(cast(nn.Module, model), opt)  # (None raised above)
         return opt
 

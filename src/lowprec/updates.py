@@ -22,6 +22,7 @@ import torch
 
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.base import LowPrecisionOptimizer
+from lowprec.optim.core import stages
 from lowprec.optim.dtensor import is_dtensor, local
 from lowprec.optim.shards import all_reduce_sums, local_shards
 
@@ -271,7 +272,7 @@ class UpdateMonitor:
                 )
             if not (math.isfinite(scaler) and scaler > 0):
                 raise ValueError(f"a fixed scaler must be finite and > 0, got {scaler}.")
-        if optimizer.__dict__.get("_in_backward") is not None:
+        if isinstance(optimizer, LowPrecisionOptimizer) and stages(optimizer).in_backward is not None:
             raise ValueError(
                 "UpdateMonitor previews each step from the gradients before step(), but this "
                 "optimizer steps inside backward (lowprec.step_in_backward), where they are gone "
@@ -352,9 +353,9 @@ class UpdateMonitor:
             inv = self._inverse_scale()
             opt = cast(LowPrecisionOptimizer, self.optimizer)
             # (DTensor parameters: previewed on this rank's shards, as the step takes them)
-            sharded = opt.__dict__.get("_has_dtensors")
+            sharded = stages(opt).has_dtensors
             with local_shards(opt) if sharded else contextlib.nullcontext():
-                owner = {id(s.local): pid for pid, s in (opt.__dict__.get("_shards") or {}).items()}
+                owner = {id(s.local): pid for pid, s in stages(opt).shards.items()}
                 # _collect validates like the step itself (clear errors) and writes nothing.
                 for group, p, _index, storage in opt._collect():
                     pid = owner.get(id(p), id(p))
@@ -496,7 +497,7 @@ class UpdateMonitor:
         if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
             p, master = local(p), local(master)
             state = {k: local(v) for k, v in state.items()}
-            groups = opt.__dict__["_shards"][pid].groups
+            groups = stages(opt).shards[pid].groups
         new = p.detach()
         attempted = new_w != w
         unchanged = _bits(old) == _bits(new)

@@ -175,6 +175,7 @@ def run(
     import torch
 
     from lowprec import memory, recipes
+    from lowprec.optim.core import stages
 
     if warmup < 1:
         raise ValueError(f"warmup must be at least 1 (the first step creates the state), got "
@@ -192,7 +193,7 @@ def run(
     # (Muon's groups, and a recipe stepping in backward installs its hooks: from the model)
     opt = recipe.optimizer(key, model if key == "muon" or own else params,
                            **memory._hyperparameters(key, None))
-    handle = opt.__dict__.get("_in_backward")  # (the recipe's own StepInBackward)
+    handle = stages(opt).in_backward  # (the recipe's own StepInBackward)
     if handle is not None and not in_backward:
         handle.remove()  # (the recipe's way, undone: the normal step to compare with)
         handle = None

@@ -46,7 +46,7 @@ import torch
 
 from lowprec.optim import checkpoint, driver, kept
 from lowprec.optim._typing import compiler_disable
-from lowprec.optim.core import OptimizerCore
+from lowprec.optim.core import OptimizerCore, stages
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
@@ -112,7 +112,7 @@ class LowPrecisionOptimizer(OptimizerCore):
             )
         _check_torch_options(type(self).__name__, foreach, capturable, differentiable)
         # (read by core.host_counts: set before the groups, whose state it places)
-        self._capturable = bool(capturable)
+        stages(self).capturable = bool(capturable)
         super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
 
     # ------------------------------------------------------------------ groups and validation
@@ -177,7 +177,7 @@ class LowPrecisionOptimizer(OptimizerCore):
         kept.release(p for p, storage in zip(params, storages, strict=True)
                      if not storage.takes_value)
         if any(is_dtensor(p) for p in params):
-            self._has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
+            stages(self).has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
             for p in params:
                 if is_dtensor(p):
                     mark_blocks(p)

@@ -192,7 +192,7 @@ class _Bucket:
         self.norms = opt.rule(group).norms  # (whole-tensor sums: pieces of one size)
         # (a DTensor's shard, a bucket of one: its random bits keyed from the index of its
         # first element in the whole parameter)
-        offsets = opt.__dict__.get("_shard_offsets") or {}
+        offsets = core.stages(opt).shard_offsets or {}
         self.start = offsets.get(id(p0), 0) if self.keyed and shard else 0
         # (a DTensor's shard whose whole-tensor sums add every rank's, a bucket of one:
         # ``driver.step_buckets`` steps these in the parameters' order, on every rank alike)

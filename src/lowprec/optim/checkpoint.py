@@ -20,6 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowprec.optim import qstate
+from lowprec.optim.core import stages
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like, wrap_state
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.shards import check_loaded_state
@@ -127,7 +128,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
     with torch.no_grad():  # (every check has passed: now the parameters may change)
         for p, value in writes:
             local(p).copy_(value)
-    opt.__dict__.pop("_shards", None)  # (DTensor parameters' local views: lowprec.optim.shards)
+    stages(opt).shards = {}  # (DTensor parameters' local views: lowprec.optim.shards)
     # What torch's load_state_dict does once it has cast the state, which here keeps its
     # dtypes: the live parameters in the loaded groups, the state keyed by them.
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)

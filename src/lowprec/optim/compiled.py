@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.numerics import COMPILED_AS_EAGER
+from lowprec.optim import core
 from lowprec.optim import qstate as qstate_mod
 from lowprec.optim.options import _default_mode
 from lowprec.optim.shards import all_reduce_sums
@@ -145,7 +146,7 @@ def _fused_enabled(opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor) -
     working compiler exists for its device (``_compiler``), unless ``LOWPREC_FUSED`` says
     otherwise; never after this optimizer's compilation failed (``_disable_fused``)."""
     fused = group["fused"]
-    if fused is False or getattr(opt, "_fused_broken", False):
+    if fused is False or core.stages(opt).fused_broken:
         return False
     if fused is None and not _default_compiles(p.device.type):
         missing = _default_mode() == "auto" and _compiler(p.device.type)
@@ -343,7 +344,7 @@ def _unviewed(x: Any) -> Any:
 
 
 def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
-    opt._fused_broken = True
+    core.stages(opt).fused_broken = True
     if isinstance(error, CompileBudgetExceeded):
         how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
                "pass fused=False to silence this warning.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lowprec.optim._typing import WorkItem
 
-__all__ = ["OptimizerCore", "Rule", "host_counts"]
+__all__ = ["OptimizerCore", "Rule", "Stages", "host_counts", "stages"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,13 +64,53 @@ class Rule:
         return self.kind == "whole"
 
 
+@dataclass(eq=False)
+class Stages:
+    """What the step's stages keep on an optimizer from one step to the next (``stages``): one
+    typed record, each field written by one module, where they were attributes set through the
+    optimizer's ``__dict__``."""
+
+    #: ``capturable=True`` (``base``): every step makes its numbers on the device.
+    capturable: bool = False
+    #: A group holds DTensor parameters (``base.add_param_group``): steps run on local shards.
+    has_dtensors: bool = False
+    #: A compile failed (``compiled._disable_fused``): this optimizer's later steps are eager.
+    fused_broken: bool = False
+    #: The buckets ``driver.flatten`` laid out last (a ``driver._Layout``).
+    buckets: Any = None
+    #: The hooks ``lowprec.step_in_backward`` installed (an ``in_backward.StepInBackward``).
+    in_backward: Any = None
+    #: DTensor parameters' local views by the parameter's id (``shards.local_shards``), and
+    #: the seeds checked to agree over every mesh.
+    shards: dict[int, Any] = field(default_factory=dict)
+    seeds_checked: tuple[Any, ...] = ()
+    #: For the length of a step on DTensor shards (``shards.local_shards``): each local tensor's
+    #: offset in its parameter, the process groups a loss scaler's skip agrees over, and those
+    #: each shard's whole-tensor sums add over. None between steps.
+    shard_offsets: dict[int, int] | None = None
+    shard_reduce: list[ProcessGroup] | None = None
+    shard_groups: dict[int, list[ProcessGroup]] | None = None
+    #: ``param_step``'s tensors kept from step to step: each group's coefficients as 0-d
+    #: tensors, and the index tensors of stochastic rounding's keys.
+    coefficients: dict[int, Any] = field(default_factory=dict)
+    index_tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
+
+
+def stages(opt: OptimizerCore) -> Stages:
+    """The record of what ``opt``'s step keeps between steps (made with the optimizer)."""
+    got = opt.__dict__.get("_stages")
+    if got is None:  # (an optimizer unpickled from before it had one)
+        got = opt.__dict__["_stages"] = Stages()
+    return cast(Stages, got)
+
+
 def host_counts(opt: OptimizerCore, device: torch.device) -> bool:
     """Whether a step reads the step counts of ``opt``'s parameters on ``device`` on the host and
     takes the group's host numbers: on the CPU (``loss_scale._host_counts``), where that costs no
     synchronisation, unless the optimizer was made ``capturable``. Elsewhere every step, plain or
     scaled, makes its numbers on the device from the counts kept there (``scaled_numbers``), so
     that it reads no tensor value on the host and a CUDA graph can hold it."""
-    return not opt.__dict__.get("_capturable", False) and loss_scale._host_counts(device)
+    return not stages(opt).capturable and loss_scale._host_counts(device)
 
 
 class OptimizerCore(Optimizer):
@@ -80,18 +120,6 @@ class OptimizerCore(Optimizer):
     ``_coefficients``, ``_flags``, ``_math``) and, where they need them, its options
     (``_whole``, ``_elementwise``, ``_norm_terms``, ``_buffer_shape``)."""
 
-
-    # What the step's stages keep on the optimizer, set where first needed (and read with
-    # ``__dict__.get`` before that): declared here for type checkers, no class attributes. (Those
-    # of a stage's own types are set and read through ``__dict__`` by their module:
-    # ``_buckets`` by ``driver``, ``_in_backward`` by ``in_backward``, ``_shards`` by ``shards``.)
-    _has_dtensors: bool
-    _capturable: bool
-    _fused_broken: bool
-    _seeds_checked: tuple[Any, ...]
-    _shard_offsets: dict[int, int] | None
-    _shard_reduce: list[ProcessGroup] | None
-    _shard_groups: dict[int, list[ProcessGroup]] | None
 
     # ------------------------------------------------------------------ subclass interface
 

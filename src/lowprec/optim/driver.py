@@ -63,12 +63,12 @@ class StepContext:
 
 def run(opt: OptimizerCore, ctx: StepContext) -> None:
     """``step()`` after its closure."""
-    in_backward = opt.__dict__.get("_in_backward")
+    in_backward = core.stages(opt).in_backward
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
     if in_backward is not None and not in_backward._end_step(ctx.grad_scale, ctx.found_inf):
         return
     with in_step():  # (a tensor hyperparameter's value is not read on the host)
-        if opt.__dict__.get("_has_dtensors"):
+        if core.stages(opt).has_dtensors:
             with local_shards(opt):
                 stages(opt, ctx)
         else:
@@ -121,7 +121,7 @@ def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Sca
     the kernels take the scaler's inputs (``_Scaling``)."""
     if not ctx.scaled:
         return False
-    reduce = opt.__dict__.get("_shard_reduce")
+    reduce = core.stages(opt).shard_reduce
     if core.host_counts(opt, torch.device("cpu")):
         skipped = skipped_on_host(work, ctx.grad_scale, ctx.found_inf, reduce)
         if skipped is not None:
@@ -147,7 +147,7 @@ def _kind(
     # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
     # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
     # python storage")
-    shard = id(p) in (opt.__dict__.get("_shard_offsets") or {})
+    shard = id(p) in (core.stages(opt).shard_offsets or {})
     # A bucket of one: an odd size (it would put the next tensor's words off their pair
     # boundary); random bits keyed per word of a piece need words of BF16 pairs; a shard
     # keyed from its offset in the whole parameter, or whose whole-tensor sums add every rank's
@@ -211,8 +211,8 @@ class _Layout:
 
 
 def _layout(opt: OptimizerCore) -> _Layout | None:
-    """The buckets ``flatten`` laid out last (kept on the optimizer as ``_buckets``)."""
-    return cast("_Layout | None", opt.__dict__.get("_buckets"))
+    """The buckets ``flatten`` laid out last (``core.Stages.buckets``)."""
+    return cast("_Layout | None", core.stages(opt).buckets)
 
 
 def flatten(opt: OptimizerCore) -> None:
@@ -254,7 +254,7 @@ def flatten(opt: OptimizerCore) -> None:
             layout.buckets.append(bucket)
             layout.where.update((id(p), (bucket, k)) for k, p in enumerate(bucket.params))
     layout.rest.sort()
-    opt.__dict__["_buckets"] = layout
+    core.stages(opt).buckets = layout
 
 
 def laid_out(opt: OptimizerCore) -> bool:

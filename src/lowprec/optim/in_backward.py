@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from lowprec.optim import driver, param_step, qstate
-from lowprec.optim.core import OptimizerCore
+from lowprec.optim.core import OptimizerCore, stages
 from lowprec.optim.dtensor import is_dtensor
 from lowprec.optim.options import in_step
 from lowprec.optim.param_step import Memo
@@ -112,7 +112,7 @@ class StepInBackward:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
             setattr(p, MARK, True)
-        optimizer.__dict__["_in_backward"] = self
+        stages(optimizer).in_backward = self
 
     # ------------------------------------------------------------------ the hooks
 
@@ -121,7 +121,7 @@ class StepInBackward:
         as ``step()`` does before writing anything; returns the step's memo."""
         opt = self.optimizer
         for name in ("grad_scale", "found_inf"):
-            if opt.__dict__.get(name) is not None:
+            if getattr(opt, name, None) is not None:  # (GradScaler's, set on the optimizer)
                 raise _scaler_error()
         groups = opt.param_groups
         same = self._items is not None and len(groups) == len(self._groups)
@@ -246,8 +246,8 @@ class StepInBackward:
         for p in self.params:
             if getattr(p, MARK, False):
                 delattr(p, MARK)
-        if self.optimizer.__dict__.get("_in_backward") is self:
-            del self.optimizer.__dict__["_in_backward"]
+        if stages(self.optimizer).in_backward is self:
+            stages(self.optimizer).in_backward = None
         self._memo = None
         self._stepped.clear()
 
@@ -272,7 +272,7 @@ def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"step_in_backward takes the model (an nn.Module) first, got "
                         f"{type(model).__name__}.")
-    if optimizer.__dict__.get("_in_backward") is not None:
+    if stages(optimizer).in_backward is not None:
         raise ValueError("this optimizer already steps inside backward; remove() its "
                          "StepInBackward first.")
     from torch.nn.parallel import DistributedDataParallel
@@ -289,7 +289,7 @@ def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"parameter group {gi}, parameter {pi}"
-            if is_dtensor(p) or optimizer.__dict__.get("_has_dtensors"):
+            if is_dtensor(p) or stages(optimizer).has_dtensors:
                 raise ValueError(
                     f"{where} is a DTensor (FSDP2 or tensor parallelism): FSDP2 writes each "
                     "sharded gradient after its reduce-scatter without running post-accumulate-"

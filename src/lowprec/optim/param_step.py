@@ -155,7 +155,7 @@ def _coefficient_tensors(
     """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
     the previous step for every value that did not change (lr, betas, weight decay... most
     of them), so that a step creates few (each costs microseconds of host time)."""
-    cache = opt.__dict__.setdefault("_coefficient_cache", {})
+    cache = core.stages(opt).coefficients
     prev = cache.get(id(group))
     old_host, old = (prev[1], prev[2]) if prev is not None and prev[0] is group else ({}, {})
     c32 = {
@@ -219,7 +219,7 @@ def scaled_numbers_many(
         if keyed:
             # (kept: a host list copied to a GPU waits for the work queued before it)
             indices = tuple(i for _, i, _ in members)
-            cache = opt.__dict__.setdefault("_index_tensors", {})
+            cache = core.stages(opt).index_tensors
             index = cache.get((device, indices))
             if index is None:
                 index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64,
@@ -296,7 +296,7 @@ def step_param(
     # indices in the whole parameter, from `start` on (the compiled kernels take it as a
     # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
     start = 0
-    offsets = opt.__dict__.get("_shard_offsets")
+    offsets = core.stages(opt).shard_offsets
     if offsets and storage.needs_random_bits:
         start = offsets.get(id(p), 0)
     tensors = (p, grad, *sbufs.values(), *mbufs.values())

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lowprec.optim import qstate
+from lowprec.optim.core import stages
 from lowprec.optim.dtensor import flat_offset, is_dtensor, local, mark_blocks, wrap_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -125,7 +126,7 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
     for gi, shard in rounding:
         seeds.setdefault(shard.p.device_mesh, {})[gi] = opt.param_groups[gi]["seed"]
     key = tuple((id(mesh), tuple(sorted(d.items()))) for mesh, d in seeds.items())
-    if not key or opt.__dict__.get("_seeds_checked") == key:
+    if not key or stages(opt).seeds_checked == key:
         return
     for mesh, d in seeds.items():
         halves = [v for seed in d.values() for v in (seed & 0xFFFFFFFF, seed >> 32)]
@@ -147,7 +148,7 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
                 "torch.manual_seed with the same value on every rank before creating the "
                 "optimizer."
             )
-    opt._seeds_checked = key
+    stages(opt).seeds_checked = key
 
 
 @contextlib.contextmanager
@@ -161,7 +162,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
     parameter-shaped state tensor is a DTensor of the parameter's placements. Nothing is changed
     if a check fails."""
     groups = opt.param_groups
-    old: dict[int, _Shard] = opt.__dict__.get("_shards") or {}
+    old: dict[int, _Shard] = stages(opt).shards
     shards: dict[int, _Shard] = {}  # (only the current parameters: dropped ones are let go)
     work = []
     for gi, group in enumerate(groups):
@@ -187,7 +188,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
             work.append((gi, pi, shard))
     _check_seeds(opt, [(gi, shard) for gi, _, shard in work
                        if cast("tuple[Any, ...]", shard.verdict)[2]])
-    opt.__dict__["_shards"] = shards
+    stages(opt).shards = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
@@ -221,15 +222,16 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
         for group, ps in zip(groups, params, strict=True):
             group["params"] = ps
         opt.state = state
-        opt._shard_offsets = offsets
-        opt._shard_reduce = list(reduce.values())
-        opt._shard_groups = groups_of
+        st = stages(opt)
+        st.shard_offsets, st.shard_reduce, st.shard_groups = (offsets, list(reduce.values()),
+                                                               groups_of)
         yield
     finally:
         for group, ps in zip(groups, saved_params, strict=True):
             group["params"] = ps
         opt.state = saved_state
-        opt._shard_offsets = opt._shard_reduce = opt._shard_groups = None
+        st = stages(opt)
+        st.shard_offsets = st.shard_reduce = st.shard_groups = None
         for k, v in state.items():
             if v and id(k) not in offsets and k not in saved_state:
                 saved_state[k] = v  # (state a plain parameter got in this step)
@@ -257,7 +259,7 @@ def _aliases(a: Any, b: torch.Tensor) -> bool:
 def reduce_groups(opt: OptimizerCore, p: torch.Tensor) -> list[ProcessGroup]:
     """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
     whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
-    groups = opt.__dict__.get("_shard_groups")
+    groups = stages(opt).shard_groups
     return groups.get(id(p), []) if groups else []
 
 
