@@ -238,7 +238,7 @@ def test_step_counted_on_the_device_steps_as_on_the_host(cls, kw, fused, monkeyp
         scale, found = torch.tensor(64.0, device=device), torch.zeros((), device=device)
         # (the first step creates the state, and may compile: shapes read, not values; the
         # second, the first through buckets, reads which of their counts are the same, once:
-        # buckets._Bucket._marks)
+        # buckets._Bucket.count_marks)
         with no_host_reads() if i > 1 else contextlib.nullcontext():
             on_device.step(grad_scale=scale, found_inf=found)
     assert_same(pa, host, pb, on_device)

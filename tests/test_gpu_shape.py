@@ -129,7 +129,7 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
     step where a parameter has no gradient and the steps after it, whose counts differ, go
     through the bucket as it was laid out, each run of equal counts with its first count's
     numbers: no full step and no layout again, the counts read on the host only at the first
-    step (which counts are equal is then kept from the steps: ``_Bucket._marks``), skipped steps
+    step (which counts are equal is then kept from the steps: ``_Bucket.count_marks``), skipped steps
     included, and the bits of the full step."""
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     calls = {"flatten": 0, "full_step": 0}
@@ -160,7 +160,7 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
     assert calls == {"flatten": 0, "full_step": 0}, calls
     (bucket,) = core.stages(runs[1][1]).buckets.buckets
     assert len(bucket.params) == 3 and bucket.runs([p.grad for p in bucket.params],
-                                                    bucket._marks()) == [(0, 1), (1, 2), (2, 3)]
+                                                    bucket.count_marks()) == [(0, 1), (1, 2), (2, 3)]
     assert [float(runs[1][1].state[p]["step"]) for p in runs[1][0]] == [5, 4, 5]
     assert_same(*runs[0], *runs[1])
 

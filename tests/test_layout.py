@@ -125,6 +125,62 @@ def test_the_step_takes_the_optimizer_core_not_the_optimizer():
                                                                "storage", "qstate", "options"}}
 
 
+#: torch's own private members of an optimizer that lowprec reads, each because torch reads it
+#: so and has no public reader: the registries of ``load_state_dict`` hooks
+#: (``checkpoint.load_state_dict`` runs them as torch's does) and the flag by which
+#: ``torch.amp.GradScaler`` finds an optimizer that takes the loss-scaler contract.
+TORCH_READS = {"_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+               "_step_supports_amp_scaling"}
+
+
+def private_reads(source: str, private: set[str]) -> list[str]:
+    """Where ``source`` reads one of ``private`` of anything but ``self`` (attributes and
+    ``getattr``-like calls), or an instance's ``__dict__``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            instance = not (isinstance(node.value, ast.Name) and node.value.id[:1].isupper())
+            if not own and (node.attr in private or (node.attr == "__dict__" and instance)):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in private):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_core_reads_the_optimizers_private_members():
+    # The step's modules, and every other part of the library that takes an optimizer
+    # (diagnostics, memory, scaling, the command), read a group's core.Rule, core's functions
+    # (core.collect, core.init_state, core.qformats, ...) and core.stages(opt), the typed
+    # record of what the step keeps between steps: only lowprec.optim.core, where
+    # OptimizerCore is, and the update rules, which implement its interface, read its private
+    # members.
+    import lowprec.optim
+    from lowprec.optim.core import OptimizerCore
+
+    private = {n for n in dir(OptimizerCore) if n.startswith("_") and not n.startswith("__")}
+    # (and what the stages kept on the optimizer's __dict__ before core.Stages)
+    private |= {"_buckets", "_in_backward", "_shards", "_has_dtensors", "_capturable",
+                "_fused_broken", "_seeds_checked", "_shard_offsets", "_shard_reduce",
+                "_shard_groups", "_coefficient_cache", "_index_tensors"}
+    private -= TORCH_READS
+    rules = {type(c).__module__ if not isinstance(c, type) else c.__module__
+             for c in vars(lowprec.optim).values()
+             if isinstance(c, type) and issubclass(c, OptimizerCore)}
+    found = {name: got for name, (path, _) in _modules().items()
+             if name not in rules | {"lowprec.optim.core"}
+             and (got := private_reads(path.read_text(), private))}
+    assert not found, f"reads of the optimizer's private members outside core: {found}"
+    # (the check sees each kind of read, and leaves self's own and a class's __dict__ alone)
+    seen = private_reads("opt._math_buffers(g, p)\ngetattr(opt, '_flags')\nopt.__dict__\n"
+                         "self._flags(g)\nCppVecOverrides.__dict__\n", private)
+    assert sorted(s.split(":")[0] for s in seen) == ["1", "2", "3"], seen
+    assert "lowprec.optim.driver" not in rules and "lowprec.optim.adamw" in rules
+
+
 def test_the_library_imports_nothing_of_the_command():
     # lowprec.cli builds on the library; the library (lowprec.optim, recipes, memory, ...) must
     # not need the command's modules.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowprec import memory
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, qstate
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, core, qstate
 from tests.test_optim import feed, grad_sequence, make_params, run
 
 # A compiled step that falls back to eager fails these tests (tests/_fallback.py).
@@ -125,7 +125,7 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
         feed(ref_params, grads)
         if opt.state:
             for p, q in zip(params, ref_params, strict=True):
-                decoded = opt._math_state(opt.param_groups[0], p, opt.state[p])
+                decoded = core.math_state(opt, opt.param_groups[0], p, opt.state[p])
                 ref.state[q].update({k: v.clone() for k, v in decoded.items()})
         opt.step()
         ref.step()
@@ -235,7 +235,7 @@ def test_moments_convert_between_8bit_and_full_precision_on_load(device):
     assert eight.state[params[1]]["exp_avg"].dtype == torch.float32  # (too small: FP32)
     full = AdamW(params, lr=1e-2, master="kahan", state_dtype=torch.float32)
     full.load_state_dict(copy.deepcopy(eight.state_dict()))
-    decoded = eight._math_state(eight.param_groups[0], p, eight.state[p])
+    decoded = core.math_state(eight, eight.param_groups[0], p, eight.state[p])
     assert torch.equal(full.state[p]["exp_avg_sq"], decoded["exp_avg_sq"])
     assert "exp_avg_sq_scale" not in full.state[p]
 

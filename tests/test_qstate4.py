@@ -18,7 +18,19 @@ import pytest
 import torch
 
 from lowprec import memory
-from lowprec.optim import SGD, Adagrad, Adam, AdamW, Lamb, Lion, Muon, RAdam, StableAdamW, qstate
+from lowprec.optim import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Lamb,
+    Lion,
+    Muon,
+    RAdam,
+    StableAdamW,
+    core,
+    qstate,
+)
 from tests._cases import axes
 from tests.test_optim import feed, grad_sequence, make_params, run
 
@@ -165,7 +177,7 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
         feed(ref_params, grads)
         if opt.state:
             for p, q in zip(params, ref_params, strict=True):
-                decoded = opt._math_state(opt.param_groups[0], p, opt.state[p])
+                decoded = core.math_state(opt, opt.param_groups[0], p, opt.state[p])
                 ref.state[q].update({k: v.clone() for k, v in decoded.items()})
         opt.step()
         ref.step()
@@ -345,7 +357,7 @@ def test_moments_convert_to_and_from_4bit_on_load(source, device):
     four = AdamW(params, lr=1e-2, master="kahan", state_dtype="4bit")
     four.load_state_dict(copy.deepcopy(src.state_dict()))
     p = params[0]
-    values = src._math_state(src.param_groups[0], p, src.state[p])
+    values = core.math_state(src, src.param_groups[0], p, src.state[p])
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         codes, scale = qstate.to_codes(values[name], signed, 4)
         assert torch.equal(four.state[p][name], codes), name
@@ -354,7 +366,7 @@ def test_moments_convert_to_and_from_4bit_on_load(source, device):
 
     back = AdamW(params, lr=1e-2, master="kahan", state_dtype=source)
     back.load_state_dict(copy.deepcopy(four.state_dict()))
-    decoded = four._math_state(four.param_groups[0], p, four.state[p])
+    decoded = core.math_state(four, four.param_groups[0], p, four.state[p])
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         got = back.state[p][name]
         if source == "8bit":

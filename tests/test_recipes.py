@@ -9,6 +9,7 @@ from torch import nn
 from lowprec import recipes
 from lowprec.dfp import DFPConv2d, DFPLinear
 from lowprec.diagnostics import gradient_range
+from lowprec.optim import core
 
 STEPS = 150
 #: Each recipe's final training loss must be within this relative gap of FP32's. A "-release"
@@ -85,7 +86,7 @@ def test_release_recipe_trains_the_same_bits_as_its_normal_step(name):
     # (Hence also within the recipe without the suffix's TOLERANCE of FP32's loss.)
     final, losses, model, opt = _train(recipes.get(name))
     ref_final, ref_losses, ref_model, _ = _train(recipes.get(name.removesuffix("-release")))
-    assert opt._in_backward is not None
+    assert core.stages(opt).in_backward is not None
     assert all(p.grad is None for p in model.parameters())  # (freed in backward)
     assert losses == ref_losses and final == ref_final
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):

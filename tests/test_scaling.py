@@ -472,7 +472,7 @@ def test_scaler_step_with_a_lowprec_optimizer_reads_nothing_on_the_host(use_buck
     # As on a GPU: the optimizer's step counts are read on the device (on the CPU they are read
     # on the host, which is no synchronisation there). Through buckets, the first step, which
     # lays them out, reads their counts once (whether they are all the same:
-    # buckets._Bucket._marks); every later step reads nothing.
+    # buckets._Bucket.count_marks); every later step reads nothing.
     monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     if not use_buckets:
         request.getfixturevalue("no_buckets")

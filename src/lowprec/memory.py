@@ -44,9 +44,10 @@ import torch
 from torch import nn
 
 from lowprec import recipes
-from lowprec.optim import qstate
+from lowprec.optim import core, qstate
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.dtensor import local
+from lowprec.optim.storage import resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.accumulation import Accumulator
@@ -150,9 +151,9 @@ def _state_categories(
     """The category of each state key of ``p`` that the optimizer's own code names."""
     if not isinstance(optimizer, LowPrecisionOptimizer):
         return {}
-    names = optimizer._math_buffers(group, p)
+    names = optimizer.rule(group).buffers(p)
     cats = dict.fromkeys((*names, *map(qstate.scale_key, names)), "optimizer_state")
-    cats.update(dict.fromkeys(optimizer._storage(group, p).buffers(p), "master"))
+    cats.update(dict.fromkeys(resolve_master(group["master"], p.dtype).buffers(p), "master"))
     return cats
 
 
@@ -304,14 +305,15 @@ def expected(
     p = holder.weight
     opt = recipe.optimizer(key, holder if in_backward else [p],
                            **_hyperparameters(key, hyperparameters))
-    group = opt._group_of(p)
-    storage = opt._storage(group, p)
+    group = core.group_of(opt, p)
+    storage = resolve_master(group["master"], p.dtype)
+    rule = opt.rule(group)
 
     def size(dtype: torch.dtype) -> float:
         return float(torch.empty((), dtype=dtype).element_size())
 
     def state_bytes(n: int) -> float:  # (per element of a parameter of n elements)
-        dtype = opt._state_dtype(group, torch.empty(n, dtype=p.dtype, device="meta"), storage)
+        dtype = core.state_dtype(group, torch.empty(n, dtype=p.dtype, device="meta"), storage)
         if dtype == torch.uint8:  # (8-bit or 4-bit codes and an FP32 scale per block)
             return qstate.element_bytes(qstate.BITS[group["state_dtype"]])
         return size(dtype)
@@ -326,7 +328,7 @@ def expected(
         # (buffers shaped like the parameter; Adafactor's row and column statistics are
         # O(rows + columns): nothing per element)
         "optimizer_state": state * sum(
-            opt._buffer_shape(k, p) is None for k in opt._math_buffers(group, p)),
+            rule.buffer_shape(k, p) is None for k in rule.buffers(p)),
         "master": float(sum(size(d) for d in storage.buffers(p).values())),
         "accumulation": 0.0 if accumulate is None or p.dtype == torch.float32 or in_backward
         else size(torch.float32) if accumulate == "fp32" else size(p.dtype),

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lowprec.optim import core
 from lowprec.optim._typing import compiler_disable
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.core import stages
 from lowprec.optim.dtensor import is_dtensor, local
 from lowprec.optim.shards import all_reduce_sums, local_shards
+from lowprec.optim.storage import resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.storage import MasterStorage
@@ -272,7 +273,7 @@ class UpdateMonitor:
                 )
             if not (math.isfinite(scaler) and scaler > 0):
                 raise ValueError(f"a fixed scaler must be finite and > 0, got {scaler}.")
-        if isinstance(optimizer, LowPrecisionOptimizer) and stages(optimizer).in_backward is not None:
+        if isinstance(optimizer, LowPrecisionOptimizer) and core.stages(optimizer).in_backward is not None:
             raise ValueError(
                 "UpdateMonitor previews each step from the gradients before step(), but this "
                 "optimizer steps inside backward (lowprec.step_in_backward), where they are gone "
@@ -353,11 +354,11 @@ class UpdateMonitor:
             inv = self._inverse_scale()
             opt = cast(LowPrecisionOptimizer, self.optimizer)
             # (DTensor parameters: previewed on this rank's shards, as the step takes them)
-            sharded = stages(opt).has_dtensors
+            sharded = core.stages(opt).has_dtensors
             with local_shards(opt) if sharded else contextlib.nullcontext():
-                owner = {id(s.local): pid for pid, s in stages(opt).shards.items()}
-                # _collect validates like the step itself (clear errors) and writes nothing.
-                for group, p, _index, storage in opt._collect():
+                owner = {id(s.local): pid for pid, s in core.stages(opt).shards.items()}
+                # core.collect validates like the step itself (clear errors) and writes nothing.
+                for group, p, _index, storage in core.collect(opt):
                     pid = owner.get(id(p), id(p))
                     if pid in self._names:
                         snaps[pid] = self._preview(opt, group, p, storage, inv)
@@ -409,21 +410,22 @@ class UpdateMonitor:
         if not state:
             # What the step's lazy initialisation will create (a new dict; the FP32 value a cast
             # kept for p left for the step itself to take: lowprec.optim.kept).
-            state = opt._init_state(group, p, storage, preview=True)
+            state = core.init_state(opt, group, p, storage, preview=True)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        late = [k for k in opt._math_buffers(group, p) if state.get(k) is None]  # (step_late)
+        rule = opt.rule(group)
+        late = [k for k in rule.buffers(p) if state.get(k) is None]  # (step_late)
         if late:
             state = {**state}
             for k in late:
-                state.update(opt._new_math_buffer(group, p, k, opt._state_dtype(group, p, storage)))
-        mbufs = opt._math_state(group, p, state)
-        coeffs = (opt._first_use_coefficients if late else opt._coefficients)(group, step)
+                state.update(core.new_buffer(opt, group, p, k, core.state_dtype(group, p, storage)))
+        mbufs = core.math_state(opt, group, p, state)
+        coeffs = (rule.first_use if late else rule.coefficients)(step)
         w = storage.load(p, sbufs).clone()
         grad = cast(torch.Tensor, p.grad)  # (a parameter the step takes: present)
         g = grad.float() if inv is None else grad.float() * inv.to(p.device)
-        new_w, new_m = opt._math(w, g, mbufs, coeffs, **opt._flags(group))
-        eight_bit = {k for k, _ in opt._qstate(group, state, p)}
+        new_w, new_m = rule.math(w, g, mbufs, coeffs, **rule.flags)
+        eight_bit = {k for k, _ in core.qformats(opt, group, state, p)}
         return {
             "new_state": {k: v for k, v in new_m.items() if k in eight_bit},
             "old": p.detach().clone(),
@@ -497,7 +499,7 @@ class UpdateMonitor:
         if is_dtensor(p):  # (this rank's shard; the sums are added over the shards below)
             p, master = local(p), local(master)
             state = {k: local(v) for k, v in state.items()}
-            groups = stages(opt).shards[pid].groups
+            groups = core.stages(opt).shards[pid].groups
         new = p.detach()
         attempted = new_w != w
         unchanged = _bits(old) == _bits(new)
@@ -509,7 +511,7 @@ class UpdateMonitor:
                 (attempted & master_unchanged).sum(), err.square().sum(),
                 master_err.square().sum(), intended.square().sum()]
         if snap["new_state"]:
-            stored = opt._math_state(opt._group_of(self._params[pid]), p, state)
+            stored = core.math_state(opt, core.group_of(opt, self._params[pid]), p, state)
             sums.append(sum((stored[k].double() - v.double()).square().sum()
                             for k, v in snap["new_state"].items()))
             sums.append(sum(v.double().square().sum() for v in snap["new_state"].values()))
@@ -535,7 +537,7 @@ class UpdateMonitor:
             return dict.fromkeys(self._names)
         opt = cast(LowPrecisionOptimizer, self.optimizer)
         return {
-            id(p): opt._storage(group, p).name
+            id(p): resolve_master(group["master"], p.dtype).name
             for group in opt.param_groups for p in group["params"] if id(p) in self._names
         }
 

@@ -23,7 +23,7 @@ else:
 __all__ = ["PairDtypes", "QFormats", "WorkItem", "compiler_disable"]
 
 #: One parameter's step to take: (its group, the parameter, its index among every group's
-#: parameters, its storage strategy), as ``LowPrecisionOptimizer._collect`` lists them.
+#: parameters, its storage strategy), as ``core.collect`` lists them.
 WorkItem: TypeAlias = "tuple[dict[str, Any], torch.Tensor, int, MasterStorage]"
 #: The update rule's buffers kept as codes, each with its format (``qstate.fmt``).
 QFormats: TypeAlias = "tuple[tuple[str, str], ...]"

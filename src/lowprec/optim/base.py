@@ -46,7 +46,7 @@ import torch
 
 from lowprec.optim import checkpoint, driver, kept
 from lowprec.optim._typing import compiler_disable
-from lowprec.optim.core import OptimizerCore, stages
+from lowprec.optim.core import OptimizerCore, group_of, stages, validate_group
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like
 from lowprec.optim.options import (
     _COMMON_DEFAULTS,
@@ -55,6 +55,7 @@ from lowprec.optim.options import (
     _step_tensor,
 )
 from lowprec.optim.shards import warn_fp32_shards
+from lowprec.optim.storage import resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -169,7 +170,7 @@ class LowPrecisionOptimizer(OptimizerCore):
                 # torch.initial_seed() is what torch.manual_seed set: reproducible, the same on
                 # every rank that seeds alike, and reading it consumes no random numbers.
                 added["seed"] = torch.initial_seed()
-            storages = self._validate_group(added, index=len(self.param_groups) - 1)
+            storages = validate_group(self, added, index=len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()
             raise
@@ -307,8 +308,8 @@ class LowPrecisionOptimizer(OptimizerCore):
         Raises:
             ValueError: ``p`` is not a parameter of this optimizer.
         """
-        group = self._group_of(p)
-        storage = self._storage(group, p)
+        group = group_of(self, p)
+        storage = resolve_master(group["master"], p.dtype)
         state = self.state.get(p)
         if is_dtensor(p):  # (computed on this rank's shard, returned as a DTensor like p)
             lp = local(p)

@@ -28,7 +28,7 @@ device. On the CPU the counts are read on the host (``core.host_counts``); off i
 a capturable optimizer, they stay on the device, and each run of parameters with equal counts
 makes the step's numbers there from its first count (``_device_numbers``:
 ``param_step.scaled_numbers``, made for every run of a group at once), plain or scaled. Which
-counts are equal the bucket knows on the host (``_marks``): read once, after something else
+counts are equal the bucket knows on the host (``count_marks``): read once, after something else
 wrote the counts (their version counter shows it), then kept from its own steps, whose runs
 advance alike; a count written through ``.data`` bypasses the version counter and is not
 seen.
@@ -152,7 +152,7 @@ class _Bucket:
         # (elements of a parameter per element of each buffer: 1, or the codes' and scales')
         self.per = {name: n for name, _, n in layout}
         self.states = [opt.state[p] for p in self.params]
-        self.qstate = opt._qstate(group, self.states[0], p0)
+        self.qstate = core.qformats(opt, group, self.states[0], p0)
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0]
         for n in self.sizes:
@@ -203,7 +203,7 @@ class _Bucket:
             else lambda st: (st["step"],))  # (one key: itemgetter gives no tuple)
         self.made = self._made()
         self.marks: list[int] = []
-        self.version = None  # (_marks: not read yet)
+        self.version = None  # (count_marks: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, _Fused] = {}
         self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
@@ -263,7 +263,7 @@ class _Bucket:
         kept there (``on_device``) the step's numbers are made there from the run's first
         count, and no value is read on the host: the runs follow the counts' ``marks``."""
         on = self.on_device(opt)
-        counts = self._marks() if on else self.counts.tolist()
+        counts = self.count_marks() if on else self.counts.tolist()
         moved: list[tuple[int, int]] = []
         try:
             for i, j in self.runs(grads, counts):
@@ -336,7 +336,7 @@ class _Bucket:
         (``core.host_counts``: off the CPU, or a capturable optimizer)."""
         return not core.host_counts(opt, self.params[0].device)
 
-    def _marks(self) -> list[int]:
+    def count_marks(self) -> list[int]:
         """The counts kept on the device as marks, equal where the counts are: read on the host
         only where something else wrote the counts since this bucket's last step (their version
         counter: ``opt.state[p]["step"].fill_(...)`` moves it, a write through ``.data``

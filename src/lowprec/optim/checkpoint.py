@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import qstate
-from lowprec.optim.core import stages
+from lowprec.optim import core, qstate
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_like, wrap_state
 from lowprec.optim.options import _COMMON_DEFAULTS, _TORCH_ONLY_OPTIONS, _step_tensor
 from lowprec.optim.shards import check_loaded_state
-from lowprec.optim.storage import STORAGES, convert
+from lowprec.optim.storage import STORAGES, convert, resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.core import OptimizerCore
@@ -92,7 +91,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
         merged["params"] = g["params"]
         if merged["seed"] is None:
             merged["seed"] = g["seed"]
-        opt._validate_group(merged, gi)
+        core.validate_group(opt, merged, gi)
         loaded_groups.append(merged)  # (with the live parameters, as torch's update_group)
         for sid, p in zip(sg["params"], g["params"], strict=True):
             id_map[sid] = (p, merged)
@@ -112,7 +111,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
             # a tensor, as torch's own optimizers convert it.
             moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
         if moved:
-            storage = opt._storage(merged, p)
+            storage = resolve_master(merged["master"], p.dtype)
             where = f"parameter {sid!r}"
             if is_dtensor(p):
                 mark_blocks(p)
@@ -123,12 +122,12 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
                 moved, value = _convert_master(opt, moved, merged, p, storage, where)
                 writes.append((p, value))
             _cast_math_buffers(opt, moved, merged, p, storage)
-            opt._check_state(moved, merged, p, storage, where)
+            core.check_state(opt, moved, merged, p, storage, where)
         new_state[p] = moved
     with torch.no_grad():  # (every check has passed: now the parameters may change)
         for p, value in writes:
             local(p).copy_(value)
-    stages(opt).shards = {}  # (DTensor parameters' local views: lowprec.optim.shards)
+    core.stages(opt).shards = {}  # (DTensor parameters' local views: lowprec.optim.shards)
     # What torch's load_state_dict does once it has cast the state, which here keeps its
     # dtypes: the live parameters in the loaded groups, the state keyed by them.
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
@@ -191,8 +190,8 @@ def _cast_math_buffers(
     optimizer was given, or the one a converted master implies): cast, or decoded from
     8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
     FP32 values (``qstate``). A buffer that is neither values shaped as ``p`` nor codes of
-    ``p`` with their scales is left for ``_check_state`` to refuse."""
-    dtype = opt._state_dtype(group, p, storage)
+    ``p`` with their scales is left for ``core.check_state`` to refuse."""
+    dtype = core.state_dtype(group, p, storage)
     want = qstate.BITS.get(group["state_dtype"], 8) if dtype == torch.uint8 else 0
     # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
     lp = local(p)
@@ -200,7 +199,8 @@ def _cast_math_buffers(
     def keep(name: str, value: torch.Tensor) -> Any:
         return wrap_state(name, value, lp, p) if is_dtensor(p) else value
 
-    for name in opt._math_buffers(group, p):
+    rule = opt.rule(group)
+    for name in rule.buffers(p):
         key = qstate.scale_key(name)
         t: Any  # (a tensor, or what else the checkpoint holds: _saved_width says)
         scale: Any
@@ -214,7 +214,7 @@ def _cast_math_buffers(
             st[key] = scale = scale.reshape(qstate.scale_shape(p))
         if saved and saved == want:
             continue
-        signed = name not in opt._nonnegative_buffers
+        signed = name not in rule.nonnegative
         lt = local(t)
         if saved:  # (codes of another width, or values wanted: their FP32 values)
             ls = local(scale)
@@ -249,7 +249,8 @@ def _adopt_state(
     copy of the parameter: load the model's weights first), the count kept
     (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
     first)."""
-    names = opt._math_buffers(group, p)
+    rule = opt.rule(group)
+    names = rule.buffers(p)
     # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)
     unknown = sorted(k for k, v in st.items() if v is not None and k not in {"step", *names})
     if unknown:
@@ -258,12 +259,12 @@ def _adopt_state(
             f"with these options does not keep (it keeps {['step', *names]}); load a "
             "checkpoint of the same optimizer."
         )
-    state = opt._init_state(group, p, storage)
+    state = core.init_state(opt, group, p, storage)
     for name in names:
         t = st.get(name)
         if t is None:  # (torch's SGD before its first step: the fresh buffer)
             continue
-        shape = opt._buffer_shape(name, p) or p.shape
+        shape = rule.buffer_shape(name, p) or p.shape
         if not isinstance(t, torch.Tensor) or t.shape != shape:
             got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(

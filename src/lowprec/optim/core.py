@@ -1,11 +1,16 @@
-"""What an optimizer's step reads of it: ``OptimizerCore``, the update rule's interface, its
-groups' options and checks, and its lazy state.
+"""What an optimizer's step reads of it: ``OptimizerCore`` (the update rule's interface that
+subclasses implement), a group's ``Rule`` (``OptimizerCore.rule``), what the step keeps between
+steps (``Stages``, ``stages``), and the step's interface to the groups and their state: the
+groups' checks (``validate_group``, ``validate_options``, ``step_options``, ``collect``,
+``check_param``, ``check_grad``, ``check_state``) and the state's layout (``init_state``,
+``new_buffer``, ``state_dtype``, ``qformats``, ``state_tensors``, ``math_state``).
 
-``LowPrecisionOptimizer`` (``base``) is this class with what a caller meets added
+``LowPrecisionOptimizer`` (``base``) is ``OptimizerCore`` with what a caller meets added
 (``add_param_group``, ``step``, ``state_dict``, ``master_weight``). The step's modules
 (``driver``, ``buckets``, ``param_step``, ``compiled``, ``in_backward``, ``shards``,
-``checkpoint``) take an ``OptimizerCore``: this module imports none of them, so the step's
-modules and ``base`` form no import circle, type annotations included.
+``checkpoint``) take an ``OptimizerCore`` and call these functions: only this module reads the
+optimizer's private members (``tests/test_layout.py`` counts), and it imports none of those
+modules, so they and ``base`` form no import circle, type annotations included.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lowprec.optim._typing import WorkItem
 
-__all__ = ["OptimizerCore", "Rule", "Stages", "host_counts", "stages"]
+__all__ = ["OptimizerCore", "Rule", "Stages", "check_grad", "check_param", "check_state",
+           "collect", "group_of", "host_counts", "init_state", "math_state", "new_buffer",
+           "qformats", "stages", "state_dtype", "state_tensors", "step_options", "validate_group",
+           "validate_options"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +59,12 @@ class Rule:
     coefficients: Callable[[int | torch.Tensor], dict[str, Any]]
     #: Those of a parameter's first step with buffers an option turned on since its last.
     first_use: Callable[[int | torch.Tensor], dict[str, Any]]
+    #: The names of the buffers the rule keeps for a parameter (for ``None``: the group's).
+    buffers: Callable[[torch.Tensor | None], tuple[str, ...]]
+    #: A buffer's shape where it is not the parameter's (FP32 statistics: Adafactor's).
+    buffer_shape: Callable[[str, torch.Tensor], tuple[int, ...] | None]
+    #: The buffers that are never negative (their 8-bit codes unsigned).
+    nonnegative: tuple[str, ...]
     norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
     compiles: bool = False
     graph_breaks: bool = False
@@ -209,300 +223,311 @@ class OptimizerCore(Optimizer):
                 else "norms" if norms else "elementwise")
         return Rule(type(self), self._math, self._flags(group), kind,
                     functools.partial(self._coefficients, group),
-                    functools.partial(self._first_use_coefficients, group), self._norm_terms,
-                    self._whole_compiles, self._whole_graph_breaks)
-
-    # ------------------------------------------------------------------ groups and validation
-
-    def _validate_group(self, group: dict[str, Any], index: int) -> list[MasterStorage]:
-        """Validate a group's options and parameters; returns each parameter's storage strategy
-        (resolved once per dtype)."""
-        self._validate_options(group, index)
-        where = f"parameter group {index}"
-        storages: dict[torch.dtype, MasterStorage] = {}
-        out = []
-        device = None
-        for i, p in enumerate(group["params"]):
-            storage = storages.get(p.dtype)
-            if storage is None:
-                if not p.is_floating_point():
-                    raise TypeError(
-                        f"{where}, parameter {i}: lowprec optimizers update floating-point "
-                        f"parameters, got {p.dtype}; leave integer and complex tensors out of "
-                        "the optimizer."
-                    )
-                try:
-                    storage = storages[p.dtype] = self._storage(group, p)
-                except ValueError as e:
-                    raise ValueError(f"{where}, parameter {i}: {e}") from None
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ValueError(
-                    f"{where} mixes devices ({device} and {p.device}); move the model to one "
-                    "device before creating the optimizer, or put each device's parameters in "
-                    "their own group."
-                )
-            out.append(storage)
-        return out
-
-    def _validate_options(self, group: dict[str, Any], index: int) -> None:
-        """Validate a group's options (raises ``ValueError`` or ``TypeError`` naming the group)."""
-        where = f"parameter group {index}"
-        if group["master"] not in MASTER_CHOICES:
-            raise ValueError(
-                f"{where}: unknown master={group['master']!r}; choose one of "
-                f"{', '.join(MASTER_CHOICES)}."
-            )
-        group["state_dtype"] = _state_dtype_value(group["state_dtype"])
-        _check_state_dtype(group["state_dtype"], where)
-        qstate.check_group(group, where)  # (4-bit state: no DTensor parameters)
-        if group["fused"] not in (None, True, False):
-            raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
-        if group["fused"] is None:
-            _default_mode()  # (LOWPREC_FUSED, which decides what None means, is a valid setting)
-        seed = group["seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
-        try:
-            self._validate_hparams(group)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{where}: {e}") from None
-
-    def _plan_options(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """A group's options that shape a step beyond its ``_flags`` and coefficients: the
-        buckets (``driver.step_buckets``) step a group only while they stay the same."""
-        return (group["master"], group["state_dtype"], group["fused"], group["seed"],
-                self._math_buffers(group))
-
-    # ------------------------------------------------------------------ strategies and state
-
-    def _storage(self, group: dict[str, Any], p: torch.Tensor) -> MasterStorage:
-        return resolve_master(group["master"], p.dtype)
-
-    def _state_dtype(
-        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
-    ) -> torch.dtype:
-        """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
-        as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
-        the parameters too small for that."""
-        if group["state_dtype"] in qstate.BITS:
-            return torch.uint8 if qstate.qualifies(p) else torch.float32
-        if group["state_dtype"] is not None:
-            return cast(torch.dtype, group["state_dtype"])
-        if storage.name in ("fp32", "split"):
-            return torch.float32
-        return p.dtype
-
-    def _collect(self, late: list[WorkItem] | None = None) -> list[WorkItem]:
-        """Validate every group, gradient and state; return the work list. Writes nothing.
-
-        ``late`` collects the work items whose state lacks a buffer the update rule now keeps
-        (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
-        to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
-        work: list[WorkItem] = []
-        index = -1
-        expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
-        for gi, group in enumerate(self.param_groups):
-            storages = self._validate_group(group, gi)
-            for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
-                index += 1
-                if is_dtensor(p):  # (steps swap them for their shards: add_param_group notes them)
-                    raise ValueError(
-                        f"parameter group {gi}, parameter {pi}: a DTensor parameter was put in "
-                        "param_groups directly; add it with add_param_group (or pass it to the "
-                        "constructor) so that steps run on its local shard."
-                    )
-                if p.grad is None:
-                    continue
-                if self._check_param(group, p, storage, (gi, pi), expected) and late is not None:
-                    late.append((group, p, index, storage))
-                work.append((group, p, index, storage))
-        return work
-
-    def _check_param(
-        self,
-        group: dict[str, Any],
-        p: torch.Tensor,
-        storage: MasterStorage,
-        where: tuple[int, int],
-        expected: dict[Any, dict[str, torch.dtype]],
-    ) -> bool:
-        """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
-        its state lacks buffers the rule now keeps (``_collect``'s ``late``). ``expected``
-        caches ``_expected_state`` per kind of parameter across calls."""
-        self._check_grad(p, where)
-        state = self.state.get(p)
-        if not state:
-            return False
-        key = (where[0], p.dtype, storage.name, qstate.qualifies(p), p.dim())
-        if key not in expected:
-            expected[key] = self._expected_state(group, p, storage)
-        return bool(self._check_state(state, group, p, storage, where, expected[key]))
-
-    @staticmethod
-    def _check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
-        """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
-        g = cast(torch.Tensor, p.grad)  # (present: _collect steps parameters with gradients)
-        gi, pi = where
-        if g.is_sparse:
-            raise ValueError(
-                f"parameter group {gi}, parameter {pi}: sparse gradients are not "
-                "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
-                "torch.optim.SparseAdam."
-            )
-        if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
-            raise ValueError(
-                f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
-                f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
-                f"{p.dtype} on {p.device}."
-            )
-
-    def _expected_state(
-        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
-    ) -> dict[str, torch.dtype]:
-        sd = self._state_dtype(group, p, storage)
-        names = self._math_buffers(group, p)
-        shaped = [k for k in names if self._buffer_shape(k, p) is None]
-        scales: dict[str, torch.dtype] = {}
-        if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
-            scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
-        return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
-                **dict.fromkeys(shaped, sd), **scales}
-
-    def _qstate(
-        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[tuple[str, str], ...]:
-        """The update rule's buffers that ``state`` (of ``p``) keeps as codes, each with its
-        format (``update._param_update``'s ``qstate``: signed or not, and the group's 8 or 4
-        bits; ``_check_state`` has checked that the codes are of that width)."""
-        bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
-        return tuple((k, qstate.fmt(k not in self._nonnegative_buffers, bits))
-                     for k in self._math_buffers(group, p) if qstate.scale_key(k) in state)
-
-    def _mbufs(
-        self, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
-        those kept as codes (``"<name>_scale"``)."""
-        names = self._math_buffers(group, p)
-        out = {k: state[k] for k in names}
-        out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
-        return out
-
-    def _math_state(
-        self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
-    ) -> dict[str, torch.Tensor]:
-        """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
-        shaped as ``p``)."""
-        fmts = dict(self._qstate(group, state, p))
-        return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
-                                     qstate.is_signed(fmts[k]), p.shape)
-                if k in fmts else state[k].float() for k in self._math_buffers(group, p)}
-
-    def _check_state(
-        self,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        p: torch.Tensor,
-        storage: MasterStorage,
-        where: str | tuple[int, int],
-        expected: dict[str, torch.dtype] | None = None,
-    ) -> tuple[str, ...]:
-        """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
-        the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
-        if isinstance(where, tuple):  # (group, parameter): formatted only for an error
-            where = f"parameter group {where[0]}, parameter {where[1]}"
-        if state.get("master") != storage.name:
-            raise ValueError(
-                f"{where}: its optimizer state was created with master={state.get('master')!r} "
-                f"but the group now resolves to {storage.name!r} (was the parameter's dtype or the "
-                "group's master changed?); create a new optimizer after changing either."
-            )
-        if expected is None:
-            expected = self._expected_state(group, p, storage)
-        missing = tuple(
-            name for name in self._math_buffers(group, p) if state.get(name) is None
-        )
-        # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
-        # flat, two per byte)
-        scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
-        bits = qstate.BITS.get(group["state_dtype"], 8)
-        for name, dtype in expected.items():
-            t = state.get(name)
-            if name in missing or scale_of.get(name) in missing:
-                continue
-            shape = (qstate.scale_shape(p) if name in scale_of
-                     else qstate.codes_shape(p, bits) if dtype == torch.uint8
-                     else self._buffer_shape(name, p) or p.shape)
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-                got = (
-                    f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                )
-                raise ValueError(
-                    f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
-                    f"{got}; the state does not belong to this parameter or these options."
-                )
-        return missing
-
-    def _init_state(
-        self, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
-        preview: bool = False,
-    ) -> dict[str, Any]:
-        """A new state for ``p``. ``preview``: the state its first step would create, for a
-        look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
-        not taken, and ``p`` is not written."""
-        if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
-            # (computed on its shard, kept as DTensors placed as p)
-            mark_blocks(p)
-            lp = local(p)
-            st = self._init_state(group, lp, storage, preview=preview)
-            return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
-        sd = self._state_dtype(group, p, storage)
-        # (the count on the host where the step reads it there, else on the parameter's device,
-        # where the step's numbers are made from it: core.host_counts)
-        device = None if host_counts(self, p.device) else p.device
-        state: dict[str, Any] = {
-            "step": torch.tensor(0.0, dtype=torch.float32, device=device),
-            "master": storage.name,
-        }
-        # (the master from the FP32 value p was cast from, where one was kept and the master
-        # holds more than p's bits: lowprec.optim.kept; the value let go either way)
-        value = kept.kept_value(p) if preview else kept.take(p)
-        # (split writes its top half into p at an exact tie: a preview's into a copy)
-        target = p.detach().clone() if preview and value is not None else p
-        state.update(storage.init(target, value if storage.takes_value else None))
-        for name in self._math_buffers(group, p):
-            state.update(self._new_math_buffer(group, p, name, sd))
-        return state
-
-    def _new_math_buffer(
-        self, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype
-    ) -> dict[str, Any]:
-        """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
-        codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
-        value = self._init_math_buffer(name, p, group)
-        shape = self._buffer_shape(name, p)
-        if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
-            return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
-        if dtype == torch.uint8:
-            codes, scale = qstate.new_state(value, p, name not in self._nonnegative_buffers,
-                                            qstate.BITS.get(group["state_dtype"], 8))
-            return {name: codes, qstate.scale_key(name): scale}
-        return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
+                    functools.partial(self._first_use_coefficients, group),
+                    functools.partial(self._math_buffers, group), self._buffer_shape,
+                    self._nonnegative_buffers, self._norm_terms, self._whole_compiles,
+                    self._whole_graph_breaks)
 
     def _first_use_coefficients(
         self, group: dict[str, Any], step: int | torch.Tensor
     ) -> dict[str, Any]:
         """The coefficients of a parameter's first step with buffers created late (an option
-        turned on after its first step: ``_collect``'s ``late``). Default: the step's own; SGD's
+        turned on after its first step: ``collect``'s ``late``). Default: the step's own; SGD's
         momentum buffer starts as the step's direction, as torch.optim's does."""
         return self._coefficients(group, step)
 
-    # ------------------------------------------------------------------ parameters
 
-    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise ValueError("this tensor is not a parameter of the optimizer.")
+# ------------------------------------------------------------------ the step's interface
+# (What the step's modules call: the groups' checks and the state's layout, over the subclass
+# interface above, which only this module reads.)
+
+
+def validate_group(opt: OptimizerCore, group: dict[str, Any], index: int) -> list[MasterStorage]:
+    """Validate a group's options and parameters; returns each parameter's storage strategy
+    (resolved once per dtype)."""
+    validate_options(opt, group, index)
+    where = f"parameter group {index}"
+    storages: dict[torch.dtype, MasterStorage] = {}
+    out = []
+    device = None
+    for i, p in enumerate(group["params"]):
+        storage = storages.get(p.dtype)
+        if storage is None:
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{where}, parameter {i}: lowprec optimizers update floating-point "
+                    f"parameters, got {p.dtype}; leave integer and complex tensors out of "
+                    "the optimizer."
+                )
+            try:
+                storage = storages[p.dtype] = resolve_master(group["master"], p.dtype)
+            except ValueError as e:
+                raise ValueError(f"{where}, parameter {i}: {e}") from None
+        if device is None:
+            device = p.device
+        elif p.device != device:
+            raise ValueError(
+                f"{where} mixes devices ({device} and {p.device}); move the model to one "
+                "device before creating the optimizer, or put each device's parameters in "
+                "their own group."
+            )
+        out.append(storage)
+    return out
+
+
+def validate_options(opt: OptimizerCore, group: dict[str, Any], index: int) -> None:
+    """Validate a group's options (raises ``ValueError`` or ``TypeError`` naming the group)."""
+    where = f"parameter group {index}"
+    if group["master"] not in MASTER_CHOICES:
+        raise ValueError(
+            f"{where}: unknown master={group['master']!r}; choose one of "
+            f"{', '.join(MASTER_CHOICES)}."
+        )
+    group["state_dtype"] = _state_dtype_value(group["state_dtype"])
+    _check_state_dtype(group["state_dtype"], where)
+    qstate.check_group(group, where)  # (4-bit state: no DTensor parameters)
+    if group["fused"] not in (None, True, False):
+        raise ValueError(f"{where}: fused must be None, True or False, got {group['fused']!r}.")
+    if group["fused"] is None:
+        _default_mode()  # (LOWPREC_FUSED, which decides what None means, is a valid setting)
+    seed = group["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
+    try:
+        opt._validate_hparams(group)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def step_options(opt: OptimizerCore, group: dict[str, Any]) -> tuple[Any, ...]:
+    """A group's options that shape a step beyond its coefficients (its strategy, state format,
+    ``fused``, seed, the rule's buffers and flags): the buckets (``driver.step_buckets``) and
+    the update inside backward step a group only while they stay the same."""
+    return (group["master"], group["state_dtype"], group["fused"], group["seed"],
+            opt._math_buffers(group), opt._flags(group))
+
+
+def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) -> torch.dtype:
+    """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
+    as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
+    the parameters too small for that."""
+    if group["state_dtype"] in qstate.BITS:
+        return torch.uint8 if qstate.qualifies(p) else torch.float32
+    if group["state_dtype"] is not None:
+        return cast(torch.dtype, group["state_dtype"])
+    if storage.name in ("fp32", "split"):
+        return torch.float32
+    return p.dtype
+
+
+def collect(opt: OptimizerCore, late: list[WorkItem] | None = None) -> list[WorkItem]:
+    """Validate every group, gradient and state; return the work list. Writes nothing.
+
+    ``late`` collects the work items whose state lacks a buffer the update rule now keeps
+    (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
+    to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
+    work: list[WorkItem] = []
+    index = -1
+    expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
+    for gi, group in enumerate(opt.param_groups):
+        storages = validate_group(opt, group, gi)
+        for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
+            index += 1
+            if is_dtensor(p):  # (steps swap them for their shards: add_param_group notes them)
+                raise ValueError(
+                    f"parameter group {gi}, parameter {pi}: a DTensor parameter was put in "
+                    "param_groups directly; add it with add_param_group (or pass it to the "
+                    "constructor) so that steps run on its local shard."
+                )
+            if p.grad is None:
+                continue
+            if check_param(opt, group, p, storage, (gi, pi), expected) and late is not None:
+                late.append((group, p, index, storage))
+            work.append((group, p, index, storage))
+    return work
+
+
+def check_param(
+    opt: OptimizerCore,
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+    where: tuple[int, int],
+    expected: dict[Any, dict[str, torch.dtype]],
+) -> bool:
+    """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
+    its state lacks buffers the rule now keeps (``collect``'s ``late``). ``expected``
+    caches ``_expected_state`` per kind of parameter across calls."""
+    check_grad(p, where)
+    state = opt.state.get(p)
+    if not state:
+        return False
+    key = (where[0], p.dtype, storage.name, qstate.qualifies(p), p.dim())
+    if key not in expected:
+        expected[key] = _expected_state(opt, group, p, storage)
+    return bool(check_state(opt, state, group, p, storage, where, expected[key]))
+
+
+def check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
+    """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
+    g = cast(torch.Tensor, p.grad)  # (present: collect steps parameters with gradients)
+    gi, pi = where
+    if g.is_sparse:
+        raise ValueError(
+            f"parameter group {gi}, parameter {pi}: sparse gradients are not "
+            "supported; use dense gradients (e.g. nn.Embedding(..., sparse=False)) or "
+            "torch.optim.SparseAdam."
+        )
+    if g.shape != p.shape or g.device != p.device or not g.is_floating_point():
+        raise ValueError(
+            f"parameter group {gi}, parameter {pi}: gradient {tuple(g.shape)} "
+            f"{g.dtype} on {g.device} does not match the parameter {tuple(p.shape)} "
+            f"{p.dtype} on {p.device}."
+        )
+
+
+def _expected_state(
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+) -> dict[str, torch.dtype]:
+    sd = state_dtype(group, p, storage)
+    names = opt._math_buffers(group, p)
+    shaped = [k for k in names if opt._buffer_shape(k, p) is None]
+    scales: dict[str, torch.dtype] = {}
+    if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
+        scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
+    return {**storage.buffers(p), **dict.fromkeys(names, torch.float32),
+            **dict.fromkeys(shaped, sd), **scales}
+
+
+def qformats(
+    opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The update rule's buffers that ``state`` (of ``p``) keeps as codes, each with its
+    format (``update._param_update``'s ``qstate``: signed or not, and the group's 8 or 4
+    bits; ``check_state`` has checked that the codes are of that width)."""
+    bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
+    return tuple((k, qstate.fmt(k not in opt._nonnegative_buffers, bits))
+                 for k in opt._math_buffers(group, p) if qstate.scale_key(k) in state)
+
+
+def state_tensors(
+    opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
+    those kept as codes (``"<name>_scale"``)."""
+    names = opt._math_buffers(group, p)
+    out = {k: state[k] for k in names}
+    out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
+    return out
+
+
+def math_state(
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
+    shaped as ``p``)."""
+    fmts = dict(qformats(opt, group, state, p))
+    return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
+                                 qstate.is_signed(fmts[k]), p.shape)
+            if k in fmts else state[k].float() for k in opt._math_buffers(group, p)}
+
+
+def check_state(
+    opt: OptimizerCore,
+    state: dict[str, Any],
+    group: dict[str, Any],
+    p: torch.Tensor,
+    storage: MasterStorage,
+    where: str | tuple[int, int],
+    expected: dict[str, torch.dtype] | None = None,
+) -> tuple[str, ...]:
+    """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
+    the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
+    if isinstance(where, tuple):  # (group, parameter): formatted only for an error
+        where = f"parameter group {where[0]}, parameter {where[1]}"
+    if state.get("master") != storage.name:
+        raise ValueError(
+            f"{where}: its optimizer state was created with master={state.get('master')!r} "
+            f"but the group now resolves to {storage.name!r} (was the parameter's dtype or the "
+            "group's master changed?); create a new optimizer after changing either."
+        )
+    if expected is None:
+        expected = _expected_state(opt, group, p, storage)
+    missing = tuple(
+        name for name in opt._math_buffers(group, p) if state.get(name) is None
+    )
+    # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
+    # flat, two per byte)
+    scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
+    bits = qstate.BITS.get(group["state_dtype"], 8)
+    for name, dtype in expected.items():
+        t = state.get(name)
+        if name in missing or scale_of.get(name) in missing:
+            continue
+        shape = (qstate.scale_shape(p) if name in scale_of
+                 else qstate.codes_shape(p, bits) if dtype == torch.uint8
+                 else opt._buffer_shape(name, p) or p.shape)
+        if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+            got = (
+                f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+            )
+            raise ValueError(
+                f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
+                f"{got}; the state does not belong to this parameter or these options."
+            )
+    return missing
+
+
+def init_state(
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
+    preview: bool = False,
+) -> dict[str, Any]:
+    """A new state for ``p``. ``preview``: the state its first step would create, for a
+    look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
+    not taken, and ``p`` is not written."""
+    if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
+        # (computed on its shard, kept as DTensors placed as p)
+        mark_blocks(p)
+        lp = local(p)
+        st = init_state(opt, group, lp, storage, preview=preview)
+        return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
+    sd = state_dtype(group, p, storage)
+    # (the count on the host where the step reads it there, else on the parameter's device,
+    # where the step's numbers are made from it: core.host_counts)
+    device = None if host_counts(opt, p.device) else p.device
+    state: dict[str, Any] = {
+        "step": torch.tensor(0.0, dtype=torch.float32, device=device),
+        "master": storage.name,
+    }
+    # (the master from the FP32 value p was cast from, where one was kept and the master
+    # holds more than p's bits: lowprec.optim.kept; the value let go either way)
+    value = kept.kept_value(p) if preview else kept.take(p)
+    # (split writes its top half into p at an exact tie: a preview's into a copy)
+    target = p.detach().clone() if preview and value is not None else p
+    state.update(storage.init(target, value if storage.takes_value else None))
+    for name in opt._math_buffers(group, p):
+        state.update(new_buffer(opt, group, p, name, sd))
+    return state
+
+
+def new_buffer(
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype
+) -> dict[str, Any]:
+    """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
+    codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
+    value = opt._init_math_buffer(name, p, group)
+    shape = opt._buffer_shape(name, p)
+    if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
+        return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
+    if dtype == torch.uint8:
+        codes, scale = qstate.new_state(value, p, name not in opt._nonnegative_buffers,
+                                        qstate.BITS.get(group["state_dtype"], 8))
+        return {name: codes, qstate.scale_key(name): scale}
+    return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
+
+
+def group_of(opt: OptimizerCore, p: torch.Tensor) -> dict[str, Any]:
+    for group in opt.param_groups:
+        if any(q is p for q in group["params"]):
+            return group
+    raise ValueError("this tensor is not a parameter of the optimizer.")

@@ -7,7 +7,7 @@ one) as soon as their state exists, so every step, the first included, goes thro
 ``step_buckets``: a few calls per bucket whatever the number of tensors, and the parameters no
 bucket takes (whole-tensor rules, one-element or non-contiguous tensors, ...) each by its own
 step (``param_step.step_param``). The first step, or one after something the buckets were made
-for changed (a parameter rebound, state loaded), validates every parameter (``_collect``,
+for changed (a parameter rebound, state loaded), validates every parameter (``core.collect``,
 raising before anything is written), creates the missing state, lays the buckets out again and
 steps through them. ``full_step``, every parameter on its own and eager, is left for what the
 buckets decline: buffers an option turned on since a parameter's last step
@@ -82,12 +82,12 @@ def stages(opt: OptimizerCore, ctx: StepContext) -> None:
     if step_buckets(opt, ctx):
         return
     late: list[WorkItem] = []
-    work = opt._collect(late)  # (raises before anything is written)
+    work = core.collect(opt, late)  # (raises before anything is written)
     if not late:
         for group, p, _, storage in work:
             state = opt.state[p]
             if not state:  # (lazily, with only the buffers its strategy needs)
-                state.update(opt._init_state(group, p, storage))
+                state.update(core.init_state(opt, group, p, storage))
         flatten(opt)
         if step_buckets(opt, ctx):
             return
@@ -98,7 +98,7 @@ def stages(opt: OptimizerCore, ctx: StepContext) -> None:
 def full_step(
     opt: OptimizerCore, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
 ) -> None:
-    """Every parameter of ``work`` (validated by ``_collect``) on its own: check the gradients
+    """Every parameter of ``work`` (validated by ``core.collect``) on its own: check the gradients
     under a loss scaler, create the buffers an option turned on (``late``:
     ``param_step.step_late``), step the others (``param_step.step_param``)."""
     memo = Memo()
@@ -163,17 +163,17 @@ def _kind(
     # every parameter that has them is whole blocks, so its scales' share of a flat buffer
     # starts where its elements' would.
     per: dict[str, int] = {}
-    for name, f in opt._qstate(group, state, p):
+    for name, f in core.qformats(opt, group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
     alone = alone or bool(per and (keyed or rule.norms))
-    maths = opt._math_buffers(group, p)
+    maths = rule.buffers(p)
     names = (*storage.buffers(p), *maths, *(k for k in map(qstate.scale_key, maths) if k in per))
     layout: list[tuple[str, torch.dtype, int]] = []
     for name in names:
         t, n = state.get(name), per.get(name, 1)
         if (not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device != p.device
                 or (t.shape != p.shape if n == 1 else t.numel() * n != p.numel())
-                or opt._buffer_shape(name, p) is not None
+                or rule.buffer_shape(name, p) is not None
                 or t.is_shared()):  # (another process reads it: never moved)
             return None
         alone = alone or (keyed and t.dtype not in _PAIR_DTYPES)  # (pairs: compiled.pairs_plan)
@@ -183,14 +183,15 @@ def _kind(
 
 
 class _Layout:
-    """An optimizer's buckets, and what they were made for: its groups, their parameters, options
-    and flags; the parameters stepped on their own (``rest``: group, position, index), and each
-    bucketed parameter's bucket and position in it (``where``: the update inside backward)."""
+    """An optimizer's buckets, and what they were made for: its groups, their parameters and
+    options (``core.step_options``); the parameters stepped on their own (``rest``: group,
+    position, index), and each bucketed parameter's bucket and position in it (``where``: the
+    update inside backward)."""
 
     __slots__ = ("buckets", "groups", "rest", "where")
 
     def __init__(self, opt: OptimizerCore) -> None:
-        self.groups = [(g, list(g["params"]), opt._plan_options(g), opt._flags(g))
+        self.groups = [(g, list(g["params"]), core.step_options(opt, g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
         self.rest: list[tuple[int, int, int]] = []
@@ -201,16 +202,15 @@ class _Layout:
         return len(groups) == len(self.groups) and all(
             group is ref and len(group["params"]) == len(params)
             and all(map(operator.is_, group["params"], params))
-            for group, (ref, params, _, _) in zip(groups, self.groups, strict=True)
+            for group, (ref, params, _) in zip(groups, self.groups, strict=True)
         )
 
     def same_options(self, opt: OptimizerCore) -> bool:
         """Whether each group's options and flags are those its buckets' calls were made for."""
-        return all(opt._plan_options(g) == options and opt._flags(g) == flags
-                   for g, _, options, flags in self.groups)
+        return all(core.step_options(opt, g) == options for g, _, options in self.groups)
 
 
-def _layout(opt: OptimizerCore) -> _Layout | None:
+def buckets_of(opt: OptimizerCore) -> _Layout | None:
     """The buckets ``flatten`` laid out last (``core.Stages.buckets``)."""
     return cast("_Layout | None", core.stages(opt).buckets)
 
@@ -218,19 +218,18 @@ def _layout(opt: OptimizerCore) -> _Layout | None:
 def flatten(opt: OptimizerCore) -> None:
     """Lay the buckets out once the state exists (``driver.stages``: before the first step,
     and again where anything they were made for changed); keeps the buckets that still hold."""
-    old = _layout(opt)
+    old = buckets_of(opt)
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
         # (a bucket's prepared calls were compiled for its group's options and flags: kept
         # only where those are the same, e.g. not after maximize=True)
-        same = {id(g) for g, _, options, flags in old.groups
-                if opt._plan_options(g) == options and opt._flags(g) == flags}
+        same = {id(g) for g, _, options in old.groups if core.step_options(opt, g) == options}
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets
                 if id(b.group) in same and b.current(opt)}
     layout = _Layout(opt)
     index = -1
     for gi, group in enumerate(opt.param_groups):
-        storages = opt._validate_group(group, gi)
+        storages = core.validate_group(opt, group, gi)
         kinds: dict[Any, list[tuple[torch.Tensor, int, int, MasterStorage]]] = {}
         rule = opt.rule(group)
         for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
@@ -260,7 +259,7 @@ def flatten(opt: OptimizerCore) -> None:
 def laid_out(opt: OptimizerCore) -> bool:
     """Whether the buckets ``flatten`` laid out still hold: the same groups, parameters, options
     and flags, and every bucket's parameters and state entries its own."""
-    layout = _layout(opt)
+    layout = buckets_of(opt)
     return (layout is not None and layout.same_groups(opt) and layout.same_options(opt)
             and all(b.current(opt) for b in layout.buckets))
 
@@ -275,11 +274,11 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     equal counts (``_Bucket.runs``). The buckets whose whole-tensor sums add
     every rank's (a DTensor's shards, ``_Bucket.shards``) and the parameters stepped on their own
     go last, in the parameters' order, so that every rank makes its all-reduces in one order."""
-    layout = _layout(opt)
+    layout = buckets_of(opt)
     if layout is None or not layout.same_groups(opt):
         return False
     # (every group validated first: raises as the full step would)
-    storages = [opt._validate_group(group, gi) for gi, group in enumerate(opt.param_groups)]
+    storages = [core.validate_group(opt, group, gi) for gi, group in enumerate(opt.param_groups)]
     if not layout.same_options(opt):
         return False
     grads: list[tuple[list[torch.Tensor | None], bool]] = []
@@ -296,7 +295,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         if p.grad is None:
             continue
         storage = storages[gi][pi]
-        if opt._check_param(group, p, storage, (gi, pi), expected):
+        if core.check_param(opt, group, p, storage, (gi, pi), expected):
             return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
     scaling: _Scaling | None = None
@@ -315,7 +314,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
             firsts += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
-                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket._marks())]
+                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket.count_marks())]
     for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
         if items:  # a bucket makes its pieces' random keys itself)
             param_step.scaled_numbers_many(opt, items, scaling, memo, keys)

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lowprec.optim import driver, param_step, qstate
-from lowprec.optim.core import OptimizerCore, stages
+from lowprec.optim import core, driver, param_step, qstate
+from lowprec.optim.core import OptimizerCore
 from lowprec.optim.dtensor import is_dtensor
 from lowprec.optim.options import in_step
 from lowprec.optim.param_step import Memo
@@ -112,7 +112,7 @@ class StepInBackward:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
             setattr(p, MARK, True)
-        stages(optimizer).in_backward = self
+        core.stages(optimizer).in_backward = self
 
     # ------------------------------------------------------------------ the hooks
 
@@ -127,11 +127,11 @@ class StepInBackward:
         same = self._items is not None and len(groups) == len(self._groups)
         for gi, group in enumerate(groups):
             if same:
-                ref, params, options, flags = self._groups[gi]
+                ref, params, options = self._groups[gi]
                 same = (group is ref and len(group["params"]) == len(params)
                         and all(map(operator.is_, group["params"], params)))
-            opt._validate_options(group, gi)  # (raises as step() would)
-            same = same and opt._plan_options(group) == options and opt._flags(group) == flags
+            core.validate_options(opt, group, gi)  # (raises as step() would)
+            same = same and core.step_options(opt, group) == options
         if same:  # (_items made: same says so)
             same = all(it.p.dtype == it.dtype
                        for it in cast("dict[int, _Item]", self._items).values())
@@ -139,9 +139,9 @@ class StepInBackward:
             self._items, self._groups = {}, []
             index = -1
             for gi, group in enumerate(groups):
-                storages = opt._validate_group(group, gi)
-                self._groups.append((group, tuple(group["params"]), opt._plan_options(group),
-                                     opt._flags(group)))
+                storages = core.validate_group(opt, group, gi)
+                self._groups.append((group, tuple(group["params"]),
+                                     core.step_options(opt, group)))
                 for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                     index += 1
                     self._items[id(p)] = _Item(group, p, index, storage, (gi, pi))
@@ -151,7 +151,7 @@ class StepInBackward:
             if state:  # (state tensors as at the last check: not checked again)
                 key = tuple(map(id, state.values()))
                 if self._checked.get(id(it.p)) != key:
-                    opt._check_state(state, it.group, it.p, it.storage, it.where)
+                    core.check_state(opt, state, it.group, it.p, it.storage, it.where)
                     self._checked[id(it.p)] = key
             elif it.p.requires_grad:
                 new.append(it)
@@ -159,7 +159,7 @@ class StepInBackward:
         # laid out in the buckets at once, or again where the layout no longer holds: the hooks
         # and the small ones' step at the end of backward find it where it stays)
         for it in new:
-            opt.state[it.p].update(opt._init_state(it.group, it.p, it.storage))
+            opt.state[it.p].update(core.init_state(opt, it.group, it.p, it.storage))
         if new or not driver.laid_out(opt):
             driver.flatten(opt)
         return Memo()
@@ -190,7 +190,7 @@ class StepInBackward:
                 self._small_waiting = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
-        self.optimizer._check_grad(p, it.where)
+        core.check_grad(p, it.where)
         self._step(it, memo)
         p.grad = None
 
@@ -198,14 +198,14 @@ class StepInBackward:
         """A parameter's step: through its bucket (laid out by ``_begin``, its state entries the
         bucket's, so nothing to check), else on its own, as ``step()`` takes it."""
         opt = self.optimizer
-        layout = driver._layout(opt)
+        layout = driver.buckets_of(opt)
         where = layout.where.get(id(it.p)) if layout is not None else None
         if where is not None:
             where[0].step_one(opt, where[1], memo)
             return
         state = opt.state.get(it.p)
         work = (it.group, it.p, it.index, it.storage)
-        if state and opt._check_state(state, it.group, it.p, it.storage, it.where):
+        if state and core.check_state(opt, state, it.group, it.p, it.storage, it.where):
             param_step.step_late(opt, [work], None)  # (buffers an option turned on since)
             self._checked.pop(id(it.p), None)
             return
@@ -246,8 +246,8 @@ class StepInBackward:
         for p in self.params:
             if getattr(p, MARK, False):
                 delattr(p, MARK)
-        if stages(self.optimizer).in_backward is self:
-            stages(self.optimizer).in_backward = None
+        if core.stages(self.optimizer).in_backward is self:
+            core.stages(self.optimizer).in_backward = None
         self._memo = None
         self._stepped.clear()
 
@@ -272,7 +272,7 @@ def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"step_in_backward takes the model (an nn.Module) first, got "
                         f"{type(model).__name__}.")
-    if stages(optimizer).in_backward is not None:
+    if core.stages(optimizer).in_backward is not None:
         raise ValueError("this optimizer already steps inside backward; remove() its "
                          "StepInBackward first.")
     from torch.nn.parallel import DistributedDataParallel
@@ -289,7 +289,7 @@ def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"parameter group {gi}, parameter {pi}"
-            if is_dtensor(p) or stages(optimizer).has_dtensors:
+            if is_dtensor(p) or core.stages(optimizer).has_dtensors:
                 raise ValueError(
                     f"{where} is a DTensor (FSDP2 or tensor parallelism): FSDP2 writes each "
                     "sharded gradient after its reduce-scatter without running post-accumulate-"

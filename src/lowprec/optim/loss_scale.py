@@ -60,7 +60,7 @@ class _Scaling:
         devices, home, inv = _inputs(work, grad_scale, found_inf)
         bad = torch.zeros((), dtype=torch.float32, device=home)
         for device in devices:
-            # (cast: a work item's parameter has a gradient, base._collect)
+            # (cast: a work item's parameter has a gradient, core.collect)
             grads = [cast(torch.Tensor, p.grad) for _, p, _, _ in work
                      if p.device == device and cast(torch.Tensor, p.grad).numel()]
             if grads:

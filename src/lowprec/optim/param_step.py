@@ -92,14 +92,14 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None) -> None:
-    """Step the parameters whose state lacks buffers the rule now keeps (``_collect``):
+    """Step the parameters whose state lacks buffers the rule now keeps (``core.collect``):
     create them, then take an eager step with the coefficients of their first use."""
     for group, p, index, storage in late:
         state = opt.state[p]
-        dtype = opt._state_dtype(group, p, storage)
-        for name in opt._math_buffers(group, p):
+        dtype = core.state_dtype(group, p, storage)
+        for name in opt.rule(group).buffers(p):
             if state.get(name, None) is None:
-                state.update(opt._new_math_buffer(group, p, name, dtype))
+                state.update(core.new_buffer(opt, group, p, name, dtype))
         step_param(opt, group, p, index, storage, scaling, Memo(), first_use=True)
 
 
@@ -272,10 +272,10 @@ def step_param(
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
     if not state:
-        state.update(opt._init_state(group, p, storage))
+        state.update(core.init_state(opt, group, p, storage))
     sbufs = {k: state[k] for k in storage.buffers(p)}
-    mbufs = opt._mbufs(group, state, p)
-    quantized = opt._qstate(group, state, p)  # (codes: rows of qstate.BLOCK elements)
+    mbufs = core.state_tensors(opt, group, state, p)
+    quantized = core.qformats(opt, group, state, p)  # (codes: rows of qstate.BLOCK elements)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     rule = group_rule(opt, group, memo)
     flags = rule.flags

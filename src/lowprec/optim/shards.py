@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lowprec.optim import qstate
-from lowprec.optim.core import stages
+from lowprec.optim import core, qstate
 from lowprec.optim.dtensor import flat_offset, is_dtensor, local, mark_blocks, wrap_state
+from lowprec.optim.storage import resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -126,7 +126,7 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
     for gi, shard in rounding:
         seeds.setdefault(shard.p.device_mesh, {})[gi] = opt.param_groups[gi]["seed"]
     key = tuple((id(mesh), tuple(sorted(d.items()))) for mesh, d in seeds.items())
-    if not key or stages(opt).seeds_checked == key:
+    if not key or core.stages(opt).seeds_checked == key:
         return
     for mesh, d in seeds.items():
         halves = [v for seed in d.values() for v in (seed & 0xFFFFFFFF, seed >> 32)]
@@ -148,7 +148,7 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
                 "torch.manual_seed with the same value on every rank before creating the "
                 "optimizer."
             )
-    stages(opt).seeds_checked = key
+    core.stages(opt).seeds_checked = key
 
 
 @contextlib.contextmanager
@@ -162,7 +162,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
     parameter-shaped state tensor is a DTensor of the parameter's placements. Nothing is changed
     if a check fails."""
     groups = opt.param_groups
-    old: dict[int, _Shard] = stages(opt).shards
+    old: dict[int, _Shard] = core.stages(opt).shards
     shards: dict[int, _Shard] = {}  # (only the current parameters: dropped ones are let go)
     work = []
     for gi, group in enumerate(groups):
@@ -177,10 +177,10 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
             _check_grad(where, p)
             options = (id(group), group["master"], p.dtype, group["state_dtype"])
             if shard.verdict is None or shard.verdict[0] != options:
-                opt._validate_options(group, gi)
-                storage = opt._storage(group, p)
+                core.validate_options(opt, group, gi)
+                storage = resolve_master(group["master"], p.dtype)
                 eight_bit = group["state_dtype"] == qstate.EIGHT_BIT
-                whole = type(opt).__name__ if opt._whole(group) else None
+                whole = type(opt).__name__ if opt.rule(group).whole else None
                 shard.verdict = (options, _refusal(where, shard, storage, eight_bit, whole),
                                  storage.needs_random_bits)
             if shard.verdict[1] is not None:
@@ -188,7 +188,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
             work.append((gi, pi, shard))
     _check_seeds(opt, [(gi, shard) for gi, _, shard in work
                        if cast("tuple[Any, ...]", shard.verdict)[2]])
-    stages(opt).shards = shards
+    core.stages(opt).shards = shards
     saved_state = opt.state
     saved_params = [group["params"] for group in groups]
     state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
@@ -222,7 +222,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
         for group, ps in zip(groups, params, strict=True):
             group["params"] = ps
         opt.state = state
-        st = stages(opt)
+        st = core.stages(opt)
         st.shard_offsets, st.shard_reduce, st.shard_groups = (offsets, list(reduce.values()),
                                                                groups_of)
         yield
@@ -230,7 +230,7 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
         for group, ps in zip(groups, saved_params, strict=True):
             group["params"] = ps
         opt.state = saved_state
-        st = stages(opt)
+        st = core.stages(opt)
         st.shard_offsets = st.shard_reduce = st.shard_groups = None
         for k, v in state.items():
             if v and id(k) not in offsets and k not in saved_state:
@@ -259,7 +259,7 @@ def _aliases(a: Any, b: torch.Tensor) -> bool:
 def reduce_groups(opt: OptimizerCore, p: torch.Tensor) -> list[ProcessGroup]:
     """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
     whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
-    groups = stages(opt).shard_groups
+    groups = core.stages(opt).shard_groups
     return groups.get(id(p), []) if groups else []
 
 
