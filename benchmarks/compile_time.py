@@ -11,6 +11,10 @@ prints the wall time of steps 1, 2 and 3 and of a later step.
     python benchmarks/compile_time.py                     # every row: AdamW plain, scaled, 8-bit; LAMB
     python benchmarks/compile_time.py --rows adamw-kahan  # one row
     python benchmarks/compile_time.py --rows lamb-kahan   # LAMB: its buckets' rows kernels
+
+``adamw-kahan-groups`` puts the parameters in the two groups Hugging Face's Trainer makes
+(weight decay on the matrices, none on the biases and norms): one kernel for both since weight
+decay became a coefficient, two before.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROWS = ("adamw-kahan", "adamw-kahan-scaled", "adamw-kahan-8bit", "lamb-kahan")
+ROWS = ("adamw-kahan", "adamw-kahan-groups", "adamw-kahan-scaled", "adamw-kahan-8bit",
+        "lamb-kahan")
 
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
@@ -49,7 +54,11 @@ def child(row: str, steps: int) -> None:
               for s in gpt2_small_shapes()]
     kw = {"state_dtype": "8bit"} if row.endswith("8bit") else {}
     cls = lowprec.Lamb if row.startswith("lamb") else lowprec.AdamW
-    opt = cls(params, lr=1e-4, master="kahan", **kw)
+    groups: list = params
+    if row.endswith("groups"):  # (Hugging Face Trainer's groups: no decay on biases and norms)
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = cls(groups, lr=1e-4, master="kahan", **kw)
     scaled = row.endswith("scaled")
     times = []
     for _ in range(steps):

@@ -191,6 +191,40 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels(device):
     assert graphs() - start == 1, graphs() - start
 
 
+@pytest.mark.parametrize(("cls", "kw"), [
+    (AdamW, {"lr": 1e-2, "weight_decay": 0.1}),  # decoupled: w * (1 - lr * wd), 1 without
+    (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),  # L2: numerics.plus_l2
+], ids=["adamw", "sgd"])
+def test_groups_with_and_without_weight_decay_share_one_graph(cls, kw, device):
+    # Hugging Face's Trainer (and most recipes) put biases and norms in a group without decay:
+    # the decay is a coefficient, not a flag, so both groups run one compiled kernel, and the
+    # group without decay steps bit for bit as the eager step, which skips the decay.
+    torch._dynamo.reset()
+    compiled._KERNELS.clear()
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (64, 32), (32,)]
+    init = [torch.randn(s, generator=gen).bfloat16().to(device) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).bfloat16().to(device) for s in shapes]
+             for _ in range(3)]
+    for g in grads[0]:
+        g.view(-1)[:4] = -0.0  # (-0.0 + 0 * w: +0.0 for a positive w)
+    out = []
+    for fused in (True, False):
+        ps = [t.clone().requires_grad_() for t in init]
+        opt = cls([{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0.0}],
+                  master="kahan", fused=fused, **kw)
+        start = graphs()
+        for gs in grads:
+            for p, g in zip(ps, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        out.append((ps, opt, graphs() - start))
+    (pf, of, made), (pe, oe, _) = out
+    assert made == 1, made
+    assert_same(pf, of, pe, oe)
+
+
 # Every optimizer with every master; the state and gradient dtypes packed into the words turn
 # round, so that each meets every optimizer and every master (tests/_cases.py: pairwise).
 PAIR_CASES = [

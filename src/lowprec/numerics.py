@@ -40,6 +40,7 @@ __all__ = [
     "format_info",
     "hash_bits",
     "join",
+    "plus_l2",
     "round_nearest_split",
     "round_stochastic",
     "round_stochastic_with_bits",
@@ -161,6 +162,26 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
         # reference); benchmarks/device_choices.py checks the FP32 roots on a GPU.
         return torch.sqrt(x)
     return x.to(torch.float64, copy=True).sqrt_().to(x.dtype)  # in place: one FP64 temporary
+
+
+def plus_l2(g: torch.Tensor, w: torch.Tensor, weight_decay: float | torch.Tensor) -> torch.Tensor:
+    """``g + weight_decay * w`` (an L2 penalty's gradient), and ``g`` itself, bit for bit, where
+    ``weight_decay`` is 0: ``0 * w`` is not always +0 (-0.0 for a negative ``w``, NaN for an
+    infinite one), so the sum would change ``g``'s zeros and infinities. A 0-d tensor
+    ``weight_decay`` (a compiled step's coefficient) picks its value on the device, so that one
+    compiled kernel serves groups with and without decay.
+
+    Args:
+        g: The FP32 gradient.
+        w: The FP32 weight.
+        weight_decay: The penalty's coefficient: a number, or a 0-d FP32 tensor.
+
+    Returns:
+        The penalized gradient, FP32.
+    """
+    if isinstance(weight_decay, torch.Tensor):
+        return torch.where(weight_decay != 0, g + w * weight_decay, g)
+    return g + w * weight_decay if weight_decay else g
 
 
 def round_nearest_split(x: torch.Tensor) -> torch.Tensor:

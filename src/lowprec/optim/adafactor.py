@@ -86,7 +86,6 @@ def adafactor_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adafactor update of a whole tensor in FP32 (pure): factored where ``bufs`` holds
@@ -94,8 +93,7 @@ def adafactor_math(
     if maximize:
         g = -g
     alpha = torch.clamp(_rms(w), min=c["eps2"]) * c["rho"]
-    if weight_decay:
-        w = w * c["decay"]
+    w = w * c["decay"]  # (1 without decay: w, bit for bit)
     new, old = c["new_weight"], c["old_weight"]
     if "row_var" in bufs:
         row_var = bufs["row_var"] * old + _mean_squares(g, -1) * new
@@ -147,7 +145,7 @@ def adafactor_update(
     """
     c = adafactor_coefficients(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                                weight_decay=weight_decay, step=step)
-    return adafactor_math(w, g, state, c, weight_decay=weight_decay != 0, maximize=maximize)
+    return adafactor_math(w, g, state, c, maximize=maximize)
 
 
 class Adafactor(LowPrecisionOptimizer):
@@ -258,6 +256,6 @@ class Adafactor(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+        return dict(maximize=group["maximize"])
 
     _math = staticmethod(adafactor_math)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.numerics import sqrt_rn
+from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr
 
@@ -33,14 +33,12 @@ def adagrad_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
     if maximize:
         g = -g
-    if weight_decay:
-        g = g + w * c["weight_decay"]
+    g = plus_l2(g, w, c["weight_decay"])
     s = bufs["sum"] + g * g
     return w - (g * c["clr"]) / (sqrt_rn(s) + c["eps"]), {"sum": s}
 
@@ -77,7 +75,7 @@ def adagrad_update(
         lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, step=step
     )
     new_w, out = adagrad_math(
-        w, g, {"sum": state_sum}, c, weight_decay=weight_decay != 0, maximize=maximize
+        w, g, {"sum": state_sum}, c, maximize=maximize
     )
     return new_w, out["sum"]
 
@@ -171,6 +169,6 @@ class Adagrad(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+        return dict(maximize=group["maximize"])
 
     _math = staticmethod(adagrad_math)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lowprec.numerics import plus_l2
 from lowprec.optim.adamw import adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
@@ -42,19 +43,16 @@ def adam_math(
     c: dict[str, Any],
     *,
     amsgrad: bool,
-    weight_decay: bool,
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
     if maximize:
         g = -g
-    if weight_decay and not decoupled_weight_decay:
-        g = g + w * c["weight_decay"]  # (L2: the decay goes through the moments)
-    return adamw_math(
-        w, g, bufs, c, amsgrad=amsgrad, weight_decay=weight_decay and decoupled_weight_decay,
-        maximize=False,
-    )
+    if not decoupled_weight_decay:  # (L2: the decay goes through the moments)
+        g = plus_l2(g, w, c["weight_decay"])
+        c = {**c, "decay": 1.0}
+    return adamw_math(w, g, bufs, c, amsgrad=amsgrad, maximize=False)
 
 
 def adam_update(
@@ -101,7 +99,7 @@ def adam_update(
     if max_exp_avg_sq is not None:
         bufs["max_exp_avg_sq"] = max_exp_avg_sq
     new_w, out = adam_math(
-        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, weight_decay=weight_decay != 0,
+        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None,
         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
     )
     return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
@@ -199,11 +197,9 @@ class Adam(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        decay = group["weight_decay"] != 0
-        # (without decay the two kinds are one rule: one compiled variant)
         return dict(
-            amsgrad=group["amsgrad"], weight_decay=decay,
-            decoupled_weight_decay=decay and bool(group["decoupled_weight_decay"]),
+            amsgrad=group["amsgrad"],
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
             maximize=group["maximize"],
         )
 

@@ -53,14 +53,14 @@ def adamw_math(
     c: dict[str, Any],
     *,
     amsgrad: bool,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One AdamW update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
+    """One AdamW update in FP32, per element, from precomputed coefficients ``c`` (pure). The
+    decay factor ``c["decay"]`` is 1 without decay (``w * 1`` is ``w``, bit for bit): one
+    compiled kernel serves groups with and without it."""
     if maximize:
         g = -g
-    if weight_decay:
-        w = w * c["decay"]
+    w = w * c["decay"]
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     out = {"exp_avg": m, "exp_avg_sq": v}
@@ -113,8 +113,7 @@ def adamw_update(
     if max_exp_avg_sq is not None:
         bufs["max_exp_avg_sq"] = max_exp_avg_sq
     new_w, out = adamw_math(
-        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, weight_decay=weight_decay != 0,
-        maximize=maximize,
+        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, maximize=maximize
     )
     return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
 
@@ -228,9 +227,6 @@ class AdamW(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(
-            amsgrad=group["amsgrad"], weight_decay=group["weight_decay"] != 0,
-            maximize=group["maximize"],
-        )
+        return dict(amsgrad=group["amsgrad"], maximize=group["maximize"])
 
     _math = staticmethod(adamw_math)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.numerics import sqrt_rn, sum_squares
+from lowprec.numerics import plus_l2, sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 
@@ -52,7 +52,7 @@ def lamb_coefficients(
 
 def _lamb_direction(
     w: torch.Tensor, g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any], *,
-    weight_decay: bool, maximize: bool,
+    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The elementwise part of LAMB: the update direction ``u`` and the new moments."""
     if maximize:
@@ -61,8 +61,7 @@ def _lamb_direction(
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     # m_hat / (sqrt(v_hat) + eps), the bias corrections carried by c (see lamb_coefficients).
     u = (m * c["m_scale"]) / (sqrt_rn(v) + c["eps"])
-    if weight_decay:
-        u = u + w * c["weight_decay"]
+    u = plus_l2(u, w, c["weight_decay"])
     return u, {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -72,7 +71,6 @@ def lamb_norm_terms(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose norms make the trust ratio, ``(w, u)``, over a piece of a tensor (pure).
@@ -81,7 +79,7 @@ def lamb_norm_terms(
     in pieces or compiled, and hands the two sums to ``lamb_math`` as ``c["sums"]``, so that no
     full-size temporary is needed for the norms.
     """
-    u, _ = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
+    u, _ = _lamb_direction(w, g, bufs, c, maximize=maximize)
     return w, u
 
 
@@ -91,7 +89,6 @@ def lamb_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
@@ -100,7 +97,7 @@ def lamb_math(
     ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
     (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
-    u, out = _lamb_direction(w, g, bufs, c, weight_decay=weight_decay, maximize=maximize)
+    u, out = _lamb_direction(w, g, bufs, c, maximize=maximize)
     # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
     # eager, chunked, compiled and pairs reductions add in different orders, and FP64 makes
     # that difference vanish in the FP32 ratio.
@@ -147,7 +144,7 @@ def lamb_update(
     )
     new_w, out = lamb_math(
         w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
-        weight_decay=weight_decay != 0, maximize=maximize,
+        maximize=maximize,
     )
     return new_w, out["exp_avg"], out["exp_avg_sq"]
 
@@ -235,7 +232,7 @@ class Lamb(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+        return dict(maximize=group["maximize"])
 
     _math = staticmethod(lamb_math)
     _elementwise = False  # the trust ratio needs whole-tensor norms...

@@ -54,14 +54,12 @@ def lion_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Lion update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
     if maximize:
         g = -g
-    if weight_decay:
-        w = w * c["decay"]
+    w = w * c["decay"]  # (1 without decay: w, bit for bit)
     m = bufs["exp_avg"]
     direction = m * c["beta1"] + g * c["one_minus_beta1"]
     # sign(0) = 0 as torch.sign; (direction - direction) is 0, or NaN for a NaN or an infinity.
@@ -100,7 +98,7 @@ def lion_update(
     """
     c = lion_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                           max_lr=max_lr)
-    new_w, out = lion_math(w, g, {"exp_avg": exp_avg}, c, weight_decay=weight_decay != 0,
+    new_w, out = lion_math(w, g, {"exp_avg": exp_avg}, c,
                            maximize=maximize)
     return new_w, out["exp_avg"]
 
@@ -204,6 +202,6 @@ class Lion(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+        return dict(maximize=group["maximize"])
 
     _math = staticmethod(lion_math)

@@ -95,7 +95,6 @@ def muon_math(
     c: dict[str, Any],
     *,
     muon: bool,
-    weight_decay: bool,
     nesterov: bool = True,
     ns: tuple[float, float, float] = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
@@ -106,12 +105,10 @@ def muon_math(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One update in FP32 (pure): Muon's of a whole matrix, or (``muon`` False) AdamW's."""
     if not muon:
-        return adamw_math(w, g, bufs, c, amsgrad=amsgrad, weight_decay=weight_decay,
-                          maximize=maximize)
+        return adamw_math(w, g, bufs, c, amsgrad=amsgrad, maximize=maximize)
     buf, o, ratio = _momentum_and_orthogonalize(g, bufs["momentum_buffer"], c, nesterov, ns,
                                                 ns_steps, ns_eps, adjust)
-    if weight_decay:
-        w = w * c["decay"]
+    w = w * c["decay"]  # (1 without decay: w, bit for bit)
     return w - o.float() * (c["lr"] * ratio), {"momentum_buffer": buf}
 
 
@@ -305,7 +302,7 @@ class Muon(LowPrecisionOptimizer):
         if not group["use_muon"]:
             return dict(muon=False, **AdamW._flags(cast(AdamW, self), group))
         return dict(
-            muon=True, weight_decay=group["weight_decay"] != 0, nesterov=bool(group["nesterov"]),
+            muon=True, nesterov=bool(group["nesterov"]),
             ns=tuple(map(float, group["ns_coefficients"])), ns_steps=group["ns_steps"],
             ns_eps=float(group["eps"]), adjust=group["adjust_lr_fn"],
         )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.numerics import sqrt_rn
+from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 
@@ -72,17 +72,16 @@ def radam_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
     if maximize:
         g = -g
-    if weight_decay and decoupled_weight_decay:
+    if decoupled_weight_decay:
         w = w * c["decay"]
-    elif weight_decay:
-        g = g + w * c["weight_decay"]
+    else:
+        g = plus_l2(g, w, c["weight_decay"])
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     # The rectified or the un-adapted step, as c says (see radam_coefficients).
@@ -129,7 +128,7 @@ def radam_update(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
     )
     new_w, out = radam_math(
-        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c, weight_decay=weight_decay != 0,
+        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
     )
     return new_w, out["exp_avg"], out["exp_avg_sq"]
@@ -224,10 +223,8 @@ class RAdam(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        decay = group["weight_decay"] != 0
         return dict(
-            weight_decay=decay,
-            decoupled_weight_decay=decay and bool(group["decoupled_weight_decay"]),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
             maximize=group["maximize"],
         )
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from lowprec.numerics import plus_l2
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr
 
@@ -50,16 +51,13 @@ def sgd_math(
     *,
     momentum: bool,
     nesterov: bool,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One SGD update in FP32, per element, from precomputed coefficients ``c`` (pure).
 
     The keyword flags are static (they choose the code); ``c`` holds numbers or 0-d tensors.
     """
-    d = -g if maximize else g
-    if weight_decay:
-        d = d + w * c["weight_decay"]
+    d = plus_l2(-g if maximize else g, w, c["weight_decay"])
     out = {}
     if momentum:
         buf = bufs["momentum_buffer"] * c["buf_keep"] + d * c["buf_add"]
@@ -107,7 +105,7 @@ def sgd_update(
     bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
     new_w, out = sgd_math(
         w, g, bufs, c, momentum=momentum != 0, nesterov=nesterov,
-        weight_decay=weight_decay != 0, maximize=maximize,
+        maximize=maximize,
     )
     return new_w, out.get("momentum_buffer")
 
@@ -226,7 +224,7 @@ class SGD(LowPrecisionOptimizer):
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(
             momentum=group["momentum"] != 0, nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"] != 0, maximize=group["maximize"],
+            maximize=group["maximize"],
         )
 
     _math = staticmethod(sgd_math)

@@ -87,7 +87,6 @@ def stable_adamw_norm_terms(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose sums of squares make the RMS, over a piece of a tensor (pure):
@@ -103,7 +102,6 @@ def stable_adamw_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    weight_decay: bool,
     maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One StableAdamW update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
@@ -121,8 +119,7 @@ def stable_adamw_math(
     # agree there), then FP32 with the coefficients, as the compiled step has them.
     scale = torch.clamp_min((sums[0] / sums[1]).sqrt(), 1.0).reciprocal().float()
     lr = scale * c["lr"]
-    if weight_decay:
-        w = w * (1 - lr * c["weight_decay"])
+    w = w * (1 - lr * c["weight_decay"])  # (1 without decay: w, bit for bit)
     return w - (m * lr) / (sqrt_rn(v) + c["eps"]), {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -165,7 +162,7 @@ def stable_adamw_update(
                                   weight_decay=weight_decay, step=step, max_lr=max_lr)
     new_w, out = stable_adamw_math(
         w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
-        weight_decay=weight_decay != 0, maximize=maximize,
+        maximize=maximize,
     )
     return new_w, out["exp_avg"], out["exp_avg_sq"]
 
@@ -265,7 +262,7 @@ class StableAdamW(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(weight_decay=group["weight_decay"] != 0, maximize=group["maximize"])
+        return dict(maximize=group["maximize"])
 
     _math = staticmethod(stable_adamw_math)
     _elementwise = False  # the RMS is over the whole tensor...
