@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lowprec.numerics import split
-from lowprec.optim import SGD, Adafactor, Adagrad, AdamW, Lamb, compiled, core, update
+from lowprec.optim import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Muon, compiled, core, update
 from tests._cases import kernel_families, pairwise
 from tests._same import assert_same, bits
 
@@ -191,38 +191,78 @@ def test_changing_lr_does_not_recompile_and_shapes_share_kernels(device):
     assert graphs() - start == 1, graphs() - start
 
 
-@pytest.mark.parametrize(("cls", "kw"), [
-    (AdamW, {"lr": 1e-2, "weight_decay": 0.1}),  # decoupled: w * (1 - lr * wd), 1 without
-    (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),  # L2: numerics.plus_l2
-], ids=["adamw", "sgd"])
-def test_groups_with_and_without_weight_decay_share_one_graph(cls, kw, device):
-    # Hugging Face's Trainer (and most recipes) put biases and norms in a group without decay:
-    # the decay is a coefficient, not a flag, so both groups run one compiled kernel, and the
-    # group without decay steps bit for bit as the eager step, which skips the decay.
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _steps_and_graphs(make, shapes, device, seed=0):
+    """Three steps of ``make(params, fused)``'s optimizer, fused and eager on the same
+    parameters and gradients (a few -0.0 in the first: ``-0.0 + 0 * w`` is +0.0 for a positive
+    ``w``); returns both runs and the Dynamo graphs the fused one made."""
     torch._dynamo.reset()
     compiled._KERNELS.clear()
-    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(64, 32), (32,), (64, 32), (32,)]
+    gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen).bfloat16().to(device) for s in shapes]
     grads = [[torch.randn(s, generator=gen).bfloat16().to(device) for s in shapes]
              for _ in range(3)]
     for g in grads[0]:
-        g.view(-1)[:4] = -0.0  # (-0.0 + 0 * w: +0.0 for a positive w)
+        g.view(-1)[:4] = -0.0
     out = []
     for fused in (True, False):
         ps = [t.clone().requires_grad_() for t in init]
-        opt = cls([{"params": ps[::2]}, {"params": ps[1::2], "weight_decay": 0.0}],
-                  master="kahan", fused=fused, **kw)
-        start = graphs()
+        opts = make(ps, fused)
+        start = _graphs()
         for gs in grads:
             for p, g in zip(ps, gs, strict=True):
                 p.grad = g.clone()
-            opt.step()
-        out.append((ps, opt, graphs() - start))
-    (pf, of, made), (pe, oe, _) = out
+            for opt in opts:
+                opt.step()
+        out.append((ps, opts, _graphs() - start))
+    return out
+
+
+# An option that is a number picks no compiled code: the decay (a factor 1 - lr * wd, 1
+# without it, or numerics.plus_l2's L2 term), maximize (update._descent), SGD's nesterov and
+# Adam's kind of decay. Hugging Face's Trainer puts biases and norms in a group without
+# decay; the groups of each row run one compiled kernel, bit for bit the eager step.
+ONE_GRAPH = {
+    "adamw-decay": (AdamW, {"lr": 1e-2, "weight_decay": 0.1}, {"weight_decay": 0.0}),
+    "adamw-maximize": (AdamW, {"lr": 1e-2, "weight_decay": 0.1}, {"maximize": True}),
+    "adam-decoupled": (Adam, {"lr": 1e-2, "weight_decay": 0.1},
+                       {"decoupled_weight_decay": True}),
+    "sgd-decay": (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, {"weight_decay": 0.0}),
+    "sgd-nesterov-maximize": (SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1},
+                              {"nesterov": True, "maximize": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_GRAPH))
+def test_groups_whose_options_differ_in_numbers_share_one_graph(case, device):
+    cls, kw, other = ONE_GRAPH[case]
+
+    def make(ps, fused):
+        return [cls([{"params": ps[::2]}, {"params": ps[1::2], **other}], master="kahan",
+                    fused=fused, **kw)]
+
+    (pf, (of,), made), (pe, (oe,), _) = _steps_and_graphs(
+        make, [(64, 32), (32,), (64, 32), (32,)], device)
     assert made == 1, made
     assert_same(pf, of, pe, oe)
+
+
+def test_adam_adamw_and_muons_adamw_groups_share_one_graph(device):
+    # One rule, one function (adamw_math): the kernels are keyed by it, not by the optimizer.
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "master": "kahan"}
+
+    def make(ps, fused):
+        return [AdamW(ps[0:2], fused=fused, **kw), Adam(ps[2:4], fused=fused, **kw),
+                Muon([{"params": ps[4:6], "use_muon": False}], fused=fused, **kw)]
+
+    (_, of, made), (_, oe, _) = _steps_and_graphs(make, [(64, 32), (32,)] * 3, device)
+    assert made == 1, made
+    for a, b in zip(of, oe, strict=True):
+        assert_same([p for g in a.param_groups for p in g["params"]], a,
+                    [p for g in b.param_groups for p in g["params"]], b)
 
 
 # Every optimizer with every master; the state and gradient dtypes packed into the words turn

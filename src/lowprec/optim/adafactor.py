@@ -85,13 +85,9 @@ def adafactor_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adafactor update of a whole tensor in FP32 (pure): factored where ``bufs`` holds
     ``row_var`` and ``col_var``, else with the full ``variance``."""
-    if maximize:
-        g = -g
     alpha = torch.clamp(_rms(w), min=c["eps2"]) * c["rho"]
     w = w * c["decay"]  # (1 without decay: w, bit for bit)
     new, old = c["new_weight"], c["old_weight"]
@@ -145,7 +141,7 @@ def adafactor_update(
     """
     c = adafactor_coefficients(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
                                weight_decay=weight_decay, step=step)
-    return adafactor_math(w, g, state, c, maximize=maximize)
+    return adafactor_math(w, -g if maximize else g, state, c)
 
 
 class Adafactor(LowPrecisionOptimizer):
@@ -254,8 +250,5 @@ class Adafactor(LowPrecisionOptimizer):
             lr=_lr(group), beta2_decay=group["beta2_decay"],
             eps=tuple(group["eps"]), d=group["d"], weight_decay=group["weight_decay"], step=step,
         )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(maximize=group["maximize"])
 
     _math = staticmethod(adafactor_math)

@@ -32,12 +32,8 @@ def adagrad_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    if maximize:
-        g = -g
     g = plus_l2(g, w, c["weight_decay"])
     s = bufs["sum"] + g * g
     return w - (g * c["clr"]) / (sqrt_rn(s) + c["eps"]), {"sum": s}
@@ -74,9 +70,7 @@ def adagrad_update(
     c = adagrad_coefficients(
         lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, step=step
     )
-    new_w, out = adagrad_math(
-        w, g, {"sum": state_sum}, c, maximize=maximize
-    )
+    new_w, out = adagrad_math(w, -g if maximize else g, {"sum": state_sum}, c)
     return new_w, out["sum"]
 
 
@@ -167,8 +161,5 @@ class Adagrad(LowPrecisionOptimizer):
             lr=_lr(group), lr_decay=group["lr_decay"],
             weight_decay=group["weight_decay"], eps=group["eps"], step=step,
         )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(maximize=group["maximize"])
 
     _math = staticmethod(adagrad_math)

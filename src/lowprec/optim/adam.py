@@ -1,10 +1,9 @@
 """Adam (L2 or decoupled weight decay, optional AMSGrad) over any master storage.
 
-``adam_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
-coefficients computed on the host (``adam_coefficients``), so the eager and the compiled step run
-the same function and agree bit for bit. It is AdamW's rule (``adamw_math``) with torch.optim.Adam's
-default decay, L2: ``weight_decay * w`` added to the gradient (after ``maximize`` negates it), which
-the moments then carry; ``decoupled_weight_decay=True`` is AdamW's decay and step, bit for bit.
+Adam's rule is AdamW's, ``adamw_math``, with torch.optim.Adam's default decay, L2:
+``weight_decay * w`` added to the gradient, which the moments then carry (``adamw_coefficients``
+with ``decoupled=False``); ``decoupled_weight_decay=True`` is AdamW's decay and step, bit for bit.
+One function, so Adam's and AdamW's groups run the same compiled kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.numerics import plus_l2
 from lowprec.optim.adamw import adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
@@ -21,38 +19,7 @@ from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Adam", "adam_coefficients", "adam_math", "adam_update"]
-
-
-def adam_coefficients(
-    *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-    step: Any,
-) -> dict[str, Any]:
-    """The per-step scalars of ``adam_math``: ``adamw_coefficients`` (the same bias corrections,
-    and the decoupled decay factor) and the L2 coefficient ``weight_decay``."""
-    c = adamw_coefficients(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
-    )
-    return {**c, "weight_decay": weight_decay}
-
-
-def adam_math(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    bufs: dict[str, torch.Tensor],
-    c: dict[str, Any],
-    *,
-    amsgrad: bool,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One Adam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    if maximize:
-        g = -g
-    if not decoupled_weight_decay:  # (L2: the decay goes through the moments)
-        g = plus_l2(g, w, c["weight_decay"])
-        c = {**c, "decay": 1.0}
-    return adamw_math(w, g, bufs, c, amsgrad=amsgrad, maximize=False)
+__all__ = ["Adam", "adam_update"]
 
 
 def adam_update(
@@ -92,16 +59,13 @@ def adam_update(
     Returns:
         ``(new_w, new_exp_avg, new_exp_avg_sq, new_max_exp_avg_sq)``.
     """
-    c = adam_coefficients(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
-    )
+    c = adamw_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                           step=step, decoupled=decoupled_weight_decay)
     bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if max_exp_avg_sq is not None:
         bufs["max_exp_avg_sq"] = max_exp_avg_sq
-    new_w, out = adam_math(
-        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None,
-        decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
-    )
+    new_w, out = adamw_math(w, -g if maximize else g, bufs, c,
+                            amsgrad=max_exp_avg_sq is not None)
     return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
 
 
@@ -191,16 +155,13 @@ class Adam(LowPrecisionOptimizer):
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
-        return adam_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
-            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+        return adamw_coefficients(
+            lr=_lr(group), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+            weight_decay=group["weight_decay"], step=step,
+            decoupled=bool(group["decoupled_weight_decay"]),
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(
-            amsgrad=group["amsgrad"],
-            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-            maximize=group["maximize"],
-        )
+        return dict(amsgrad=group["amsgrad"])
 
-    _math = staticmethod(adam_math)
+    _math = staticmethod(adamw_math)

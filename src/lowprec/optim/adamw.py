@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.numerics import sqrt_rn
+from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
 
@@ -24,9 +24,14 @@ __all__ = ["AdamW", "adamw_coefficients", "adamw_math", "adamw_update"]
 
 def adamw_coefficients(
     *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-    step: Any,
+    step: Any, decoupled: bool = True,
 ) -> dict[str, Any]:
     """The per-step scalars of ``adamw_math``: host floats, or 0-d tensors for a tensor step.
+
+    ``decoupled``: the decay multiplies the weight, ``decay = 1 - lr * weight_decay`` (AdamW);
+    False: it is an L2 penalty added to the gradient, ``l2 = weight_decay`` (torch.optim.Adam's
+    default). The other is 1 (``decay``) or 0 (``l2``), which leave the step bit for bit
+    without them, so one compiled kernel serves both kinds of decay and none.
 
     The bias corrections are folded into two scalars, as in the efficient form of Kingma & Ba's
     Algorithm 1: ``step_size * m / (sqrt(v) / bc2 + eps)`` equals
@@ -36,7 +41,8 @@ def adamw_coefficients(
     """
     bc2 = (1 - beta2**step) ** 0.5
     return {
-        "decay": 1 - lr * weight_decay,
+        "decay": 1 - lr * weight_decay if decoupled else 1.0,
+        "l2": 0.0 if decoupled else weight_decay,
         "beta1": beta1,
         "one_minus_beta1": 1 - beta1,
         "beta2": beta2,
@@ -53,13 +59,12 @@ def adamw_math(
     c: dict[str, Any],
     *,
     amsgrad: bool,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One AdamW update in FP32, per element, from precomputed coefficients ``c`` (pure). The
-    decay factor ``c["decay"]`` is 1 without decay (``w * 1`` is ``w``, bit for bit): one
-    compiled kernel serves groups with and without it."""
-    if maximize:
-        g = -g
+    """One AdamW (or Adam) update in FP32, per element, from precomputed coefficients ``c``
+    (pure). The decay factor ``c["decay"]`` is 1 without decoupled decay (``w * 1`` is ``w``,
+    bit for bit) and the L2 coefficient ``c["l2"]`` 0 without L2 (``numerics.plus_l2``): one
+    compiled kernel serves AdamW's and Adam's groups, with decay and without."""
+    g = plus_l2(g, w, c["l2"])  # (L2: the decay goes through the moments)
     w = w * c["decay"]
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
@@ -112,9 +117,8 @@ def adamw_update(
     bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if max_exp_avg_sq is not None:
         bufs["max_exp_avg_sq"] = max_exp_avg_sq
-    new_w, out = adamw_math(
-        w, g, bufs, c, amsgrad=max_exp_avg_sq is not None, maximize=maximize
-    )
+    new_w, out = adamw_math(w, -g if maximize else g, bufs, c,
+                            amsgrad=max_exp_avg_sq is not None)
     return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
 
 
@@ -227,6 +231,6 @@ class AdamW(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(amsgrad=group["amsgrad"], maximize=group["maximize"])
+        return dict(amsgrad=group["amsgrad"])
 
     _math = staticmethod(adamw_math)

@@ -85,12 +85,13 @@ def _key_tensors(
 
 
 def _compiled_kernel(
-    cls: type, storage: MasterStorage, flags: dict[str, bool], *, scaled: str | bool = False,
+    rule: Rule, storage: MasterStorage, flags: dict[str, bool], *, scaled: str | bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
     options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
 ) -> _Kernel:
-    """A compiled ``_param_update`` (or ``fn``) for one variant: optimizer, storage, flags, and
-    the ``signature`` of its tensors (``_signature``: device type and dtypes).
+    """A compiled ``_param_update`` (or ``fn``) for one variant: the rule's math (not its
+    optimizer: ``core.Rule``), storage, flags, and the ``signature`` of its tensors
+    (``_signature``: device type and dtypes).
 
     Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
     cache (and recompile budget) per variant instead of one shared by every optimizer. Everything
@@ -100,14 +101,16 @@ def _compiled_kernel(
     ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``). ``fullgraph``
     False lets Dynamo break the graph at a call it must not trace (``_whole_graph_breaks``).
     """
-    key = (cls, storage.name, tuple(sorted(flags.items())), scaled, fn.__name__, extra_key,
+    key = (rule.math, rule.norm_terms, storage.name, tuple(sorted(flags.items())), scaled,
+           fn.__name__, extra_key,
            tuple(sorted((options or {}).items())), signature, fullgraph)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
         what = "step" if fn is _param_update else fn.__name__.strip("_")
         what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
-        name = f"lowprec_{cls.__name__}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
+        rule_name = rule.math.__name__.removesuffix("_math")
+        name = f"lowprec_{rule_name}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
         if sys.version_info >= (3, 11):
             code = code.replace(co_name=name, co_qualname=name)
         else:
@@ -530,12 +533,12 @@ def prepare_fused(
     if rule.norms:
         f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
         f.sums_kernel = _compiled_kernel(
-            rule.owner, storage, flags, scaled=scaled, fn=f.sums_fn,
+            rule, storage, flags, scaled=scaled, fn=f.sums_fn,
             extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
             signature=signature,
         )
     f.kernel = _compiled_kernel(
-        rule.owner, storage, flags, scaled=scaled, fn=f.update_fn,
+        rule, storage, flags, scaled=scaled, fn=f.update_fn,
         extra_key=(*(codes_key if pairs is None else pairs),
                    *((("keys", "batched"),) if keyed else ()), *rows_key),
         signature=signature,

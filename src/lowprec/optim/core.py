@@ -49,9 +49,9 @@ class Rule:
     StableAdamW; two passes, a bucket's parameters of one size as rows), or ``"whole"`` (each
     parameter in its own shape, one call: Adafactor, Muon; compiled where ``compiles`` and the
     step is fused, as two graphs around a call it must not trace where ``graph_breaks``).
-    ``owner``: the optimizer's class, part of the compiled kernels' key."""
+    The compiled kernels are keyed by ``math`` (with ``norm_terms``), not by the optimizer: rules
+    that are one function share them (AdamW's, Adam's and Muon's AdamW groups')."""
 
-    owner: type
     math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     flags: dict[str, Any]
     kind: str
@@ -221,9 +221,9 @@ class OptimizerCore(Optimizer):
         norms = self._norm_terms is not None
         kind = ("whole" if self._whole(group) or not (self._elementwise or norms)
                 else "norms" if norms else "elementwise")
-        return Rule(type(self), self._math, self._flags(group), kind,
-                    functools.partial(self._coefficients, group),
-                    functools.partial(self._first_use_coefficients, group),
+        return Rule(self._group_math(group), self._flags(group), kind,
+                    functools.partial(_directed, self._coefficients, group),
+                    functools.partial(_directed, self._first_use_coefficients, group),
                     functools.partial(self._math_buffers, group), self._buffer_shape,
                     self._nonnegative_buffers, self._norm_terms, self._whole_compiles,
                     self._whole_graph_breaks)
@@ -235,6 +235,20 @@ class OptimizerCore(Optimizer):
         turned on after its first step: ``collect``'s ``late``). Default: the step's own; SGD's
         momentum buffer starts as the step's direction, as torch.optim's does."""
         return self._coefficients(group, step)
+
+    def _group_math(self, group: dict[str, Any]) -> Callable[..., Any]:
+        """The rule ``group`` is stepped by (Muon's ``use_muon=False`` groups: AdamW's)."""
+        return self._math
+
+
+def _directed(
+    coefficients: Callable[[dict[str, Any], int | torch.Tensor], dict[str, Any]],
+    group: dict[str, Any], step: int | torch.Tensor,
+) -> dict[str, Any]:
+    """A rule's coefficients, and whether its group maximizes (``maximize``, 1 or 0), which the
+    step applies to the gradient before any rule sees it (``update._descent``): a number, so
+    that groups that maximize and groups that do not run one compiled kernel."""
+    return {**coefficients(group, step), "maximize": float(bool(group.get("maximize", False)))}
 
 
 # ------------------------------------------------------------------ the step's interface

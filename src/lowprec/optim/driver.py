@@ -222,7 +222,7 @@ def flatten(opt: OptimizerCore) -> None:
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
         # (a bucket's prepared calls were compiled for its group's options and flags: kept
-        # only where those are the same, e.g. not after maximize=True)
+        # only where those are the same, e.g. not after amsgrad=True)
         same = {id(g) for g, _, options in old.groups if core.step_options(opt, g) == options}
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets
                 if id(b.group) in same and b.current(opt)}

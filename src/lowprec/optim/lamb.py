@@ -51,12 +51,9 @@ def lamb_coefficients(
 
 
 def _lamb_direction(
-    w: torch.Tensor, g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any], *,
-    maximize: bool,
+    w: torch.Tensor, g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The elementwise part of LAMB: the update direction ``u`` and the new moments."""
-    if maximize:
-        g = -g
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     # m_hat / (sqrt(v_hat) + eps), the bias corrections carried by c (see lamb_coefficients).
@@ -70,8 +67,6 @@ def lamb_norm_terms(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose norms make the trust ratio, ``(w, u)``, over a piece of a tensor (pure).
 
@@ -79,7 +74,7 @@ def lamb_norm_terms(
     in pieces or compiled, and hands the two sums to ``lamb_math`` as ``c["sums"]``, so that no
     full-size temporary is needed for the norms.
     """
-    u, _ = _lamb_direction(w, g, bufs, c, maximize=maximize)
+    u, _ = _lamb_direction(w, g, bufs, c)
     return w, u
 
 
@@ -88,8 +83,6 @@ def lamb_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
 
@@ -97,7 +90,7 @@ def lamb_math(
     ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
     (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
-    u, out = _lamb_direction(w, g, bufs, c, maximize=maximize)
+    u, out = _lamb_direction(w, g, bufs, c)
     # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
     # eager, chunked, compiled and pairs reductions add in different orders, and FP64 makes
     # that difference vanish in the FP32 ratio.
@@ -142,10 +135,8 @@ def lamb_update(
     c = lamb_coefficients(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
     )
-    new_w, out = lamb_math(
-        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
-        maximize=maximize,
-    )
+    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    new_w, out = lamb_math(w, -g if maximize else g, bufs, c)
     return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
@@ -230,9 +221,6 @@ class Lamb(LowPrecisionOptimizer):
             lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(maximize=group["maximize"])
 
     _math = staticmethod(lamb_math)
     _elementwise = False  # the trust ratio needs whole-tensor norms...

@@ -53,12 +53,8 @@ def lion_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Lion update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    if maximize:
-        g = -g
     w = w * c["decay"]  # (1 without decay: w, bit for bit)
     m = bufs["exp_avg"]
     direction = m * c["beta1"] + g * c["one_minus_beta1"]
@@ -98,8 +94,7 @@ def lion_update(
     """
     c = lion_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                           max_lr=max_lr)
-    new_w, out = lion_math(w, g, {"exp_avg": exp_avg}, c,
-                           maximize=maximize)
+    new_w, out = lion_math(w, -g if maximize else g, {"exp_avg": exp_avg}, c)
     return new_w, out["exp_avg"]
 
 
@@ -200,8 +195,5 @@ class Lion(LowPrecisionOptimizer):
             weight_decay=group["weight_decay"],
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(maximize=group["maximize"])
 
     _math = staticmethod(lion_math)

@@ -94,18 +94,14 @@ def muon_math(
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
     *,
-    muon: bool,
     nesterov: bool = True,
     ns: tuple[float, float, float] = NS_COEFFICIENTS,
     ns_steps: int = NS_STEPS,
     ns_eps: float = NS_EPS,
     adjust: str | None = None,
-    amsgrad: bool = False,
-    maximize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One update in FP32 (pure): Muon's of a whole matrix, or (``muon`` False) AdamW's."""
-    if not muon:
-        return adamw_math(w, g, bufs, c, amsgrad=amsgrad, maximize=maximize)
+    """One Muon update of a whole matrix in FP32 (pure); its ``use_muon=False`` groups take
+    AdamW's, ``adamw_math``."""
     buf, o, ratio = _momentum_and_orthogonalize(g, bufs["momentum_buffer"], c, nesterov, ns,
                                                 ns_steps, ns_eps, adjust)
     w = w * c["decay"]  # (1 without decay: w, bit for bit)
@@ -285,6 +281,9 @@ class Muon(LowPrecisionOptimizer):
     def _whole(self, group: dict[str, Any]) -> bool:
         return cast(bool, group["use_muon"])
 
+    def _group_math(self, group: dict[str, Any]) -> Any:
+        return muon_math if group["use_muon"] else adamw_math  # (AdamW's kernels, shared)
+
     # Fused, a Muon parameter's step compiles its elementwise work around the matmuls (two
     # graphs, `_momentum_and_orthogonalize` between them: `_whole_graph_breaks`).
     _whole_compiles = True
@@ -300,9 +299,9 @@ class Muon(LowPrecisionOptimizer):
 
     def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
         if not group["use_muon"]:
-            return dict(muon=False, **AdamW._flags(cast(AdamW, self), group))
+            return AdamW._flags(cast(AdamW, self), group)
         return dict(
-            muon=True, nesterov=bool(group["nesterov"]),
+            nesterov=bool(group["nesterov"]),
             ns=tuple(map(float, group["ns_coefficients"])), ns_steps=group["ns_steps"],
             ns_eps=float(group["eps"]), adjust=group["adjust_lr_fn"],
         )

@@ -414,7 +414,7 @@ def _step_whole_fused(
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
         kernel = compiled._compiled_kernel(
-            rule.owner, storage, rule.flags, scaled=_mode(scaling),
+            rule, storage, rule.flags, scaled=_mode(scaling),
             extra_key=(("whole", p.dim()),),
             signature=compiled._signature(p, grad, sbufs, mbufs),
             fullgraph=not rule.graph_breaks,

@@ -28,9 +28,11 @@ __all__ = ["RAdam", "radam_coefficients", "radam_math", "radam_update"]
 
 def radam_coefficients(
     *, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-    step: Any,
+    step: Any, decoupled: bool = False,
 ) -> dict[str, Any]:
     """The per-step scalars of ``radam_math``: host floats, or 0-d tensors for a tensor step.
+    The decay is ``decay`` (``decoupled``: ``1 - lr * weight_decay``, else 1) and ``l2`` (the
+    L2 penalty, torch.optim.RAdam's default: ``weight_decay``, else 0), as ``adamw_coefficients``.
 
     ``radam_math`` steps by ``step_size * m / (sqrt(min(v, v_max)) + eps)``. Rectified,
     ``step_size`` is ``lr * rect * sqrt(bc2) / bc1``, ``v_max`` is +inf (``v`` unchanged) and
@@ -54,8 +56,8 @@ def radam_coefficients(
         ) ** 0.5 if rectified else 0.0
         pick = lambda a, b: a if rectified else b  # noqa: E731
     return {
-        "decay": 1 - lr * weight_decay,
-        "weight_decay": weight_decay,
+        "decay": 1 - lr * weight_decay if decoupled else 1.0,
+        "l2": 0.0 if decoupled else weight_decay,
         "beta1": beta1,
         "one_minus_beta1": 1 - beta1,
         "beta2": beta2,
@@ -71,17 +73,10 @@ def radam_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    decoupled_weight_decay: bool,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    if maximize:
-        g = -g
-    if decoupled_weight_decay:
-        w = w * c["decay"]
-    else:
-        g = plus_l2(g, w, c["weight_decay"])
+    g = plus_l2(g, w, c["l2"])  # (0 without L2: g itself)
+    w = w * c["decay"]  # (1 without decoupled decay: w itself)
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     # The rectified or the un-adapted step, as c says (see radam_coefficients).
@@ -124,13 +119,10 @@ def radam_update(
     Returns:
         ``(new_w, new_exp_avg, new_exp_avg_sq)``.
     """
-    c = radam_coefficients(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
-    )
-    new_w, out = radam_math(
-        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
-        decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
-    )
+    c = radam_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                           step=step, decoupled=decoupled_weight_decay)
+    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    new_w, out = radam_math(w, -g if maximize else g, bufs, c)
     return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
@@ -220,12 +212,7 @@ class RAdam(LowPrecisionOptimizer):
         return radam_coefficients(
             lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-        )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(
-            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-            maximize=group["maximize"],
+            decoupled=bool(group["decoupled_weight_decay"]),
         )
 
     _math = staticmethod(radam_math)

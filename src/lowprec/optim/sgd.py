@@ -24,12 +24,13 @@ __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
 def sgd_coefficients(
     *, lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float,
-    first_step: bool | torch.Tensor,
+    first_step: bool | torch.Tensor, nesterov: bool = False,
 ) -> dict[str, Any]:
     """The per-step scalars of ``sgd_math``: host floats, or 0-d tensors for a tensor step.
 
     ``first_step`` may be a 0-d bool tensor (a step count kept on the device, under a loss
-    scaler), in which case the step-dependent entries are 0-d float64 tensors.
+    scaler), in which case the step-dependent entries are 0-d float64 tensors. ``nesterov``
+    is a number too (1 or 0), so that it picks no compiled code.
     """
     # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
     later = ~first_step if isinstance(first_step, torch.Tensor) else not first_step
@@ -40,6 +41,7 @@ def sgd_coefficients(
         "momentum": momentum,
         "buf_keep": momentum * later,
         "buf_add": 1.0 - dampening * later,
+        "nesterov": float(nesterov),
     }
 
 
@@ -50,19 +52,22 @@ def sgd_math(
     c: dict[str, Any],
     *,
     momentum: bool,
-    nesterov: bool,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One SGD update in FP32, per element, from precomputed coefficients ``c`` (pure).
 
-    The keyword flags are static (they choose the code); ``c`` holds numbers or 0-d tensors.
+    The keyword flag is static (whether there is a buffer); ``c`` holds numbers or 0-d tensors,
+    ``c["nesterov"]`` among them (a 0-d tensor picks its branch on the device).
     """
-    d = plus_l2(-g if maximize else g, w, c["weight_decay"])
+    d = plus_l2(g, w, c["weight_decay"])
     out = {}
     if momentum:
         buf = bufs["momentum_buffer"] * c["buf_keep"] + d * c["buf_add"]
         out["momentum_buffer"] = buf
-        d = d + buf * c["momentum"] if nesterov else buf
+        nesterov = c["nesterov"]
+        if isinstance(nesterov, torch.Tensor):
+            d = torch.where(nesterov != 0, d + buf * c["momentum"], buf)
+        else:
+            d = d + buf * c["momentum"] if nesterov else buf
     return w - d * c["lr"], out
 
 
@@ -99,14 +104,11 @@ def sgd_update(
     """
     c = sgd_coefficients(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-        first_step=first_step,
+        first_step=first_step, nesterov=nesterov,
     )
     # (cast: a momentum needs its buffer)
     bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
-    new_w, out = sgd_math(
-        w, g, bufs, c, momentum=momentum != 0, nesterov=nesterov,
-        maximize=maximize,
-    )
+    new_w, out = sgd_math(w, -g if maximize else g, bufs, c, momentum=momentum != 0)
     return new_w, out.get("momentum_buffer")
 
 
@@ -211,7 +213,7 @@ class SGD(LowPrecisionOptimizer):
         return sgd_coefficients(
             lr=_lr(group), momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"],
-            first_step=step == 1,
+            first_step=step == 1, nesterov=group["nesterov"],
         )
 
     def _first_use_coefficients(
@@ -222,9 +224,6 @@ class SGD(LowPrecisionOptimizer):
         return self._coefficients(group, 1)
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(
-            momentum=group["momentum"] != 0, nesterov=group["nesterov"],
-            maximize=group["maximize"],
-        )
+        return dict(momentum=group["momentum"] != 0)
 
     _math = staticmethod(sgd_math)

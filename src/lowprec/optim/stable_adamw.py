@@ -65,14 +65,12 @@ def stable_adamw_coefficients(
 
 
 def _moments(
-    g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any], maximize: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradient (negated to maximize) and the new moments."""
-    if maximize:
-        g = -g
+    g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new moments."""
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
-    return g, m, v
+    return m, v
 
 
 def _rms_terms(
@@ -86,13 +84,11 @@ def stable_adamw_norm_terms(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose sums of squares make the RMS, over a piece of a tensor (pure):
     ``g / sqrt(max(v, eps**2))`` (their sum is that of ``g**2 / max(v, eps**2)``) and ones
     (their sum is the element count, which a piece alone does not know)."""
-    g, _, v = _moments(g, bufs, c, maximize)
+    _, v = _moments(g, bufs, c)
     return _rms_terms(w, g, v, c)
 
 
@@ -101,8 +97,6 @@ def stable_adamw_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
-    *,
-    maximize: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One StableAdamW update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
 
@@ -110,7 +104,7 @@ def stable_adamw_math(
     given, holds the whole tensor's sums of squares of ``stable_adamw_norm_terms`` (FP64, 2
     elements) and replaces those of ``w``, which must then be all of the tensor.
     """
-    g, m, v = _moments(g, bufs, c, maximize)
+    m, v = _moments(g, bufs, c)
     if "sums" in c:
         sums = c["sums"]
     else:
@@ -161,9 +155,7 @@ def stable_adamw_update(
     c = stable_adamw_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                   weight_decay=weight_decay, step=step, max_lr=max_lr)
     new_w, out = stable_adamw_math(
-        w, g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c,
-        maximize=maximize,
-    )
+        w, -g if maximize else g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c)
     return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
@@ -260,9 +252,6 @@ class StableAdamW(LowPrecisionOptimizer):
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )
-
-    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(maximize=group["maximize"])
 
     _math = staticmethod(stable_adamw_math)
     _elementwise = False  # the RMS is over the whole tensor...

@@ -59,6 +59,17 @@ def _eager_chunk(device: torch.device) -> int:
 _INT32_MAX = 2**31 - 1
 
 
+def _descent(g: torch.Tensor, c: dict[str, Any]) -> torch.Tensor:
+    """The gradient the rule descends along: negated where its group maximizes
+    (``c["maximize"]``, which every rule's coefficients carry: ``core.rule``). A number in the
+    eager step; in a compiled one a 0-d tensor, picked on the device, so that one kernel serves
+    both (``-g`` exactly, where ``g * -1`` would keep a NaN's sign)."""
+    up = c["maximize"]
+    if isinstance(up, torch.Tensor):
+        return torch.where(up != 0, -g, g)
+    return -g if up else g
+
+
 def _inputs(
     p: torch.Tensor,
     grad: torch.Tensor,
@@ -120,8 +131,8 @@ def _param_sums(
     to broadcast a row's norms over its elements."""
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
-    terms = norm_terms(*_inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate), c, **flags)
-    return _stacked_sums(terms, rows)
+    w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
+    return _stacked_sums(norm_terms(w, _descent(g, c), m, c, **flags), rows)
 
 
 def _stacked_sums(terms: tuple[torch.Tensor, ...], rows: bool) -> torch.Tensor:
@@ -146,8 +157,10 @@ def _param_sums_pairs(
     rows: bool = False,
 ) -> torch.Tensor:
     """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
-    even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes), inv_scale)
-    even, odd = norm_terms(*even, c, **flags), norm_terms(*odd, c, **flags)
+    (we, ge, me), (wo, go, mo) = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes),
+                                              inv_scale)
+    even = norm_terms(we, _descent(ge, c), me, c, **flags)
+    odd = norm_terms(wo, _descent(go, c), mo, c, **flags)
     if rows:
         return _stacked_sums(even, True) + _stacked_sums(odd, True)
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
@@ -202,6 +215,7 @@ def _param_update(
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
     rows, unscaled = w.shape, g  # (the gradient written back as the step viewed it)
+    g = _descent(g, c)
     if shape is not None:  # (a rule that needs the parameter's shape, its state in rows)
         w, g, m = w.view(shape), g.view(shape), {k: v.view(shape) for k, v in m.items()}
     new_w, new_m = math(w, g, m, c, **flags)
@@ -345,8 +359,8 @@ def _param_update_pairs(
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
     unscaled = None if inv_scale is None else _pack_pairs(even[1], odd[1], kinds["grad"])
-    new_we, m_even = math(*even, c, **flags)
-    new_wo, m_odd = math(*odd, c, **flags)
+    new_we, m_even = math(even[0], _descent(even[1], c), even[2], c, **flags)
+    new_wo, m_odd = math(odd[0], _descent(odd[1], c), odd[2], c, **flags)
     bits = None
     if storage.needs_random_bits:  # one hash per pair: see _random_bits
         if idx is None:
