@@ -90,8 +90,7 @@ def _compiled_kernel(
     options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
 ) -> _Kernel:
     """A compiled ``_param_update`` (or ``fn``) for one variant: the rule's math (not its
-    optimizer: ``core.Rule``), storage, flags, and the ``signature`` of its tensors
-    (``_signature``: device type and dtypes).
+    optimizer), storage, flags, and the ``signature`` of its tensors (``_signature``).
 
     Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
     cache (and recompile budget) per variant instead of one shared by every optimizer. Everything
@@ -102,15 +101,14 @@ def _compiled_kernel(
     False lets Dynamo break the graph at a call it must not trace (``_whole_graph_breaks``).
     """
     key = (rule.math, rule.norm_terms, storage.name, tuple(sorted(flags.items())), scaled,
-           fn.__name__, extra_key,
-           tuple(sorted((options or {}).items())), signature, fullgraph)
+           fn.__name__, extra_key, tuple(sorted((options or {}).items())), signature, fullgraph)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
         what = "step" if fn is _param_update else fn.__name__.strip("_")
         what += "".join(f"_{str(v).split('.')[-1]}" for _, v in extra_key)
-        rule_name = rule.math.__name__.removesuffix("_math")
-        name = f"lowprec_{rule_name}_{storage.name}{f'_{scaled}' if scaled else ''}_{what}"
+        name = (f"lowprec_{rule.math.__name__.removesuffix('_math')}_{storage.name}"
+                f"{f'_{scaled}' if scaled else ''}_{what}")
         if sys.version_info >= (3, 11):
             code = code.replace(co_name=name, co_qualname=name)
         else:
