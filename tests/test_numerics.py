@@ -934,12 +934,13 @@ def test_round_stochastic_inside_torch_compile_draws_what_eager_draws(device):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_plus_l2_leaves_the_gradient_bit_for_bit_without_decay(compiled):
     # g + 0 * w would turn a -0.0 gradient of a positive weight into +0.0 and any gradient of an
-    # infinite weight into NaN; the decay's coefficient as a number (the eager step's) and as a
-    # 0-d tensor (a compiled kernel's, one kernel for every value) both leave g as it is.
+    # infinite weight into NaN; the number 0 (a group without decay, whose rule leaves the term
+    # out: its l2 flag) leaves g as it is. A 0-d tensor (a compiled step's coefficient, passed
+    # only where the group decays) is always added, with no select on its value.
     g = torch.tensor([-0.0, -0.0, 1.5, -2.0, math.inf, 3.0])
     w = torch.tensor([1.0, -1.0, 2.0, math.inf, 1.0, -math.inf])
     fn = torch.compile(numerics.plus_l2, dynamic=True) if compiled else numerics.plus_l2
-    for wd in (0.0, torch.tensor(0.0)):
-        assert torch.equal(fn(g, w, wd).view(torch.int32), g.view(torch.int32))
-    for wd in (0.25, torch.tensor(0.25)):
-        torch.testing.assert_close(fn(g, w, wd), g + w * 0.25, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(fn(g, w, 0.0).view(torch.int32), g.view(torch.int32))
+    for wd in (0.25, torch.tensor(0.25), torch.tensor(0.0)):
+        torch.testing.assert_close(fn(g, w, wd), g + w * float(wd), rtol=0, atol=0,
+                                   equal_nan=True)

@@ -166,10 +166,11 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 
 def plus_l2(g: torch.Tensor, w: torch.Tensor, weight_decay: float | torch.Tensor) -> torch.Tensor:
     """``g + weight_decay * w`` (an L2 penalty's gradient), and ``g`` itself, bit for bit, where
-    ``weight_decay`` is 0: ``0 * w`` is not always +0 (-0.0 for a negative ``w``, NaN for an
-    infinite one), so the sum would change ``g``'s zeros and infinities. A 0-d tensor
-    ``weight_decay`` (a compiled step's coefficient) picks its value on the device, so that one
-    compiled kernel serves groups with and without decay.
+    ``weight_decay`` is the number 0: ``0 * w`` is not always +0 (-0.0 for a negative ``w``, NaN
+    for an infinite one), so the sum would change ``g``'s zeros and infinities. A tensor
+    ``weight_decay`` (a compiled step's coefficient) is always added: the optimizers' rules call
+    this only where their group decays (their static ``l2`` flag), since a select on the
+    coefficient's value made every element's update dearer.
 
     Args:
         g: The FP32 gradient.
@@ -179,9 +180,9 @@ def plus_l2(g: torch.Tensor, w: torch.Tensor, weight_decay: float | torch.Tensor
     Returns:
         The penalized gradient, FP32.
     """
-    if isinstance(weight_decay, torch.Tensor):
-        return torch.where(weight_decay != 0, g + w * weight_decay, g)
-    return g + w * weight_decay if weight_decay else g
+    if isinstance(weight_decay, torch.Tensor) or weight_decay:
+        return g + w * weight_decay
+    return g
 
 
 def round_nearest_split(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.dtensor import is_dtensor, local
 from lowprec.optim.shards import all_reduce_sums, local_shards
 from lowprec.optim.storage import resolve_master
+from lowprec.optim.update import _descent
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.storage import MasterStorage
@@ -424,7 +425,8 @@ class UpdateMonitor:
         w = storage.load(p, sbufs).clone()
         grad = cast(torch.Tensor, p.grad)  # (a parameter the step takes: present)
         g = grad.float() if inv is None else grad.float() * inv.to(p.device)
-        new_w, new_m = rule.math(w, g, mbufs, coeffs, **rule.flags)
+        g, flags = _descent(g, rule.flags)  # (maximize: the step's, before the rule)
+        new_w, new_m = rule.math(w, g, mbufs, coeffs, **flags)
         eight_bit = {k for k, _ in core.qformats(opt, group, state, p)}
         return {
             "new_state": {k: v for k, v in new_m.items() if k in eight_bit},

@@ -12,7 +12,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr
+from lowprec.optim.options import _check_nonnegative, _l2, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -32,9 +32,13 @@ def adagrad_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
+    *,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    g = plus_l2(g, w, c["weight_decay"])
+    """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure); the
+    static flag ``l2``: the L2 term is in the code (``numerics.plus_l2``)."""
+    if l2:
+        g = plus_l2(g, w, c["weight_decay"])
     s = bufs["sum"] + g * g
     return w - (g * c["clr"]) / (sqrt_rn(s) + c["eps"]), {"sum": s}
 
@@ -161,5 +165,8 @@ class Adagrad(LowPrecisionOptimizer):
             lr=_lr(group), lr_decay=group["lr_decay"],
             weight_decay=group["weight_decay"], eps=group["eps"], step=step,
         )
+
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        return dict(l2=_l2(group["weight_decay"]))
 
     _math = staticmethod(adagrad_math)

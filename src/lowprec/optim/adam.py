@@ -14,7 +14,7 @@ import torch
 
 from lowprec.optim.adamw import adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -162,6 +162,8 @@ class Adam(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(amsgrad=group["amsgrad"])
+        # (without L2 decay, AdamW's flags: AdamW's kernels)
+        return dict(amsgrad=group["amsgrad"], l2=not group["decoupled_weight_decay"]
+                    and _l2(group["weight_decay"]))
 
     _math = staticmethod(adamw_math)

@@ -30,8 +30,9 @@ def adamw_coefficients(
 
     ``decoupled``: the decay multiplies the weight, ``decay = 1 - lr * weight_decay`` (AdamW);
     False: it is an L2 penalty added to the gradient, ``l2 = weight_decay`` (torch.optim.Adam's
-    default). The other is 1 (``decay``) or 0 (``l2``), which leave the step bit for bit
-    without them, so one compiled kernel serves both kinds of decay and none.
+    default). The other is 1 (``decay``, which leaves the weight bit for bit: one compiled
+    kernel serves decoupled decay and none) or 0 (``l2``, a term ``adamw_math`` leaves out
+    where its ``l2`` flag is off).
 
     The bias corrections are folded into two scalars, as in the efficient form of Kingma & Ba's
     Algorithm 1: ``step_size * m / (sqrt(v) / bc2 + eps)`` equals
@@ -59,12 +60,15 @@ def adamw_math(
     c: dict[str, Any],
     *,
     amsgrad: bool,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One AdamW (or Adam) update in FP32, per element, from precomputed coefficients ``c``
     (pure). The decay factor ``c["decay"]`` is 1 without decoupled decay (``w * 1`` is ``w``,
-    bit for bit) and the L2 coefficient ``c["l2"]`` 0 without L2 (``numerics.plus_l2``): one
-    compiled kernel serves AdamW's and Adam's groups, with decay and without."""
-    g = plus_l2(g, w, c["l2"])  # (L2: the decay goes through the moments)
+    bit for bit): one compiled kernel serves AdamW's groups with decay and without. The L2
+    coefficient ``c["l2"]`` is added where the static flag ``l2`` is on (Adam's groups that
+    decay; ``numerics.plus_l2``, which leaves the number 0 out)."""
+    if l2:  # (L2: the decay goes through the moments)
+        g = plus_l2(g, w, c["l2"])
     w = w * c["decay"]
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
@@ -231,6 +235,6 @@ class AdamW(LowPrecisionOptimizer):
         )
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(amsgrad=group["amsgrad"])
+        return dict(amsgrad=group["amsgrad"], l2=False)
 
     _math = staticmethod(adamw_math)

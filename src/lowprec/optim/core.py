@@ -35,8 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["OptimizerCore", "Rule", "Stages", "check_grad", "check_param", "check_state",
            "collect", "group_of", "host_counts", "init_state", "math_state", "new_buffer",
-           "qformats", "stages", "state_dtype", "state_tensors", "step_options", "validate_group",
-           "validate_options"]
+           "qformats", "stages", "state_dtype", "state_tensors", "step_flags", "step_options",
+           "validate_group", "validate_options"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,9 +221,9 @@ class OptimizerCore(Optimizer):
         norms = self._norm_terms is not None
         kind = ("whole" if self._whole(group) or not (self._elementwise or norms)
                 else "norms" if norms else "elementwise")
-        return Rule(self._group_math(group), self._flags(group), kind,
-                    functools.partial(_directed, self._coefficients, group),
-                    functools.partial(_directed, self._first_use_coefficients, group),
+        return Rule(self._group_math(group), step_flags(self, group), kind,
+                    functools.partial(self._coefficients, group),
+                    functools.partial(self._first_use_coefficients, group),
                     functools.partial(self._math_buffers, group), self._buffer_shape,
                     self._nonnegative_buffers, self._norm_terms, self._whole_compiles,
                     self._whole_graph_breaks)
@@ -241,14 +241,12 @@ class OptimizerCore(Optimizer):
         return self._math
 
 
-def _directed(
-    coefficients: Callable[[dict[str, Any], int | torch.Tensor], dict[str, Any]],
-    group: dict[str, Any], step: int | torch.Tensor,
-) -> dict[str, Any]:
-    """A rule's coefficients, and whether its group maximizes (``maximize``, 1 or 0), which the
-    step applies to the gradient before any rule sees it (``update._descent``): a number, so
-    that groups that maximize and groups that do not run one compiled kernel."""
-    return {**coefficients(group, step), "maximize": float(bool(group.get("maximize", False)))}
+def step_flags(opt: OptimizerCore, group: dict[str, Any]) -> dict[str, Any]:
+    """The static switches of ``group``'s step: its rule's (``_flags``) and ``maximize``, which
+    the step applies to the gradient before the rule sees it (``update._descent``). Switches,
+    not coefficients: a select on a 0-d coefficient in every element's update made the
+    compiled step 5-15% slower (docs/architecture.md, "How a step flows")."""
+    return {**opt._flags(group), "maximize": bool(group.get("maximize", False))}
 
 
 # ------------------------------------------------------------------ the step's interface
@@ -318,7 +316,7 @@ def step_options(opt: OptimizerCore, group: dict[str, Any]) -> tuple[Any, ...]:
     ``fused``, seed, the rule's buffers and flags): the buckets (``driver.step_buckets``) and
     the update inside backward step a group only while they stay the same."""
     return (group["master"], group["state_dtype"], group["fused"], group["seed"],
-            opt._math_buffers(group), opt._flags(group))
+            opt._math_buffers(group), step_flags(opt, group))
 
 
 def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -52,13 +52,15 @@ def lamb_coefficients(
 
 def _lamb_direction(
     w: torch.Tensor, g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any],
+    l2: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The elementwise part of LAMB: the update direction ``u`` and the new moments."""
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     # m_hat / (sqrt(v_hat) + eps), the bias corrections carried by c (see lamb_coefficients).
     u = (m * c["m_scale"]) / (sqrt_rn(v) + c["eps"])
-    u = plus_l2(u, w, c["weight_decay"])
+    if l2:  # (the static flag: the decay is in the code)
+        u = plus_l2(u, w, c["weight_decay"])
     return u, {"exp_avg": m, "exp_avg_sq": v}
 
 
@@ -67,6 +69,8 @@ def lamb_norm_terms(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
+    *,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose norms make the trust ratio, ``(w, u)``, over a piece of a tensor (pure).
 
@@ -74,7 +78,7 @@ def lamb_norm_terms(
     in pieces or compiled, and hands the two sums to ``lamb_math`` as ``c["sums"]``, so that no
     full-size temporary is needed for the norms.
     """
-    u, _ = _lamb_direction(w, g, bufs, c)
+    u, _ = _lamb_direction(w, g, bufs, c, l2)
     return w, u
 
 
@@ -83,6 +87,8 @@ def lamb_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
+    *,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One LAMB update of one tensor in FP32 from precomputed coefficients ``c`` (pure).
 
@@ -90,7 +96,7 @@ def lamb_math(
     ``c["sums"]``, when given, holds the whole tensor's sums of squares of ``lamb_norm_terms``
     (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
-    u, out = _lamb_direction(w, g, bufs, c)
+    u, out = _lamb_direction(w, g, bufs, c, l2)
     # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
     # eager, chunked, compiled and pairs reductions add in different orders, and FP64 makes
     # that difference vanish in the FP32 ratio.
@@ -221,6 +227,9 @@ class Lamb(LowPrecisionOptimizer):
             lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
         )
+
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        return dict(l2=_l2(group["weight_decay"]))
 
     _math = staticmethod(lamb_math)
     _elementwise = False  # the trust ratio needs whole-tensor norms...

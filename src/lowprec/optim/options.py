@@ -138,6 +138,12 @@ def _step_tensor(value: Any, where: str) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
 
 
+def _l2(value: Any) -> bool:
+    """Whether an L2 weight decay of ``value`` is in the step's code (the rules' ``l2`` flag):
+    a nonzero number, or a tensor, whose value a step does not read on the host."""
+    return isinstance(value, torch.Tensor) or value != 0
+
+
 def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
     for name in names:
         if not _unread(group[name], name) and _as_float(group[name], name) < 0:

@@ -18,7 +18,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -73,9 +73,13 @@ def radam_math(
     g: torch.Tensor,
     bufs: dict[str, torch.Tensor],
     c: dict[str, Any],
+    *,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure)."""
-    g = plus_l2(g, w, c["l2"])  # (0 without L2: g itself)
+    """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure); the
+    static flag ``l2``: the L2 term ``c["l2"]`` is in the code (``numerics.plus_l2``)."""
+    if l2:
+        g = plus_l2(g, w, c["l2"])
     w = w * c["decay"]  # (1 without decoupled decay: w itself)
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
@@ -214,5 +218,8 @@ class RAdam(LowPrecisionOptimizer):
             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
             decoupled=bool(group["decoupled_weight_decay"]),
         )
+
+    def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        return dict(l2=not group["decoupled_weight_decay"] and _l2(group["weight_decay"]))
 
     _math = staticmethod(radam_math)

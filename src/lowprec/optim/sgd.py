@@ -14,7 +14,7 @@ import torch
 
 from lowprec.numerics import plus_l2
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr
+from lowprec.optim.options import _check_nonnegative, _l2, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -24,13 +24,12 @@ __all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
 
 def sgd_coefficients(
     *, lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float,
-    first_step: bool | torch.Tensor, nesterov: bool = False,
+    first_step: bool | torch.Tensor,
 ) -> dict[str, Any]:
     """The per-step scalars of ``sgd_math``: host floats, or 0-d tensors for a tensor step.
 
     ``first_step`` may be a 0-d bool tensor (a step count kept on the device, under a loss
-    scaler), in which case the step-dependent entries are 0-d float64 tensors. ``nesterov``
-    is a number too (1 or 0), so that it picks no compiled code.
+    scaler), in which case the step-dependent entries are 0-d float64 tensors.
     """
     # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
     later = ~first_step if isinstance(first_step, torch.Tensor) else not first_step
@@ -41,7 +40,6 @@ def sgd_coefficients(
         "momentum": momentum,
         "buf_keep": momentum * later,
         "buf_add": 1.0 - dampening * later,
-        "nesterov": float(nesterov),
     }
 
 
@@ -52,22 +50,21 @@ def sgd_math(
     c: dict[str, Any],
     *,
     momentum: bool,
+    nesterov: bool = False,
+    l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One SGD update in FP32, per element, from precomputed coefficients ``c`` (pure).
 
-    The keyword flag is static (whether there is a buffer); ``c`` holds numbers or 0-d tensors,
-    ``c["nesterov"]`` among them (a 0-d tensor picks its branch on the device).
+    The keyword flags are static (they choose the code: a buffer, Nesterov's direction, the L2
+    term, which ``numerics.plus_l2`` leaves out where ``c["weight_decay"]`` is the number 0);
+    ``c`` holds numbers or 0-d tensors.
     """
-    d = plus_l2(g, w, c["weight_decay"])
+    d = plus_l2(g, w, c["weight_decay"]) if l2 else g
     out = {}
     if momentum:
         buf = bufs["momentum_buffer"] * c["buf_keep"] + d * c["buf_add"]
         out["momentum_buffer"] = buf
-        nesterov = c["nesterov"]
-        if isinstance(nesterov, torch.Tensor):
-            d = torch.where(nesterov != 0, d + buf * c["momentum"], buf)
-        else:
-            d = d + buf * c["momentum"] if nesterov else buf
+        d = d + buf * c["momentum"] if nesterov else buf
     return w - d * c["lr"], out
 
 
@@ -104,11 +101,12 @@ def sgd_update(
     """
     c = sgd_coefficients(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-        first_step=first_step, nesterov=nesterov,
+        first_step=first_step,
     )
     # (cast: a momentum needs its buffer)
     bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
-    new_w, out = sgd_math(w, -g if maximize else g, bufs, c, momentum=momentum != 0)
+    new_w, out = sgd_math(w, -g if maximize else g, bufs, c, momentum=momentum != 0,
+                          nesterov=nesterov)
     return new_w, out.get("momentum_buffer")
 
 
@@ -213,7 +211,7 @@ class SGD(LowPrecisionOptimizer):
         return sgd_coefficients(
             lr=_lr(group), momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"],
-            first_step=step == 1, nesterov=group["nesterov"],
+            first_step=step == 1,
         )
 
     def _first_use_coefficients(
@@ -224,6 +222,7 @@ class SGD(LowPrecisionOptimizer):
         return self._coefficients(group, 1)
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return dict(momentum=group["momentum"] != 0)
+        return dict(momentum=group["momentum"] != 0, nesterov=bool(group["nesterov"]),
+                    l2=_l2(group["weight_decay"]))
 
     _math = staticmethod(sgd_math)

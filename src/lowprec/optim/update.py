@@ -59,15 +59,14 @@ def _eager_chunk(device: torch.device) -> int:
 _INT32_MAX = 2**31 - 1
 
 
-def _descent(g: torch.Tensor, c: dict[str, Any]) -> torch.Tensor:
-    """The gradient the rule descends along: negated where its group maximizes
-    (``c["maximize"]``, which every rule's coefficients carry: ``core.rule``). A number in the
-    eager step; in a compiled one a 0-d tensor, picked on the device, so that one kernel serves
-    both (``-g`` exactly, where ``g * -1`` would keep a NaN's sign)."""
-    up = c["maximize"]
-    if isinstance(up, torch.Tensor):
-        return torch.where(up != 0, -g, g)
-    return -g if up else g
+def _descent(
+    g: torch.Tensor, flags: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The gradient the rule descends along, negated where the group maximizes (the flag
+    ``maximize``, which ``core.step_flags`` gives every rule), and the flags the rule itself
+    takes (all but ``maximize``)."""
+    rest = {k: v for k, v in flags.items() if k != "maximize"}
+    return (-g if flags.get("maximize") else g), rest
 
 
 def _inputs(
@@ -132,7 +131,8 @@ def _param_sums(
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
-    return _stacked_sums(norm_terms(w, _descent(g, c), m, c, **flags), rows)
+    g, flags = _descent(g, flags)
+    return _stacked_sums(norm_terms(w, g, m, c, **flags), rows)
 
 
 def _stacked_sums(terms: tuple[torch.Tensor, ...], rows: bool) -> torch.Tensor:
@@ -159,8 +159,9 @@ def _param_sums_pairs(
     """``_param_sums`` on pairs of elements (the words of ``_param_update_pairs``)."""
     (we, ge, me), (wo, go, mo) = _pair_inputs(p, grad, sbufs, mbufs, storage, dict(dtypes),
                                               inv_scale)
-    even = norm_terms(we, _descent(ge, c), me, c, **flags)
-    odd = norm_terms(wo, _descent(go, c), mo, c, **flags)
+    (ge, _), (go, flags) = _descent(ge, flags), _descent(go, flags)
+    even = norm_terms(we, ge, me, c, **flags)
+    odd = norm_terms(wo, go, mo, c, **flags)
     if rows:
         return _stacked_sums(even, True) + _stacked_sums(odd, True)
     return torch.stack([sum_squares_pairs(a, b) for a, b in zip(even, odd, strict=True)])
@@ -215,7 +216,7 @@ def _param_update(
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
     rows, unscaled = w.shape, g  # (the gradient written back as the step viewed it)
-    g = _descent(g, c)
+    g, flags = _descent(g, flags)
     if shape is not None:  # (a rule that needs the parameter's shape, its state in rows)
         w, g, m = w.view(shape), g.view(shape), {k: v.view(shape) for k, v in m.items()}
     new_w, new_m = math(w, g, m, c, **flags)
@@ -359,8 +360,9 @@ def _param_update_pairs(
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
     unscaled = None if inv_scale is None else _pack_pairs(even[1], odd[1], kinds["grad"])
-    new_we, m_even = math(even[0], _descent(even[1], c), even[2], c, **flags)
-    new_wo, m_odd = math(odd[0], _descent(odd[1], c), odd[2], c, **flags)
+    (ge, _), (go, flags) = _descent(even[1], flags), _descent(odd[1], flags)
+    new_we, m_even = math(even[0], ge, even[2], c, **flags)
+    new_wo, m_odd = math(odd[0], go, odd[2], c, **flags)
     bits = None
     if storage.needs_random_bits:  # one hash per pair: see _random_bits
         if idx is None:
