@@ -184,7 +184,8 @@ def _sgd(ps, **kw):
     "make",
     [
         _sgd,
-        lambda ps, **kw: AdamW(ps, lr=1e-3, amsgrad=True, **kw),
+        # (maximize: the step's flag, which the preview applies as the step does)
+        lambda ps, **kw: AdamW(ps, lr=1e-3, amsgrad=True, maximize=True, **kw),
         lambda ps, **kw: Adagrad(ps, lr=1e-2, lr_decay=0.1, weight_decay=1e-3, **kw),
         lambda ps, **kw: Lamb(ps, lr=1e-2, weight_decay=1e-2, **kw),
     ],
