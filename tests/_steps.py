@@ -31,7 +31,7 @@ def full_steps():
     no kept call, the reference of the
     buckets' step (and ``tests/conftest.py``'s ``no_buckets``)."""
     with mock.patch.object(driver, "step_buckets", lambda *args: False), \
-            mock.patch.object(driver, "flatten", lambda opt: None):
+            mock.patch.object(driver, "flatten", lambda opt, fresh=None: None):
         yield
 
 

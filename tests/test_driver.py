@@ -55,7 +55,7 @@ def test_every_step_goes_through_the_buckets(make, monkeypatch):
     taken = _watch(monkeypatch)
     laid = []
     real = driver.flatten
-    monkeypatch.setattr(driver, "flatten", lambda opt: laid.append(1) or real(opt))
+    monkeypatch.setattr(driver, "flatten", lambda opt, fresh=None: laid.append(1) or real(opt, fresh))
     params = _params()
     opt = make(params)
     for _ in range(3):

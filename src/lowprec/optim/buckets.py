@@ -93,6 +93,21 @@ def _gathered(device: torch.device) -> int:
 _GRAD, _SHAPE, _DTYPE, _LAYOUT = map(operator.attrgetter, ("grad", "shape", "dtype", "layout"))
 
 
+def _joined(ts: list[torch.Tensor], fresh: set[int]) -> torch.Tensor | None:
+    """The flat view ``ts`` are consecutive pieces of, in this order, where they are views of
+    one of the ``fresh`` buffers; else None."""
+    base = ts[0]._base
+    start = ts[0].storage_offset()
+    end = start
+    for t in ts:
+        if t._base is not base or t.storage_offset() != end or not t.is_contiguous():
+            return None
+        end += t.numel()
+    if base is None or id(base) not in fresh:
+        return None
+    return base[start - base.storage_offset():end - base.storage_offset()]
+
+
 class _Bucket:
     """One group's parameters of one kind (``_kind``): their state and step counts laid out in
     flat buffers, the state entries views of them; the parameters keep their storage. DTensor
@@ -141,7 +156,8 @@ class _Bucket:
     version: int | None
 
     def __init__(self, opt: OptimizerCore, group: dict[str, Any], kind: tuple[Any, ...],
-                 members: list[tuple[torch.Tensor, int]], storage: MasterStorage) -> None:
+                 members: list[tuple[torch.Tensor, int]], storage: MasterStorage,
+                 fresh: set[int] | None = None) -> None:
         self.group, self.kind, self.storage = group, kind, storage
         self.params = [p for p, _ in members]
         self.indices = [i for _, i in members]
@@ -158,7 +174,9 @@ class _Bucket:
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
         # Each buffer copied into its flat one, then the state entries rebound to views of it, a
-        # buffer at a time (the old tensors are freed as it goes).
+        # buffer at a time (the old tensors are freed as it goes); new state made in place, as
+        # consecutive views of a flat buffer of ``fresh`` (``driver._fresh_layout``), is taken
+        # as it is.
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
         self.gather_state = bool(shard)
@@ -172,6 +190,10 @@ class _Bucket:
                 continue
             if len(src) == 1:  # (a bucket of one: its own tensors, flat)
                 self.flats[name], self.views[name] = src[0].view(-1), src
+                continue
+            joined = _joined(src, fresh or set())
+            if joined is not None:
+                self.flats[name], self.views[name] = joined, src
                 continue
             flat = torch.empty(self.offsets[-1] // n, dtype=src[0].dtype, device=p0.device)
             views = [flat[a // n:b // n].view(t.shape)

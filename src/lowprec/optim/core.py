@@ -444,6 +444,25 @@ def math_state(
             if k in fmts else state[k].float() for k in opt._math_buffers(group, p)}
 
 
+def _scales_of(expected: dict[str, torch.dtype]) -> dict[str, str]:
+    """The scales' names of the buffers kept as codes, each with its buffer's."""
+    return {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
+
+
+def state_layout(
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor,
+    expected: dict[str, torch.dtype],
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The dtype and shape of each state tensor of ``p`` (``expected``: ``_expected_state``):
+    a quantized buffer's scales one per block, 4-bit codes flat (two per byte)."""
+    scale_of = _scales_of(expected)
+    bits = qstate.BITS.get(group["state_dtype"], 8)
+    return {name: (dtype, tuple(qstate.scale_shape(p) if name in scale_of
+                                else qstate.codes_shape(p, bits) if dtype == torch.uint8
+                                else opt._buffer_shape(name, p) or p.shape))
+            for name, dtype in expected.items()}
+
+
 def check_state(
     opt: OptimizerCore,
     state: dict[str, Any],
@@ -468,17 +487,11 @@ def check_state(
     missing = tuple(
         name for name in opt._math_buffers(group, p) if state.get(name) is None
     )
-    # (a quantized buffer's scales: one per block, missing with their buffer; 4-bit codes:
-    # flat, two per byte)
-    scale_of = {qstate.scale_key(k): k for k, d in expected.items() if d == torch.uint8}
-    bits = qstate.BITS.get(group["state_dtype"], 8)
-    for name, dtype in expected.items():
+    scale_of = _scales_of(expected)
+    for name, (dtype, shape) in state_layout(opt, group, p, expected).items():
         t = state.get(name)
         if name in missing or scale_of.get(name) in missing:
             continue
-        shape = (qstate.scale_shape(p) if name in scale_of
-                 else qstate.codes_shape(p, bits) if dtype == torch.uint8
-                 else opt._buffer_shape(name, p) or p.shape)
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
             got = (
                 f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
@@ -492,11 +505,12 @@ def check_state(
 
 def init_state(
     opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
-    preview: bool = False,
+    preview: bool = False, out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """A new state for ``p``. ``preview``: the state its first step would create, for a
     look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
-    not taken, and ``p`` is not written."""
+    not taken, and ``p`` is not written. ``out``: tensors (of ``state_layout``) the state is
+    written into, by name (``driver._fresh_layout``: views of the buckets' flat buffers)."""
     if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
         # (computed on its shard, kept as DTensors placed as p)
         mark_blocks(p)
@@ -516,17 +530,21 @@ def init_state(
     value = kept.kept_value(p) if preview else kept.take(p)
     # (split writes its top half into p at an exact tie: a preview's into a copy)
     target = p.detach().clone() if preview and value is not None else p
+    out = out or {}
     state.update(storage.init(target, value if storage.takes_value else None))
     for name in opt._math_buffers(group, p):
-        state.update(new_buffer(opt, group, p, name, sd))
-    return state
+        state.update(new_buffer(opt, group, p, name, sd, out.get(name)))
+    # (copy_ returns its tensor; a buffer filled with a constant was written in place)
+    return {k: out[k].copy_(v) if k in out and v is not out[k] else v for k, v in state.items()}
 
 
 def new_buffer(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype
+    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
-    codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales."""
+    codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales; ``out``:
+    the tensor a buffer of ``p``'s shape is filled in (no other made)."""
     value = opt._init_math_buffer(name, p, group)
     shape = opt._buffer_shape(name, p)
     if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
@@ -535,6 +553,8 @@ def new_buffer(
         codes, scale = qstate.new_state(value, p, name not in opt._nonnegative_buffers,
                                         qstate.BITS.get(group["state_dtype"], 8))
         return {name: codes, qstate.scale_key(name): scale}
+    if out is not None:
+        return {name: out.fill_(value)}
     return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
 

@@ -158,10 +158,9 @@ class StepInBackward:
         # (the state of the parameters this backward steps, created before any is stepped and
         # laid out in the buckets at once, or again where the layout no longer holds: the hooks
         # and the small ones' step at the end of backward find it where it stays)
-        for it in new:
-            opt.state[it.p].update(core.init_state(opt, it.group, it.p, it.storage))
         if new or not driver.laid_out(opt):
-            driver.flatten(opt)
+            driver.flatten(opt, driver.new_state(
+                opt, [(it.group, it.p, it.index, it.storage) for it in new]))
         return Memo()
 
     @torch.no_grad()
