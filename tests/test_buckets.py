@@ -677,16 +677,24 @@ def test_a_parameter_without_gradient_is_still_validated(monkeypatch):
         opt.step()
 
 
-def test_state_memory_stays_the_states_size_when_gradients_come_and_go():
+@pytest.mark.parametrize("mixed", [False, True], ids=["bf16-kahan", "bf16-fp16-stochastic"])
+def test_state_memory_stays_the_states_size_when_gradients_come_and_go(mixed):
     """Parameters that have no gradient now and then must not leave old flat buffers alive
-    behind their views: the storages holding state add up to the state's size."""
+    behind their views, nor the first step's new state a buffer part of which a bucket copied
+    (FP16 parameters under stochastic rounding are buckets of one, BF16 ones gathered, in one
+    group with FP32 state for both; failed before the new state's buffers were keyed by dtype
+    and strategy too): the storages holding state add up to the state's size."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen).to(torch.bfloat16).requires_grad_() for s in SHAPES]
-    opt = _adamw_kahan(params)
+    dtypes = [torch.bfloat16, torch.float16] if mixed else [torch.bfloat16]
+    params = [torch.randn(s, generator=gen).to(dtypes[i % len(dtypes)]).requires_grad_()
+              for i, s in enumerate(SHAPES + SHAPES[:3])]
+    opt = (AdamW(params, lr=1e-2, master="stochastic", state_dtype=torch.float32, fused=False,
+                 seed=3) if mixed
+           else _adamw_kahan(params))
     for step in range(8):
         for i, p in enumerate(params):
             p.grad = None if (i + step) % 3 == 0 else torch.randn(p.shape, generator=gen).to(
-                torch.bfloat16)
+                p.dtype)
         opt.step()
     tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}

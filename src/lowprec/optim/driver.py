@@ -111,10 +111,13 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
                 or id(p) in shards):
             continue
         expected = core._expected_state(opt, group, p, storage)
+        # (keyed as a bucket is, _kind: parameters of another dtype or strategy never share
+        # a buffer, so that a bucket takes its run of views whole, none kept alive unused)
         for name, (dtype, shape) in core.state_layout(opt, group, p, expected).items():
-            need.setdefault((id(group), name, dtype, p.device), []).append((id(p), name, shape))
+            need.setdefault((id(group), p.dtype, storage.name, name, dtype, p.device), []).append(
+                (id(p), name, shape))
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for (_, _, dtype, device), members in need.items():
+    for (*_, dtype, device), members in need.items():
         sizes = [math.prod(shape) for _, _, shape in members]
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         for (pid, name, shape), view in zip(members, flat.split(sizes), strict=True):
