@@ -416,8 +416,7 @@ class _Ops(TorchDispatchMode):
 ], ids=["adamw-kahan", "sgd-split", "adamw-fp32-8bit"])
 def test_the_first_step_makes_the_state_in_the_buckets_buffers(make, monkeypatch):
     """New state is made where the buckets keep it: no buffer per parameter filled and then
-    copied into a flat one (on GPT-2 small's 148 tensors that copy was 1.3 s of the first step,
-    and its largest buffer's bytes over the state's)."""
+    copied into a flat one (which held its largest buffer's bytes over the state's)."""
     params = [torch.zeros(s, dtype=torch.bfloat16, requires_grad=True)
               for s in SHAPES if s[0] % 2 == 0]  # (in buckets)
     opt = make(params)

@@ -97,8 +97,8 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
     buffers each strategy needs) where the buckets will keep it: one flat buffer per group and
     state tensor for the parameters a bucket will gather, each parameter's share a view, in the
     order ``flatten`` puts them, so that each bucket takes its share as its flat buffer
-    (``_Bucket``): the state is written once, no buffer copied (on GPT-2 small's 148 tensors,
-    1.3 s of a 5 s first step). A parameter left out (a whole-tensor rule, an odd size, a
+    (``_Bucket``): the state is written once, no buffer copied (docs/architecture.md,
+    "Buckets": the figures). A parameter left out (a whole-tensor rule, an odd size, a
     DTensor's shard, ...) has its state made as its own tensors. Returns the flat buffers'
     ids, for ``flatten``."""
     shards = core.stages(opt).shard_offsets or {}
