@@ -175,7 +175,7 @@ class _Bucket:
             self.offsets.append(self.offsets[-1] + n)
         # Each buffer copied into its flat one, then the state entries rebound to views of it, a
         # buffer at a time (the old tensors are freed as it goes); new state made in place, as
-        # consecutive views of a flat buffer of ``fresh`` (``driver._fresh_layout``), is taken
+        # consecutive views of a flat buffer of ``fresh`` (``driver.new_state``), is taken
         # as it is.
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}

@@ -510,7 +510,7 @@ def init_state(
     """A new state for ``p``. ``preview``: the state its first step would create, for a
     look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
     not taken, and ``p`` is not written. ``out``: tensors (of ``state_layout``) the state is
-    written into, by name (``driver._fresh_layout``: views of the buckets' flat buffers)."""
+    written into, by name (``driver.new_state``: views of the buckets' flat buffers)."""
     if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
         # (computed on its shard, kept as DTensors placed as p)
         mark_blocks(p)

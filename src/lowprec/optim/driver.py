@@ -250,7 +250,7 @@ def buckets_of(opt: OptimizerCore) -> _Layout | None:
 def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
     """Lay the buckets out once the state exists (``driver.stages``: before the first step,
     and again where anything they were made for changed); keeps the buckets that still hold.
-    ``fresh``: the ids of the flat buffers ``_fresh_layout`` made for this step's new state."""
+    ``fresh``: the ids of the flat buffers ``new_state`` made for this step's new state."""
     old = buckets_of(opt)
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
