@@ -104,11 +104,9 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
     shards = core.stages(opt).shard_offsets or {}
     rules = {id(group): opt.rule(group) for group in opt.param_groups}
     need: dict[Any, list[tuple[int, str, tuple[int, ...]]]] = {}
-    for group, p, _, storage in sorted(work, key=lambda item: (  # (flatten's order)
-            id(item[0]), item[1].numel() < _gathered(item[1].device),
-            rules[id(item[0])].norms and item[1].numel())):
-        if (rules[id(group)].whole or p.numel() < 2 or p.numel() % 2 or not p.is_contiguous()
-                or id(p) in shards):
+    for group, p, _, storage in sorted(work, key=lambda item: (
+            id(item[0]), *_order(item[1], rules[id(item[0])].norms))):
+        if _own_step(rules[id(group)], p) or p.numel() % 2 or id(p) in shards:
             continue
         expected = core._expected_state(opt, group, p, storage)
         # (keyed as a bucket is, _kind: parameters of another dtype or strategy never share
@@ -169,10 +167,8 @@ def _kind(
     of ``p`` per element; a key of its own where ``p`` cannot be gathered with others: a bucket
     of one), or None where ``p`` is stepped on its own: a whole-tensor ``rule``, or a layout
     the flat buffers cannot hold."""
-    if rule.whole:
-        return None
     state = opt.state.get(p)
-    if not state or p.numel() < 2 or not p.is_contiguous():
+    if _own_step(rule, p) or not state:
         return None
     keyed = storage.needs_random_bits
     # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
@@ -212,6 +208,20 @@ def _kind(
         layout.append((name, t.dtype, n))
     return (p.device, p.dtype, storage.name, step.dtype, step.device, shard, tuple(layout),
             id(p) if alone else None)
+
+
+def _own_step(rule: Rule, p: torch.Tensor) -> bool:
+    """Whether ``p`` is stepped on its own, in no bucket: a whole-tensor ``rule``, one element,
+    or a layout the flat buffers cannot hold."""
+    return rule.whole or p.numel() < 2 or not p.is_contiguous()
+
+
+def _order(p: torch.Tensor, norms: bool) -> tuple[bool, int]:
+    """Where ``p`` goes in its bucket (``flatten``, and ``new_state``, which lays new state out
+    in the same order): the large parameters first, each a piece of its own; the small ones
+    after them, together, so that their pieces gather many (``_pieces``); for a rule with
+    whole-tensor sums, which steps a piece's parameters as rows, equal sizes side by side."""
+    return p.numel() < _gathered(p.device), p.numel() if norms else 0
 
 
 class _Layout:
@@ -273,12 +283,7 @@ def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
             else:
                 kinds.setdefault(kind, []).append((p, index, pi, storage))
         for kind, members in kinds.items():
-            # (the large parameters first, each a piece of its own; the small ones after them,
-            # together, so that their pieces gather many: _pieces; for a rule with whole-tensor
-            # sums, which steps a piece's parameters as rows, equal sizes side by side)
-            limit = _gathered(members[0][0].device)
-            norms = rule.norms
-            members.sort(key=lambda m: (m[0].numel() < limit, norms and m[0].numel()))
+            members.sort(key=lambda m: _order(m[0], rule.norms))
             bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
             if bucket is None:
                 bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
