@@ -14,7 +14,9 @@ prints the wall time of steps 1, 2 and 3 and of a later step.
 
 ``adamw-kahan-groups`` puts the parameters in the two groups Hugging Face's Trainer makes
 (weight decay on the matrices, none on the biases and norms): one kernel for both since weight
-decay became a coefficient, two before.
+decay became a coefficient, two before. ``adamw-stochastic``: stochastic rounding, whose
+kernel hashes each element's index for its random bits (the largest kernel of the step: its
+Inductor settings, ``optim.compiled._compiled_kernel``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS = ("adamw-kahan", "adamw-kahan-groups", "adamw-kahan-scaled", "adamw-kahan-8bit",
-        "lamb-kahan")
+        "adamw-stochastic", "lamb-kahan")
 
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
@@ -58,7 +60,7 @@ def child(row: str, steps: int) -> None:
     if row.endswith("groups"):  # (Hugging Face Trainer's groups: no decay on biases and norms)
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = cls(groups, lr=1e-4, master="kahan", **kw)
+    opt = cls(groups, lr=1e-4, master=row.split("-")[1], **kw)
     scaled = row.endswith("scaled")
     times = []
     for _ in range(steps):

@@ -63,10 +63,12 @@ COMPILED_AS_EAGER: dict[str, Any] = {
     "eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
 }
 #: Every Inductor option the optimizers' compiled step is built with (``COMPILED_AS_EAGER``, plus
-#: ``emulate_precision_casts`` and ``cpp.dynamic_threads``: ``optim.compiled._compiled_kernel``
-#: says why). Inductor refuses an option it does not know, so the default step compiles only where
-#: the installed torch has all of them (``optim.compiled.inductor_options``; torch>=2.11).
-INDUCTOR_OPTIONS = ("emulate_precision_casts", "cpp.dynamic_threads", *COMPILED_AS_EAGER)
+#: ``emulate_precision_casts``, ``cpp.dynamic_threads`` and, for stochastic rounding,
+#: ``realize_opcount_threshold``: ``optim.compiled._compiled_kernel`` says why). Inductor refuses
+#: an option it does not know, so the default step compiles only where the installed torch has
+#: all of them (``optim.compiled.inductor_options``; torch>=2.11).
+INDUCTOR_OPTIONS = ("emulate_precision_casts", "cpp.dynamic_threads", "realize_opcount_threshold",
+                    *COMPILED_AS_EAGER)
 
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,10 +121,14 @@ def _compiled_kernel(
         # first compiled for. Otherwise Inductor leaves out the parallel region when that size is
         # small, and its on-disk cache then hands the single-threaded kernel to every later
         # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
+        # Random bits: Inductor's GPU threshold (30 ops) for storing a value its kernel reads
+        # twice, not torch 2.13's CPU one (50), under which the hash is written anew at each
+        # use: half a stochastic kernel's cold compile, the same C++ for AdamW's (compile_time.py).
+        hash_ops = {"realize_opcount_threshold": 30} if storage.needs_random_bits else {}
         kernel = _Kernel(torch.compile(
             variant, dynamic=True, fullgraph=fullgraph,
             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
-                     **COMPILED_AS_EAGER, **(options or {})},
+                     **hash_ops, **COMPILED_AS_EAGER, **(options or {})},
         ), name)
         _KERNELS[key] = kernel
     return kernel
@@ -358,13 +362,9 @@ def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
     # BackendCompilerFailed's "backend='inductor' raised:" does.)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     cause = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
-    warnings.warn(
-        f"lowprec: the fused (torch.compile) optimizer step is unavailable here ({type(error).__name__}: "
-        f"{cause}); falling back to the eager step, "
-        f"which gives the same results more slowly. {how}",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    warnings.warn(f"lowprec: the fused (torch.compile) optimizer step is unavailable here "
+                  f"({type(error).__name__}: {cause}); falling back to the eager step, which "
+                  f"gives the same results more slowly. {how}", RuntimeWarning, stacklevel=4)
 
 
 def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
