@@ -287,7 +287,7 @@ def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
             bucket = kept.pop((kind, *(id(p) for p, *_ in members)), None)
             if bucket is None:
                 bucket = _Bucket(opt, group, kind, [(p, i) for p, i, _, _ in members],
-                                 members[0][3], fresh or set())
+                                 members[0][3], fresh)
             layout.buckets.append(bucket)
             layout.where.update((id(p), (bucket, k)) for k, p in enumerate(bucket.params))
     layout.rest.sort()
