@@ -150,16 +150,23 @@ def test_adamws_reference_documents_master_state_dtype_and_step_in_backward():
     assert "::: lowprec.optim.AdamW" in page and "::: lowprec.optim.step_in_backward" in page
 
 
-def test_the_optimizers_shared_options_read_the_same_everywhere():
-    # `master` and `seed` mean the same on every optimizer (options.py checks them once); each
-    # class's reference repeats their text, so an edit must reach all ten copies.
+def test_the_optimizers_shared_arguments_read_their_one_text_in_the_reference_and_help():
+    # `{master}`, `{capturable}`, ... in a class docstring stand for options.ARG_DOCS' text: the
+    # site's griffe extension puts it in the API reference, base's __init_subclass__ in help().
+    from lowprec.optim.options import ARG_DOCS
+
     optim = module("lowprec.optim")
     classes = ["SGD", "AdamW", "Adam", "RAdam", "Adagrad", "Lamb", "Lion", "StableAdamW",
                "Adafactor", "Muon"]
-    docs = {name: documented(target(optim[name])) for name in classes}
-    for option in ("master", "seed"):
-        texts = {name: args[option] for name, args in docs.items()}
-        assert len(set(texts.values())) == 1, (option, texts)
+    shared = ("master", "seed", "foreach", "capturable", "differentiable")
+    for name in classes:
+        args = documented(target(optim[name]))
+        runtime = " ".join(getattr(importlib.import_module("lowprec.optim"), name).__doc__.split())
+        for option in shared:
+            assert " ".join(args[option].split()) == ARG_DOCS[option], (name, option)
+            assert "{" + option + "}" not in runtime and ARG_DOCS[option] in runtime
+        assert ARG_DOCS["state_formats"][:40] in " ".join(args["state_dtype"].split()), name
+        assert "{state_formats}" not in runtime and "{fused}" not in runtime, name
 
 
 @pytest.mark.parametrize(("where", "name"), exported(), ids=lambda x: x)

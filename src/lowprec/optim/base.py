@@ -53,6 +53,7 @@ from lowprec.optim.options import (
     _TORCH_ONLY_OPTIONS,
     _check_torch_options,
     _step_tensor,
+    fill_docs,
 )
 from lowprec.optim.shards import warn_fp32_shards
 from lowprec.optim.storage import resolve_master
@@ -83,19 +84,19 @@ class LowPrecisionOptimizer(OptimizerCore):
             the group's ``param_names``.
         defaults: The subclass's hyperparameter defaults; ``master``, ``state_dtype``, ``seed``
             and ``fused`` are added to them.
-        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Keep the step counts on the parameters' device and make every step's
-            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
-            the step; ``lr`` may then be a one-element tensor (on that device), which a
-            scheduler changes in place without a recompile. Off the CPU every step already
-            works so; on the CPU it steps bit for bit as without it (default: False).
-        differentiable: Must be False: the step writes the weights in place, outside autograd
-            (default: False).
+        foreach: {foreach}
+        capturable: {capturable}
+        differentiable: {differentiable}
 
     Raises:
         TypeError: ``params`` is a set, or an option has the wrong type.
         ValueError: An invalid option, hyperparameter or parameter (naming its group).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__:  # (the shared arguments' text: options.ARG_DOCS)
+            cls.__doc__ = fill_docs(cls.__doc__)
 
     def __init__(
         self,
@@ -325,3 +326,6 @@ class LowPrecisionOptimizer(OptimizerCore):
             copy = p.detach().clone()
             return storage.load(copy, storage.init(copy, value)).clone()
         return storage.load(p, {k: state[k] for k in storage.buffers(p)}).clone()
+
+
+LowPrecisionOptimizer.__doc__ = fill_docs(LowPrecisionOptimizer.__doc__ or "")

@@ -125,31 +125,13 @@ class Lion(LowPrecisionOptimizer):
             group's own ``lr`` when the group is added, where optimi takes the constructor's
             ``lr`` for every group; ``OneCycleLR`` sets it to its ``max_lr``).
         maximize: Maximize the objective (default: False).
-        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
-            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
-            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
-            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
-            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
-            parameters are always their own master (default: ``"auto"``).
-        state_dtype: How the momentum (``exp_avg``) is kept: a dtype or its name (``torch.bfloat16``
-            or ``"bfloat16"``), ``"8bit"`` (one byte per element and an FP32 scale per block of 256)
-            or ``"4bit"`` (half a byte per element); under ``"8bit"`` and ``"4bit"`` a parameter
-            below 4096 elements, or not a multiple of 256 of them, keeps FP32 state (default: None,
-            meaning float32 for ``"fp32"`` and ``"split"`` and the parameter's dtype otherwise).
-        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
-        fused: Run the step as compiled passes (``torch.compile``), with the same results as the
-            eager step; from the second step on, a group's parameters of one device, dtype and
-            strategy take a few calls whatever their number (``lowprec.optim.buckets``)
-            (default: None, meaning compiled wherever torch.compile has a compiler; see
-            ``lowprec.optim``).
-        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Keep the step counts on the parameters' device and make every step's
-            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
-            the step; ``lr`` may then be a one-element tensor (on that device), which a
-            scheduler changes in place without a recompile. Off the CPU every step already
-            works so; on the CPU it steps bit for bit as without it (default: False).
-        differentiable: Must be False: the step writes the weights in place, outside autograd
-            (default: False).
+        master: {master}
+        state_dtype: How the momentum (``exp_avg``) is kept: {state_formats}
+        seed: {seed}
+        fused: {fused}
+        foreach: {foreach}
+        capturable: {capturable}
+        differentiable: {differentiable}
     """
 
     def __init__(

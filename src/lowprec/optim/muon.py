@@ -174,28 +174,15 @@ class Muon(LowPrecisionOptimizer):
         ns_steps: Newton-Schulz steps (default: 5).
         adjust_lr_fn: ``None`` or ``"original"`` (lr times ``sqrt(max(1, rows / cols))``) or
             ``"match_rms_adamw"`` (``0.2 * sqrt(max(rows, cols))``) (default: None).
-        master: How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"``
-            for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost),
-            ``"kahan"`` (a compensation buffer in the parameter's dtype), ``"stochastic"``
-            (stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter
-            is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32
-            parameters are always their own master (default: ``"auto"``).
-        state_dtype: How the momentum (and a ``use_muon=False`` group's moments) is kept: a dtype or
-            its name (``torch.bfloat16`` or ``"bfloat16"``), ``"8bit"`` (one byte per element and an
-            FP32 scale per block of 256) or ``"4bit"`` (half a byte per element); under ``"8bit"``
-            and ``"4bit"`` a parameter below 4096 elements, or not a multiple of 256 of them, keeps
-            FP32 state (default: None, meaning float32 for ``"fp32"`` and ``"split"`` and the
-            parameter's dtype otherwise).
-        seed: Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).
+        master: {master}
+        state_dtype: How the momentum (and a ``use_muon=False`` group's moments) is kept:
+            {state_formats}
+        seed: {seed}
         fused: For ``use_muon=False`` groups, as ``lowprec.AdamW``'s; a Muon group's step is
             matmuls, run as ATen calls per parameter (default: None).
-        foreach: Accepted for code written for ``torch.optim``, and ignored (default: None).
-        capturable: Keep the step counts on the parameters' device and make every step's
-            numbers there, reading no tensor value on the host, so that a CUDA graph can hold
-            the step; ``lr`` may then be a one-element tensor (on that device), which a
-            scheduler changes in place without a recompile. Off the CPU every step already
-            works so; on the CPU it steps bit for bit as without it (default: False).
-        differentiable: Must be False (default: False).
+        foreach: {foreach}
+        capturable: {capturable}
+        differentiable: {differentiable}
     """
 
     def __init__(

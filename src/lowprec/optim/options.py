@@ -8,7 +8,9 @@ check their hyperparameters with ``_as_float``, ``_check_nonnegative`` and ``_va
 (a tensor's value left unread inside a step, ``in_step``) and take the learning rate with
 ``_lr`` (a tensor kept a tensor);
 ``_step_tensor`` turns a step count saved as a number into the tensor lowprec keeps
-(``base.__setstate__``, ``checkpoint``). Imports nothing from the rest of ``lowprec.optim``.
+(``base.__setstate__``, ``checkpoint``). ``ARG_DOCS`` is the reference text of the arguments
+every optimizer takes alike, which ``fill_docs`` puts into each class's docstring. Imports
+nothing from the rest of ``lowprec.optim``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import contextlib
 import contextvars
 import math
 import os
+import re
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,3 +177,71 @@ def _default_mode() -> str:
             "auto (compile where a compiler exists), 1 (always compile) or 0 (eager)."
         )
     return mode
+
+
+#: The reference text of the constructor arguments the optimizers share: ``{name}`` in an entry
+#: of a class docstring's ``Args:`` stands for it (``fill_docs``; ``base`` fills each class's
+#: ``__doc__``, docs/griffe_comments.py the API reference), so that one text serves all ten.
+ARG_DOCS = {
+    "master": (
+        'How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"`` '
+        'for BF16 and FP16 parameters), ``"none"`` (round to nearest: small updates are lost), '
+        '``"kahan"`` (a compensation buffer in the parameter\'s dtype), ``"stochastic"`` '
+        '(stochastic rounding, nothing stored), ``"split"`` (an int16 trail: the BF16 parameter '
+        'is the top half of an exact FP32 master; BF16 only) or ``"fp32"`` (an FP32 copy); FP32 '
+        'parameters are always their own master (default: ``"auto"``).'
+    ),
+    "state_formats": (
+        'a dtype or its name (``torch.bfloat16`` or ``"bfloat16"``), ``"8bit"`` (one byte per '
+        'element and an FP32 scale per block of 256) or ``"4bit"`` (half a byte per element); '
+        'under ``"8bit"`` and ``"4bit"`` a parameter below 4096 elements, or not a multiple of '
+        '256 of them, keeps FP32 state (default: None, meaning float32 for ``"fp32"`` and '
+        '``"split"`` and the parameter\'s dtype otherwise).'
+    ),
+    "seed": "Seed of the stochastic-rounding hash (default: None, meaning ``torch.initial_seed()``).",
+    "fused": (
+        "Run the step as compiled passes (``torch.compile``: C++ on CPU, Triton on GPU), with "
+        "the same results as the eager step: a group's parameters of one device, dtype and "
+        "strategy take a few calls whatever their number, those of a rule with per-tensor norms "
+        "a few calls per size (``lowprec.optim.buckets``) (default: None, meaning compiled "
+        "wherever torch.compile has a compiler, C++ or Triton, and eager elsewhere; see "
+        "``lowprec.optim``)."
+    ),
+    "foreach": (
+        "Accepted for code written for ``torch.optim``, and ignored: lowprec picks its own "
+        "implementation (``fused``) (default: None)."
+    ),
+    "capturable": (
+        "Keep the step counts on the parameters' device and make every step's numbers there, "
+        "reading no tensor value on the host, so that a CUDA graph can hold the step; ``lr`` "
+        "may then be a one-element tensor (on that device), which a scheduler changes in place "
+        "without a recompile. Off the CPU every step already works so; on the CPU it steps bit "
+        "for bit as without it (default: False)."
+    ),
+    "differentiable": (
+        "Must be False: the step writes the weights in place, outside autograd (default: False)."
+    ),
+}
+_ARG_TOKEN = re.compile(r"\{(" + "|".join(ARG_DOCS) + r")\}")
+_ENTRY = re.compile(r"\s*\w+: \S")  # (an ``Args:`` entry's first line)
+
+
+def fill_docs(doc: str) -> str:
+    """``doc`` with each ``{name}`` of ``ARG_DOCS`` replaced by its text, every ``Args:`` entry
+    that held one wrapped anew at 100 columns (its continuation lines 4 deeper)."""
+    lines, out, i = doc.splitlines(), [], 0
+    while i < len(lines):
+        indent, j = len(lines[i]) - len(lines[i].lstrip()), i + 1
+        while _ENTRY.match(lines[i]) and j < len(lines) and lines[j].strip() \
+                and len(lines[j]) - len(lines[j].lstrip()) > indent:
+            j += 1  # (an entry's continuation lines)
+        entry = " ".join(line.strip() for line in lines[i:j])
+        if _ENTRY.match(lines[i]) and _ARG_TOKEN.search(entry):
+            out += textwrap.wrap(_ARG_TOKEN.sub(lambda m: ARG_DOCS[m[1]], entry), 100,
+                                 initial_indent=" " * indent,
+                                 subsequent_indent=" " * (indent + 4),
+                                 break_long_words=False, break_on_hyphens=False)
+        else:
+            out += lines[i:j]
+        i = j
+    return "\n".join(out) + ("\n" if doc.endswith("\n") else "")
