@@ -6,7 +6,10 @@ one in at most 2 s (issue 39's: 60 and 10 s). The first step lays the buckets ou
 their kernels; the later steps run them again. Each
 measurement runs in a new process (Dynamo's in-memory caches empty), the cold one with a new
 ``TORCHINDUCTOR_CACHE_DIR``, the warm one with the folder the cold run filled. Per row it
-prints the wall time of steps 1, 2 and 3 and of a later step.
+prints the wall time of steps 1, 2 and 3 and of a later step. A third run, ``loaded``, is warm
+in a process that compiled a one-line function first, as one that compiles its model has: what
+any first compile in a process costs (Inductor's imports, its vector-ISA probes, which start six
+Python processes) is paid there, and the first step shows lowprec's own share.
 
     python benchmarks/compile_time.py                     # every row: AdamW plain, scaled, 8-bit; LAMB
     python benchmarks/compile_time.py --rows adamw-kahan  # one row
@@ -43,7 +46,7 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
     return [(vocab, d), (ctx, d), *block * layers, (d,), (d,)]
 
 
-def child(row: str, steps: int) -> None:
+def child(row: str, steps: int, loaded: bool) -> None:
     """One row's first steps in this process: prints their wall times as JSON."""
     import torch
 
@@ -51,6 +54,8 @@ def child(row: str, steps: int) -> None:
     import lowprec
 
     torch.set_num_threads(2)
+    if loaded:  # (a process's first compile: what the "loaded" run leaves out)
+        torch.compile(lambda x: x * 2)(torch.ones(4))
     gen = torch.Generator().manual_seed(0)
     params = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
               for s in gpt2_small_shapes()]
@@ -76,9 +81,10 @@ def child(row: str, steps: int) -> None:
                       "params": sum(p.numel() for p in params), "times": times}))
 
 
-def run(row: str, steps: int, cache: str) -> dict:
+def run(row: str, steps: int, cache: str, which: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-    out = subprocess.run([sys.executable, __file__, "--child", row, "--steps", str(steps)],
+    out = subprocess.run([sys.executable, __file__, "--child", row, "--steps", str(steps),
+                          *(["--loaded"] if which == "loaded" else [])],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -88,9 +94,10 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--loaded", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.steps)
+        child(args.child, args.steps, args.loaded)
         return
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
@@ -103,8 +110,8 @@ def main() -> None:
           f"{'last ms':>8s}")
     for row in rows:
         with tempfile.TemporaryDirectory(prefix="lowprec-inductor-") as cache:
-            for which in ("cold", "warm"):
-                r = run(row, args.steps, cache)
+            for which in ("cold", "warm", "loaded"):
+                r = run(row, args.steps, cache, which)
                 t = r["times"]
                 print(f"{row:20s} {which:6s} {t[0]:9.1f} {t[1]:9.1f} {t[2]:9.1f} "
                       f"{t[-1] * 1e3:8.0f}", flush=True)
