@@ -396,8 +396,6 @@ def main(argv: list[str] | None = None) -> int:
     if not todo:
         print("no variant matches --only", file=sys.stderr)
         return 2
-    # A process compiles many variants: no compile budget may turn one of them eager.
-    os.environ["LOWPREC_COMPILE_BUDGET"] = "inf"
     worker = args.shard is not None
     if not worker:
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -20,9 +20,6 @@ from tests._fallback import fallbacks_are_errors
 # test's variant would multiply the suite's time on a cold Inductor cache. Subprocesses
 # (distributed workers, the CLI) inherit it.
 os.environ.setdefault("LOWPREC_FUSED", "0")
-# The suite compiles hundreds of kernel variants in one process, far past the compile budget
-# that bounds a training process's (tests/test_fused_default.py tests the budget itself).
-os.environ.setdefault("LOWPREC_COMPILE_BUDGET", "inf")
 
 
 #: The most pytest-xdist workers ``-n auto`` starts: each holds torch, Inductor and its compiled
@@ -86,7 +83,7 @@ def device(request) -> str:
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The compiled kernels called (``compiled._Kernel``, once per call), with every kernel new
-    to this test (an empty cache: a kernel is compiled, or refused by the budget, here)."""
+    to this test (an empty cache: a kernel is compiled here)."""
     from lowprec.optim import compiled
 
     calls = []

@@ -1,6 +1,6 @@
 """What ``fused=None`` (the optimizers' default) does: compiled where torch.compile has a
-compiler, eager with one warning where it has none, ``LOWPREC_FUSED`` to choose, and a compile
-budget past which new kernels are not compiled. Every way gives the eager step's results.
+compiler, eager with one warning where it has none, and ``LOWPREC_FUSED`` to choose. Every way
+gives the eager step's results.
 
 The rest of the suite runs with ``LOWPREC_FUSED=0`` (tests/conftest.py); these tests set it.
 The tests that claim a compiled step ran are marked ``fused``: a compiled step that falls back to
@@ -76,31 +76,3 @@ def test_an_unknown_lowprec_fused_is_refused_when_the_optimizer_is_made(monkeypa
     AdamW([p], fused=False)  # (an explicit choice does not read it)
 
 
-@pytest.mark.parametrize("budget", ["0", "not-a-number"])
-def test_past_the_compile_budget_new_kernels_are_not_compiled(monkeypatch, kernel_calls, budget):
-    """A process that spent its compile budget compiles no new kernel: the step falls back to
-    eager (same results) with a warning naming the budget; a budget that is not a number is
-    named in the warning, and the step is still taken."""
-    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", budget)
-    monkeypatch.setattr(compiled, "_COMPILE_SPENT", [1.0])
-    with pytest.warns(RuntimeWarning, match="CompileBudgetExceeded.*LOWPREC_COMPILE_BUDGET"):
-        pa, oa = _run(AdamW, True)
-    assert kernel_calls and compiled._COMPILE_SPENT == [1.0]  # refused, not compiled
-    pb, ob = _run(AdamW, False)
-    assert_same(pa, oa, pb, ob)
-
-
-@pytest.mark.fused
-def test_compile_time_counts_against_the_budget(monkeypatch, kernel_calls):
-    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", "inf")
-    monkeypatch.setattr(compiled, "_COMPILE_SPENT", [0.0])
-    _run(AdamW, True, steps=2)
-    assert compiled._COMPILE_SPENT[0] > 0
-    warm = [k for k in compiled._KERNELS.values() if k.warm]
-    assert warm
-    # A kernel called once is not timed again, and is run even past the budget (the mark: with
-    # no fallback to eager).
-    spent = compiled._COMPILE_SPENT[0]
-    monkeypatch.setenv("LOWPREC_COMPILE_BUDGET", "0")
-    _run(AdamW, True, steps=2)
-    assert compiled._COMPILE_SPENT[0] == spent

@@ -15,16 +15,12 @@ Every optimizer takes ``master=``, how the FP32 master weight is kept:
 its choice, or as ``"8bit"`` or ``"4bit"`` codes with an FP32 scale per block of 256 elements.
 
 ``fused=True`` compiles each parameter's whole step (load, update, store) into one pass with
-``torch.compile``; the default ``fused=None`` does so wherever torch.compile has a compiler (a C++
-compiler on CPU, Triton on CUDA) and otherwise steps eagerly, saying so once in a warning.
-``fused=False`` is the eager step. All run the same function and give bit-identical results.
-
-The first step compiles each variant's kernels (seconds each; Inductor keeps them in its on-disk
-cache, so later processes on the machine load them). A failed compilation falls back to the eager
-step with a warning naming the cause, as does any kernel still to compile after a process spent
-``LOWPREC_COMPILE_BUDGET`` seconds (default 300) compiling. The environment variable
-``LOWPREC_FUSED`` sets what ``fused=None`` means: ``auto`` (the default), ``1`` (always compile)
-or ``0`` (eager).
+``torch.compile``; the default ``fused=None`` does so wherever torch.compile has a compiler (C++
+on CPU, Triton on CUDA) and otherwise steps eagerly, with a warning; ``fused=False`` is the eager
+step. All give bit-identical results. The first step compiles the kernels (seconds each, kept in
+Inductor's on-disk cache); a failed compilation falls back to eager with a warning.
+The environment variable ``LOWPREC_FUSED`` sets what ``fused=None`` means: ``auto`` (the
+default), ``1`` (always compile) or ``0`` (eager).
 """
 
 from lowprec.optim.adafactor import Adafactor, adafactor_update

@@ -14,9 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
     _F = TypeVar("_F", bound=Callable[..., Any])
 
     def compiler_disable(fn: _F) -> _F:
-        """``torch.compiler.disable`` used as a plain decorator: the function, never traced by
-        torch.compile (torch leaves it unannotated, which would make what it decorates
-        untyped)."""
+        """``torch.compiler.disable`` as a plain decorator, typed (torch leaves it unannotated,
+        which would make what it decorates untyped)."""
 else:
     from torch.compiler import disable as compiler_disable
 

@@ -1,10 +1,9 @@
 """Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory
 Cost") with ``torch.optim.Adafactor``'s defaults and semantics, over any master storage.
 
-No first moment; the second moment of a tensor of two or more dimensions is factored into the
-means of its squared gradient over the last dimension (``row_var``, shaped ``(..., rows, 1)``)
-and over the one before (``col_var``, ``(..., 1, cols)``), O(rows + cols) numbers kept in FP32
-whatever ``state_dtype`` says; a vector keeps a full ``variance``. Per step ``t``::
+No first moment; a tensor of 2+ dimensions keeps its squared gradient's means over the last
+dimension (``row_var``, ``(..., rows, 1)``) and the one before (``col_var``, ``(..., 1, cols)``),
+in FP32 whatever ``state_dtype`` says; a vector keeps a full ``variance``. Per step ``t``::
 
     beta2_hat = t ** beta2_decay                   (the weight of the new squares)
     rho = min(lr, 1 / sqrt(t))                     (relative step size, capped by lr)
@@ -14,13 +13,10 @@ whatever ``state_dtype`` says; a vector keeps a full ``variance``. Per step ``t`
     U = g / sqrt(max(V, eps1**2))
     w = w - alpha * U / max(1, RMS(U) / d)
 
-The rule needs whole tensors (the means over rows and columns, the two RMS): each parameter's
-step is one call in its own shape (``LowPrecisionOptimizer._whole``), compiled as one graph
-where the step is fused (``_whole_compiles``), and the RMS stay 0-d tensors (no host
-synchronisation, where torch reads them with ``.item()``). The sums of squares and the means are
-FP64 (each square exact, rounded to FP32 once at the end), so the eager and the compiled step,
-which add in different orders, agree bit for bit (as LAMB's norms: ``numerics.sum_squares``).
-With a BF16 parameter the RMS of the weight is that of the FP32 master.
+The means and RMS need whole tensors (``_whole``: one compiled graph per parameter where fused);
+the RMS stay 0-d tensors (no host sync; torch calls ``.item()``). Sums of squares and means are
+FP64, rounded to FP32 once, so the eager and compiled steps, which add in different orders, agree
+bit for bit. RMS(w) is the FP32 master's.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def adafactor_coefficients(
     weight_decay: float, step: Any,
 ) -> dict[str, Any]:
     """The per-step scalars of ``adafactor_math``: host floats, or 0-d tensors for a tensor step.
-
-    ``eps[0]`` None is FP32's machine epsilon: the rule runs on the FP32 master (torch takes
-    the parameter dtype's, which for a BF16 parameter would be 2**-7)."""
+    ``eps[0]`` None is FP32's machine epsilon, as the rule runs on the FP32 master (torch takes
+    the parameter dtype's: 2**-7 for BF16)."""
     eps1 = _FP32_EPS if eps[0] is None else eps[0]
     if isinstance(step, torch.Tensor):
         rho = torch.clamp(step.rsqrt(), max=lr)

@@ -1,7 +1,7 @@
 """Adagrad (with lr decay, weight decay, initial accumulator) over any master storage.
 
-``adagrad_math`` is the whole update rule, written once in FP32 with plain elementwise operations
-and coefficients computed on the host, shared by the eager and the compiled step.
+``adagrad_math`` is the FP32 rule (plain elementwise ops, host coefficients), shared by the eager
+and the compiled step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def adagrad_math(
     l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One Adagrad update in FP32, per element, from precomputed coefficients ``c`` (pure); the
-    static flag ``l2``: the L2 term is in the code (``numerics.plus_l2``)."""
+    static flag ``l2`` adds the L2 term."""
     if l2:
         g = plus_l2(g, w, c["weight_decay"])
     s = bufs["sum"] + g * g

@@ -1,9 +1,8 @@
 """Adam (L2 or decoupled weight decay, optional AMSGrad) over any master storage.
 
-Adam's rule is AdamW's, ``adamw_math``, with torch.optim.Adam's default decay, L2:
-``weight_decay * w`` added to the gradient, which the moments then carry (``adamw_coefficients``
-with ``decoupled=False``); ``decoupled_weight_decay=True`` is AdamW's decay and step, bit for bit.
-One function, so Adam's and AdamW's groups run the same compiled kernels.
+Adam's rule is AdamW's, ``adamw_math`` (so the two share compiled kernels), with torch.optim.Adam's
+default L2 decay: ``weight_decay * w`` added to the gradient (``adamw_coefficients`` with
+``decoupled=False``). ``decoupled_weight_decay=True`` is AdamW's step, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """AdamW (decoupled weight decay, optional AMSGrad) over any master storage.
 
-``adamw_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
-coefficients computed on the host (``adamw_coefficients``), so the eager and the compiled step run
-the same function and agree bit for bit. The decay multiplies the FP32 master, so with a
-compensated ``master`` a decay below half an ulp of the stored weight still takes effect.
+``adamw_math`` is the FP32 rule (plain elementwise ops, host coefficients from
+``adamw_coefficients``): the eager and the compiled step both run it and agree bit for bit. The
+decay multiplies the FP32 master, so with a compensated ``master`` it acts even below half an ulp.
 """
 
 from __future__ import annotations
@@ -28,17 +27,11 @@ def adamw_coefficients(
 ) -> dict[str, Any]:
     """The per-step scalars of ``adamw_math``: host floats, or 0-d tensors for a tensor step.
 
-    ``decoupled``: the decay multiplies the weight, ``decay = 1 - lr * weight_decay`` (AdamW);
-    False: it is an L2 penalty added to the gradient, ``l2 = weight_decay`` (torch.optim.Adam's
-    default). The other is 1 (``decay``, which leaves the weight bit for bit: one compiled
-    kernel serves decoupled decay and none) or 0 (``l2``, a term ``adamw_math`` leaves out
-    where its ``l2`` flag is off).
-
-    The bias corrections are folded into two scalars, as in the efficient form of Kingma & Ba's
-    Algorithm 1: ``step_size * m / (sqrt(v) / bc2 + eps)`` equals
-    ``(step_size * bc2) * m / (sqrt(v) + eps * bc2)`` with ``bc2 = sqrt(1 - beta2**step)``,
-    which leaves one division per element instead of two (a divide is the costliest operation
-    of the update on CPUs).
+    ``decoupled``: ``decay = 1 - lr * weight_decay`` (AdamW), ``l2 = 0``; else ``decay = 1``
+    (``w * 1`` is ``w``: one kernel serves decay and none), ``l2 = weight_decay`` (Adam's L2).
+    Bias corrections are folded (Kingma & Ba's efficient form): ``step_size * m / (sqrt(v) / bc2
+    + eps)`` is ``(step_size * bc2) * m / (sqrt(v) + eps * bc2)``, ``bc2 = sqrt(1 - beta2**step)``:
+    one division per element, not two (a divide is the update's costliest operation on CPUs).
     """
     bc2 = (1 - beta2**step) ** 0.5
     return {
@@ -63,10 +56,8 @@ def adamw_math(
     l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One AdamW (or Adam) update in FP32, per element, from precomputed coefficients ``c``
-    (pure). The decay factor ``c["decay"]`` is 1 without decoupled decay (``w * 1`` is ``w``,
-    bit for bit): one compiled kernel serves AdamW's groups with decay and without. The L2
-    coefficient ``c["l2"]`` is added where the static flag ``l2`` is on (Adam's groups that
-    decay; ``numerics.plus_l2``, which leaves the number 0 out)."""
+    (pure). ``c["decay"]`` is 1 without decoupled decay; the static flag ``l2`` adds Adam's L2
+    term ``c["l2"] * w`` to the gradient."""
     if l2:  # (L2: the decay goes through the moments)
         g = plus_l2(g, w, c["l2"])
     w = w * c["decay"]
@@ -76,8 +67,7 @@ def adamw_math(
     if amsgrad:
         v = torch.maximum(bufs["max_exp_avg_sq"], v)
         out["max_exp_avg_sq"] = v
-    # c["eps"] and c["step_size"] carry the second moment's bias correction (see
-    # adamw_coefficients): the bias-corrected update with a single division.
+    # c["eps"] and c["step_size"] carry the bias corrections (adamw_coefficients): one division.
     return w - (m * c["step_size"]) / (sqrt_rn(v) + c["eps"]), out
 
 
@@ -190,8 +180,7 @@ class AdamW(LowPrecisionOptimizer):
     def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
-        # (torch.optim.Adam's groups carry decoupled_weight_decay=False: its decay is L2, added
-        # to the gradient, which this AdamW would silently turn into decoupled decay)
+        # (a torch.optim.Adam group's L2 decay would silently become decoupled decay here)
         if group.get("decoupled_weight_decay", True) is False and group["weight_decay"] != 0:
             raise ValueError(
                 "this group's weight decay is L2 (decoupled_weight_decay=False, as in a "

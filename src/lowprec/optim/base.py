@@ -1,40 +1,14 @@
-"""The common machinery of lowprec's optimizers.
+"""The base class of lowprec's optimizers: ``LowPrecisionOptimizer``.
 
-``LowPrecisionOptimizer`` is a ``torch.optim.Optimizer`` that composes an *update rule* with a
-*master-weight storage*:
-
-* the subclass (``SGD``, ``AdamW``, ...) names its state buffers and computes the new FP32 weight and
-  buffers from the FP32 weight, the FP32 gradient and the FP32 buffers, never knowing how the weight
-  is stored;
-* a ``MasterStorage`` (``lowprec.optim.storage``) rebuilds the FP32 master before the update and
-  writes the new value back (round to nearest, FP32 copy, split trail, Kahan compensation,
-  stochastic rounding).
-
-A step first validates everything (hyperparameters, gradients, state) and only then writes, so a
-step that raises leaves parameters and state as they were. State is created lazily on a parameter's
-first step, with only the buffers its strategy needs. ``state_dict``/``load_state_dict`` keep every
-state tensor's dtype (torch's default would cast an FP32 master or a trail to the parameter's
-dtype).
-
-``LowPrecisionOptimizer`` (this module) is ``core.OptimizerCore`` (the subclass interface, the
-groups' options and checks, lazy state: what the step reads) with what a caller meets:
-``add_param_group``, ``step()``, ``state_dict``/``load_state_dict`` and ``master_weight``
-(``export.master_state_dict`` builds on it). ``step()`` runs its closure and hands a ``driver.StepContext``
-(the loss scaler's inputs) to ``driver.run``: every step goes through the buckets
-(``buckets``: a group's state laid out in flat buffers when it is created, a few calls per
-bucket; the parameters no bucket takes each by its own prepared step, ``param_step``).
-
-The step's modules take the optimizer as an ``OptimizerCore`` and import nothing of this one.
-Below them: ``param_step`` (one parameter's step and the step's numbers), ``compiled`` (a
-tensor's compiled step, prepared and run; the kernels and their cache), and, taking plain tensors
-rather than the optimizer, ``update`` (one parameter's update, which the eager and the compiled
-steps both run), ``loss_scale`` (the loss-scaler contract's inputs), ``options``, ``storage`` and
-``shards``. ``checkpoint`` holds ``state_dict`` and ``load_state_dict``, which this class's
-methods call.
-
-A module-level name that tests replace (``driver.step_buckets``, ``loss_scale._host_counts``,
-``compiled._compiled_kernel``, ``update._INT32_MAX``) is read through the module that holds it,
-so that one ``monkeypatch.setattr`` reaches every caller.
+It composes an update rule (the subclass: ``SGD``, ``AdamW``, ...: FP32 math that never knows how
+the weight is stored) with a master-weight storage (``storage``), per group. It is
+``core.OptimizerCore`` (what the step reads) with what a caller meets: ``add_param_group``,
+``step()`` (which hands a ``driver.StepContext`` to ``driver.run``), ``state_dict`` /
+``load_state_dict`` (``checkpoint``: every state tensor keeps its dtype) and ``master_weight``. A
+step validates everything before it writes anything, so a step that raises leaves parameters and
+state as they were. Module-level names that tests replace (``driver.step_buckets``,
+``loss_scale._host_counts``, ``compiled._compiled_kernel``, ``update._INT32_MAX``) are read through
+their modules, so that one ``monkeypatch.setattr`` reaches every caller.
 """
 
 from __future__ import annotations
@@ -144,8 +118,7 @@ class LowPrecisionOptimizer(OptimizerCore):
             params = list(params or [])
         param_group = dict(param_group)
         if any(isinstance(p, tuple) for p in params):
-            # (name, parameter) pairs, as model.named_parameters() gives them: torch.optim (2.6
-            # and newer) keeps the names as the group's "param_names", and so does this.
+            # ((name, parameter) pairs: the names kept as "param_names", as torch.optim 2.6 does)
             if not all(isinstance(p, tuple) and len(p) == 2 for p in params):
                 raise ValueError(
                     "give every parameter of a group with its name, as (name, tensor) pairs "
@@ -168,8 +141,8 @@ class LowPrecisionOptimizer(OptimizerCore):
         added = self.param_groups[-1]
         try:
             if added.get("seed") is None:
-                # torch.initial_seed() is what torch.manual_seed set: reproducible, the same on
-                # every rank that seeds alike, and reading it consumes no random numbers.
+                # (what torch.manual_seed set: the same on every rank seeded alike, and reading
+                # it consumes no random numbers)
                 added["seed"] = torch.initial_seed()
             storages = validate_group(self, added, index=len(self.param_groups) - 1)
         except Exception:
@@ -179,17 +152,15 @@ class LowPrecisionOptimizer(OptimizerCore):
         kept.release(p for p, storage in zip(params, storages, strict=True)
                      if not storage.takes_value)
         if any(is_dtensor(p) for p in params):
-            stages(self).has_dtensors = True  # (steps run on their local shards: lowprec.optim.shards)
+            stages(self).has_dtensors = True  # (steps run on their local shards)
             for p in params:
                 if is_dtensor(p):
                     mark_blocks(p)
             warn_fp32_shards(added, len(self.param_groups) - 1)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # (torch's __setstate__, which load_state_dict, deepcopy and unpickling call, adds
-        # "differentiable" to the defaults: an option of torch's own step, not a group option of
-        # lowprec's, so it is not copied into the groups, whose state_dict() would then differ
-        # from the one saved.)
+        # (torch's __setstate__ adds "differentiable" to the defaults: not a lowprec group
+        # option, so not copied into the groups, whose state_dict() would then differ)
         super().__setstate__(state)
         own = {k: v for k, v in self.defaults.items() if k not in _TORCH_ONLY_OPTIONS}
         for group in self.param_groups:
@@ -197,8 +168,7 @@ class LowPrecisionOptimizer(OptimizerCore):
                 group.setdefault(key, value)
             for st in (self.state.get(p) for p in group["params"]):
                 if st and "step" in st and not isinstance(st["step"], torch.Tensor):
-                    # (a count saved as a number, as torch did before 1.12: a tensor, as torch's
-                    # own optimizers convert it)
+                    # (a count saved as a number, as torch before 1.12: made a tensor)
                     st["step"] = _step_tensor(st["step"], "a parameter's state")
 
     # ------------------------------------------------------------------ the step (driver)
@@ -207,11 +177,8 @@ class LowPrecisionOptimizer(OptimizerCore):
     #: ``grad_scale`` and ``found_inf`` (and does not unscale the gradients itself).
     _step_supports_amp_scaling = True
 
-    # Left out of any graph that torch.compile traces around it (a compiled training step, or
-    # torch.compile(opt.step)): the step compiles its own kernels with the settings they need
-    # (emulate_precision_casts keeps Kahan's compensation; without it Inductor folds it to zero)
-    # and decides on the host what to run; traced, it failed to compile, recompiled per
-    # parameter past Dynamo's limit, or lost the compensation of an eager Kahan step.
+    # Left out of any graph torch.compile traces around it: the step compiles its own kernels
+    # with the settings they need (docs/architecture.md, "How a step flows").
     @overload
     def step(
         self,

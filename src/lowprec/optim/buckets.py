@@ -1,57 +1,18 @@
 """Buckets: a group's optimizer state as views of flat buffers, stepped a few calls at a time.
 
-A step that makes a compiled call per tensor pays that call's host work (Dynamo's guards and
-wrappers, ~30-70 us) per tensor, and a GPU waits for it. Here, once the state exists (the first
-step creates it, and ``driver.flatten`` lays the buckets out before stepping anything), the
-parameters of a group that share device, dtype, master strategy and state dtypes form a bucket
-(``_Bucket``): each of their state buffers is laid out in one flat buffer (``state[p][name]`` a
-view of the bucket's buffer of that name), and their step counts in one count tensor
-(``state[p]["step"]`` its 0-d views). A step then takes, per piece of a bucket (``_pieces``), one
-gathering of the gradients and one of the parameters (``torch._chunk_cat``), one call of the
-step's kernel on the flat buffers (``compiled.run_fused``: the kernel a single tensor's step
-runs; the update is elementwise, so the bits are the same), one copy of the new values back into
-the parameters (``torch._foreach_copy_``), and per run one write of the counts, whatever the
-number of tensors. The parameters keep their own storage: made views of one buffer (as apex's,
-DeepSpeed's and FSDP1's flat parameters are), they saved as one tensor in Accelerate's
-checkpoints, which drop tensors that share a storage. DTensor shards' state stays in tensors of
-its own (``gather_state``: torch 2.13 cannot deep-copy a DTensor over a view of a flat buffer),
-gathered per piece into the bucket's scratch and copied back, as the parameters are.
-
-8-bit and 4-bit state (``qstate``) is laid out the same way: the codes in one flat buffer, their
-scales (one per block of ``qstate.BLOCK`` elements) in another; a parameter with codes is whole
-blocks, so its scales' share starts where its elements' would.
-
-Under a loss scaler the gradients are checked for inf/NaN first (``loss_scale._Scaling``, by
-``driver.step_buckets``), the kernels take the scaler's inputs, the unscaled gradients are
-copied back where they were gathered, and the counts advance by ``1 - skip``, decided on the
-device. On the CPU the counts are read on the host (``core.host_counts``); off it, and for
-a capturable optimizer, they stay on the device, and each run of parameters with equal counts
-makes the step's numbers there from its first count (``_device_numbers``:
-``param_step.scaled_numbers``, made for every run of a group at once), plain or scaled. Which
-counts are equal the bucket knows on the host (``count_marks``): read once, after something else
-wrote the counts (their version counter shows it), then kept from its own steps, whose runs
-advance alike; a count written through ``.data`` bypasses the version counter and is not
-seen.
-
-A rule elementwise but for whole-tensor sums (``_norm_terms``: LAMB's trust ratio, StableAdamW's
-RMS) takes a piece's parameters as rows of a matrix, all of one size (``driver.flatten`` puts
-equal sizes side by side, ``_pieces`` cuts where the size changes): its sums pass makes each
-row's sums (FP64, as a parameter's own: the order of adding does not show in the FP32 norm) and
-its update broadcasts them over the row (``compiled.prepare_fused``'s ``rows``). A parameter of a
-size of its own is a piece alone, in the kernels of a parameter's own step.
-
-Parameters without a gradient are left out, as every step leaves them: the bucket steps the runs
-of consecutive parameters that have one and share a step count, on the host or the device
-(``runs``; gradients of two dtypes, a piece per parameter). Which parameters a bucket takes
-is ``driver._kind``'s choice (a parameter that cannot be gathered with others, of an odd size,
-say, a bucket of one); the others (whole-tensor rules, ...) are stepped on their own. The update
-inside backward steps a parameter through its bucket too (``step_one``), as a piece alone.
-
-The bucket checks, each step, that what it relies on holds (``current``, ``gradients``): the
-parameters are the tensors it was made for (``model.to(...)`` or ``p.data = ...`` rebinds
-them), the state entries are still its views (``load_state_dict`` replaces them), the gradients
-are present in the right shapes and of one dtype. Where anything differs ``driver.step_buckets``
-declines having written nothing, and the step lays the buckets out again.
+Once the state exists, a group's parameters of one device, dtype, strategy and state layout
+(``driver._kind``) form a ``_Bucket``: each state buffer is one flat buffer (``state[p][name]`` a
+view of it), the step counts one tensor (``state[p]["step"]`` its 0-d views). A step takes, per
+piece (``_pieces``), one gathering of the gradients and of the parameters, one compiled call on the
+flat buffers (the kernel a single tensor's step runs, so the bits are the same), one copy back into
+the parameters, and one write of a run's counts, whatever the number of tensors. The parameters keep
+their own storage (Accelerate's checkpoints drop tensors that share one). DTensor shards' state
+stays in tensors of their own (``gather_state``), gathered per piece. A rule with whole-tensor sums
+steps a piece's parameters, all of one size, as rows. Where the counts live on the device each run
+of equal counts makes its numbers there (``count_marks`` knows the runs without reading the counts).
+The bucket checks each step that what it relies on holds (``current``, ``gradients``), else
+``driver.step_buckets`` declines having written nothing. docs/architecture.md, "How a step flows"
+("Buckets"), has the whole design and its figures.
 """
 
 from __future__ import annotations
@@ -76,13 +37,8 @@ if TYPE_CHECKING:
     from lowprec.optim.storage import MasterStorage
 
 
-# Elements per compiled call of a bucket's small parameters, whose values and gradients are
-# gathered into one buffer each for it; a parameter this large or larger takes a call of its
-# own, in place. CPU: the bucket's scratch buffers (2 MB each in BF16) are reused by every step
-# and stay in cache; gathered whole into fresh buffers, a 25M-parameter bucket's gradients (50
-# MB) page-faulted on every step (27 ms of an 83 ms step). CUDA: the caching allocator reuses
-# fresh buffers, and each call costs a launch and ~30-70 us of host work: 64M elements (128 MB
-# in BF16).
+# Elements per compiled call of a bucket's gathered small parameters; a larger parameter takes
+# a call of its own, in place (docs/architecture.md, "Device choices").
 _GATHERED = {"cpu": 1 << 20, "cuda": 1 << 26}
 
 
@@ -94,8 +50,8 @@ _GRAD, _SHAPE, _DTYPE, _LAYOUT = map(operator.attrgetter, ("grad", "shape", "dty
 
 
 def _joined(ts: list[torch.Tensor], fresh: set[int]) -> torch.Tensor | None:
-    """The flat view ``ts`` are consecutive pieces of, in this order, where they are views of
-    one of the ``fresh`` buffers; else None."""
+    """The flat view ``ts`` are consecutive pieces of, in order, where they view one of the
+    ``fresh`` buffers; else None."""
     base = ts[0]._base
     start = ts[0].storage_offset()
     end = start
@@ -109,47 +65,15 @@ def _joined(ts: list[torch.Tensor], fresh: set[int]) -> torch.Tensor | None:
 
 
 class _Bucket:
-    """One group's parameters of one kind (``_kind``): their state and step counts laid out in
-    flat buffers, the state entries views of them; the parameters keep their storage. DTensor
-    shards' state (``gather_state``) stays in tensors of its own, gathered into the bucket's
-    scratch per piece and copied back, as the parameters are."""
+    """One group's parameters of one kind (``driver._kind``): their state and step counts laid out
+    in flat buffers, the state entries views of them; the parameters keep their storage."""
 
     __slots__ = (
-        "counts",
-        "device_index",
-        "entries",
-        "flat_params",
-        "flat_state",
-        "flats",
-        "gather_state",
-        "group",
-        "index_tensors",
-        "indices",
-        "keyed",
-        "kind",
-        "layouts",
-        "made",
-        "marks",
-        "names",
-        "norms",
-        "offsets",
-        "params",
-        "per",
-        "prepared",
-        "ptrs",
-        "qstate",
-        "sbufs",
-        "scratch",
-        "shapes",
-        "shards",
-        "sizes",
-        "split_views",
-        "start",
-        "states",
-        "steps",
-        "storage",
-        "version",
-        "views",
+        "counts", "device_index", "entries", "flat_params", "flat_state", "flats", "gather_state",
+        "group", "index_tensors", "indices", "keyed", "kind", "layouts", "made", "marks", "names",
+        "norms", "offsets", "params", "per", "prepared", "ptrs", "qstate", "sbufs", "scratch",
+        "shapes", "shards", "sizes", "split_views", "start", "states", "steps", "storage",
+        "version", "views"
     )
 
     #: The counts' version when ``marks`` was last made (None: not yet)
@@ -173,10 +97,8 @@ class _Bucket:
         self.offsets = [0]
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
-        # Each buffer copied into its flat one, then the state entries rebound to views of it, a
-        # buffer at a time (the old tensors are freed as it goes); new state made in place, as
-        # consecutive views of a flat buffer of ``fresh`` (``driver.new_state``), is taken
-        # as it is.
+        # (each buffer copied into a flat one and the entries rebound to views of it, a buffer
+        # at a time; new state made as consecutive views of a ``fresh`` buffer taken as it is)
         self.flats: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
         self.gather_state = bool(shard)
@@ -212,12 +134,10 @@ class _Bucket:
         self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         self.norms = opt.rule(group).norms  # (whole-tensor sums: pieces of one size)
-        # (a DTensor's shard, a bucket of one: its random bits keyed from the index of its
-        # first element in the whole parameter)
+        # (a DTensor's shard: its random bits keyed from its first element's index)
         offsets = core.stages(opt).shard_offsets or {}
         self.start = offsets.get(id(p0), 0) if self.keyed and shard else 0
-        # (a DTensor's shard whose whole-tensor sums add every rank's, a bucket of one:
-        # ``driver.step_buckets`` steps these in the parameters' order, on every rank alike)
+        # (a DTensor's shard whose sums add every rank's: stepped in the parameters' order)
         self.shards = tuple(reduce_groups(opt, p0)) if shard and self.norms else ()
         # (current: every state entry the bucket made, per parameter in this order)
         self.entries: Callable[[Any], tuple[Any, ...]] = (
@@ -234,8 +154,7 @@ class _Bucket:
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
     def current(self, opt: OptimizerCore) -> bool:
-        """Whether the parameters and state entries are still this bucket's views (checked a
-        list at a time: this is per-tensor host work of every step)."""
+        """Whether the parameters and state entries are still this bucket's (a list at a time)."""
         if list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
             return False
         states = list(map(opt.state.get, self.params))
@@ -248,10 +167,9 @@ class _Bucket:
             return False
 
     def gradients(self) -> tuple[list[torch.Tensor | None], bool] | None:
-        """The parameters' gradients, and whether each parameter takes a piece of its own (their
-        dtypes differ, or stochastic rounding's keys per word would need pairs: BF16 or FP32);
-        None where one does not fit the step (the full validation then raises): strided,
-        shaped as their parameters, on their device."""
+        """The parameters' gradients, and whether each parameter takes a piece of its own (dtypes
+        differ, or random keys per word without BF16/FP32 pairs); None where one does not fit the
+        step (strided, shaped as its parameter, on its device): the full validation then raises."""
         grads = list(map(_GRAD, self.params))
         present, shapes = grads, self.shapes
         if any(map(operator.is_, grads, itertools.repeat(None))):  # (`None in` compares tensors)
@@ -259,8 +177,7 @@ class _Bucket:
             shapes = [s for g, s in zip(grads, shapes, strict=True) if g is not None]
         if not present:  # (a frozen bucket: nothing to step)
             return grads, False
-        # (the device by its index, as torch's own check of an assigned gradient compares it:
-        # ~3x cheaper than reading each tensor's device)
+        # (the device by its index: ~3x cheaper than reading each tensor's device)
         if (list(map(_SHAPE, present)) != shapes
                 or set(map(_LAYOUT, present)) != {torch.strided}
                 or set(map(torch.Tensor.get_device, present)) != {self.device_index}):
@@ -278,12 +195,11 @@ class _Bucket:
         scaling: _Scaling | None,
         alone: bool = False,
     ) -> None:
-        """Step the parameters that have a gradient: per run of consecutive ones that share a step
-        count (``runs``), a compiled call per piece (``_pieces``; one per parameter where
-        ``alone``: ``gradients``), and one write of the run's counts. Under a loss scaler
-        (``scaling``) the counts advance by ``1 - skip``, decided on the device. Where they are
-        kept there (``on_device``) the step's numbers are made there from the run's first
-        count, and no value is read on the host: the runs follow the counts' ``marks``."""
+        """Step the parameters that have a gradient: per run of consecutive ones with one count
+        (``runs``), a compiled call per piece (one per parameter where ``alone``) and one write of
+        the counts (by ``1 - skip`` under a loss scaler, decided on the device). Where the counts
+        live on the device (``on_device``) the numbers are made there, and nothing is read on the
+        host."""
         on = self.on_device(opt)
         counts = self.count_marks() if on else self.counts.tolist()
         moved: list[tuple[int, int]] = []
@@ -296,8 +212,7 @@ class _Bucket:
                                  else self._pieces(i, j)):
                         self._run(opt, a, b, grads, step, memo, scaling)
                         done = b
-                finally:  # (one write per run; a step that raises part way leaves each count
-                    # matching what was stepped)
+                finally:  # (one write per run, over the pieces stepped)
                     if done > i:
                         if isinstance(step, int) and scaling is None:
                             self.counts[i:done].fill_(step)
@@ -311,8 +226,7 @@ class _Bucket:
 
     @staticmethod
     def runs(grads: list[torch.Tensor | None], counts: list[Any]) -> list[tuple[int, int]]:
-        """The runs of consecutive parameters that have a gradient and equal ``counts`` (the
-        counts read on the host, or their ``marks``)."""
+        """The runs of consecutive parameters with a gradient and equal ``counts`` (or marks)."""
         out: list[tuple[int, int]] = []
         i, n = 0, len(grads)
         while i < n:
@@ -327,15 +241,13 @@ class _Bucket:
         return out
 
     def step_one(self, opt: OptimizerCore, k: int, memo: Memo) -> None:
-        """Parameter ``k`` alone, a piece of its own (the update inside backward, whose hooks
-        see one gradient at a time; no loss scaler), its count advanced."""
+        """Parameter ``k`` alone, its count advanced (the update inside backward)."""
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         grads[k] = self.params[k].grad
         self.step(opt, grads, memo, None, alone=True)
 
     def place_counts(self) -> None:
-        """The counts moved to the parameters' device, where a step on the device makes its
-        numbers from them (a checkpoint's counts are loaded on the CPU)."""
+        """The counts moved to the parameters' device (a checkpoint's load on the CPU)."""
         device = self.params[0].device
         if self.counts.device == device:
             return
@@ -349,20 +261,18 @@ class _Bucket:
         self.version = None
 
     def _made(self) -> list[torch.Tensor]:
-        """Every state entry the bucket made, per parameter in ``entries``' order (``current``)."""
+        """Every state entry the bucket made, per parameter in ``entries``' order."""
         return [t for ts in zip(self.steps, *(self.views[k] for k in self.names), strict=True)
                 for t in ts]
 
     def on_device(self, opt: OptimizerCore) -> bool:
-        """Whether a step takes its numbers on the device from the counts kept there
-        (``core.host_counts``: off the CPU, or a capturable optimizer)."""
+        """Whether a step makes its numbers on the device (``core.host_counts`` False)."""
         return not core.host_counts(opt, self.params[0].device)
 
     def count_marks(self) -> list[int]:
-        """The counts kept on the device as marks, equal where the counts are: read on the host
-        only where something else wrote the counts since this bucket's last step (their version
-        counter: ``opt.state[p]["step"].fill_(...)`` moves it, a write through ``.data``
-        bypasses it and is not seen), else kept on the host from the steps (``_moved``)."""
+        """The counts as marks, equal where the counts are: read on the host only after something
+        else wrote them (their version counter; a write through ``.data`` is not seen), else kept
+        from this bucket's own steps (``_moved``)."""
         if self.version != self.counts._version:
             values = self.counts.tolist()
             ids = {v: k for k, v in enumerate(dict.fromkeys(values))}
@@ -371,8 +281,7 @@ class _Bucket:
         return self.marks
 
     def _moved(self, spans: list[tuple[int, int]]) -> None:
-        """The counts of the parameters in ``spans`` advanced by one step, alike (by 1, or by
-        ``1 - skip`` decided on the device): their marks part from the others'."""
+        """The marks of the parameters in ``spans``, advanced alike, part from the others'."""
         top = max(self.marks) + 1
         fresh: dict[int, int] = {}
         for a, b in spans:
@@ -382,21 +291,15 @@ class _Bucket:
 
     def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
                         ) -> dict[str, torch.Tensor]:
-        """The step's coefficients as 0-d FP32 tensors on the counts' device, from parameter
-        ``k``'s count (the first of a run of equal counts, ``runs``): ``param_step``'s
-        ``scaled_numbers``, which ``driver.step_buckets`` makes for every run's first parameter
-        at once, per group."""
+        """The step's numbers made on the counts' device from parameter ``k``'s count."""
         p = self.params[k]
         return param_step.scaled_numbers(opt, self.group, p, self.indices[k], self.storage,
                                          self.states[k], None, memo)[3]
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
         """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
-        ``_gathered(device)`` elements or more alone (its gradient used where it is), the others
-        in runs of up to that many elements (their gradients gathered into one buffer, which on
-        the CPU stays in cache). A rule with whole-tensor sums (``norms``) takes a run's
-        parameters as rows of a matrix: all of one size (``flatten`` puts equal sizes side by
-        side)."""
+        ``_gathered(device)`` elements or more alone, in place; the others gathered, up to that many
+        elements; for a rule with norms, each piece of one size (its parameters as rows)."""
         limit = _gathered(self.params[0].device)
         offsets, sizes = self.offsets, self.sizes
         pieces: list[tuple[int, int]] = []
@@ -416,10 +319,8 @@ class _Bucket:
 
     def _run(self, opt: OptimizerCore, a: int, b: int, grads: list[torch.Tensor | None],
              step: int | dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
-        """Parameters ``a`` to ``b`` stepped on flat buffers: their state's, and their
-        parameters and gradients gathered into one each (a single parameter's own, where it
-        lies in place); one compiled call where the step is fused, else eagerly in chunks
-        (``update._eager_chunk``), as one large tensor's eager step goes."""
+        """Parameters ``a`` to ``b`` stepped on flat buffers (parameters and gradients gathered
+        where several): one compiled call where the step is fused, else eagerly in chunks."""
         group, storage = self.group, self.storage
         lo, hi = self.offsets[a], self.offsets[b]
         one = b - a == 1
@@ -465,8 +366,7 @@ class _Bucket:
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
-        if not done:  # (eager: the piece's elements, or each parameter's with random bits or
-            # whole-tensor sums, indexed from its first element, with its own key)
+        if not done:  # (eager: the piece, or each parameter with random bits or sums)
             coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
                       if isinstance(step, int) else step)
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
@@ -493,12 +393,10 @@ class _Bucket:
     def _keys(
         self, a: int, b: int, step: int | dict[str, torch.Tensor]
     ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
-        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step`` (the host's
-        count, or the numbers made on the device: the key from parameter ``a``'s count there,
-        0-d int64 tensors): a parameter alone, its key's halves; a gathered piece, one key half
-        per parameter (int64, made for all of them at once: ``numerics.stream_key_halves``)
-        with each word's parameter and index within it (``owner``, ``idx``: ``_word_owners``,
-        kept per piece), so that every element gets the bits it gets in a step of its own."""
+        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step`` (a host count, or
+        numbers made on the device): one parameter's key halves; for a gathered piece, a key half
+        per parameter and each word's parameter and index within it (``owner``, ``idx``), so that
+        every element gets the bits of a step of its own."""
         count = step if isinstance(step, int) else self.counts[a].long() + 1
         if b - a == 1:
             if isinstance(count, int):
@@ -517,8 +415,8 @@ class _Bucket:
         return keys, {"owner": layout[0], "idx": layout[1]}
 
     def _state(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        """The state of parameters ``a`` to ``b``, flat, one tensor per buffer name: views of the
-        flat buffers, or (``gather_state``) a parameter's own tensors, or the piece's gathered."""
+        """The state of parameters ``a`` to ``b``, one flat tensor per buffer: views of the flat
+        buffers, or (``gather_state``) a parameter's own tensors, or the piece's gathered."""
         lo, hi, per = self.offsets[a], self.offsets[b], self.per
         if not self.gather_state:
             return {k: self.flats[k][lo // per[k]:hi // per[k]] for k in self.names}
@@ -528,9 +426,8 @@ class _Bucket:
                 for k in self.names}
 
     def _gather(self, tensors: list[torch.Tensor], n: int, role: str) -> torch.Tensor:
-        """``tensors`` (``n`` elements) gathered into one flat buffer: on the CPU the bucket's own
-        (``scratch``, reused by every step: a fresh one of megabytes page-faults on every step,
-        most of a small tensors' step), elsewhere a new one (CUDA's caching allocator reuses)."""
+        """``tensors`` (``n`` elements) in one flat buffer: on the CPU the bucket's reused scratch
+        (a fresh buffer of megabytes page-faults every step), elsewhere a new one."""
         t0 = tensors[0]
         if t0.device.type == "cpu" and n <= _gathered(t0.device):  # (else: one large gradient)
             key = (role, t0.dtype)
@@ -540,17 +437,16 @@ class _Bucket:
             out = buf[:n]
         else:
             out = torch.empty(n, dtype=t0.dtype, device=t0.device)
-        if role != "grad":  # (flat views, kept: torch.cat takes 1-d tensors, and on the CPU
-            torch.cat(tensors, out=out)  # is 2x faster than _chunk_cat here)
-        else:  # (gradients are new tensors of any shape every step: _chunk_cat flattens them)
+        if role != "grad":  # (kept flat views: torch.cat is 2x faster than _chunk_cat here)
+            torch.cat(tensors, out=out)
+        else:  # (gradients: new tensors of any shape every step, which _chunk_cat flattens)
             torch._chunk_cat(tensors, 0, 1, out=out.view(1, -1))
         return out
 
     def _split(self, flat: torch.Tensor, a: int, b: int, shaped: bool = False
                ) -> list[torch.Tensor]:
-        """``flat`` (parameters ``a`` to ``b`` gathered) as one view per parameter (flat, or
-        ``shaped`` as the parameter), kept where ``flat`` is the bucket's scratch (a split of
-        hundreds of views costs ~0.4 ms)."""
+        """``flat`` (parameters ``a`` to ``b``) as a view per parameter (flat, or ``shaped``), kept
+        where ``flat`` is the scratch (a split of hundreds of views costs ~0.4 ms)."""
         key = (a, b, flat.data_ptr(), shaped)
         views = self.split_views.get(key)
         if views is None:
@@ -563,9 +459,8 @@ class _Bucket:
 
 
 def _word_owners(words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a piece of BF16 parameters of ``words`` words (pairs) each: every word's parameter (its
-    position in the piece) and its index within that parameter (int32 each), for
-    ``update._param_update_pairs``'s and ``update._random_bits``' per-word random keys."""
+    """For a piece of BF16 parameters of ``words`` words each: every word's parameter (its place in
+    the piece) and index within it, int32 each (per-word random keys)."""
     counts = torch.tensor(words, dtype=torch.int64)
     total = sum(words)
     owner = torch.repeat_interleave(torch.arange(len(words), dtype=torch.int64), counts,

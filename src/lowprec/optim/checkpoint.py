@@ -1,13 +1,10 @@
-"""Checkpoints: ``LowPrecisionOptimizer``'s ``state_dict`` and ``load_state_dict``.
+"""Checkpoints: ``LowPrecisionOptimizer``'s ``state_dict`` and ``load_state_dict`` (functions of
+the optimizer that ``base``'s methods call; this module does not import ``base``).
 
-torch.optim's ``load_state_dict`` casts floating-point state to the parameter's dtype, which would
-round an FP32 master or FP32 moments kept for a BF16 parameter. ``load_state_dict`` here keeps
-every state tensor's dtype, checks the whole checkpoint against the parameters before changing
-anything, adopts a torch.optim checkpoint (``_adopt_state``) and runs torch.optim's load hooks;
-the next step lays the loaded state out in buckets (``driver.flatten``). ``state_dict`` is
-torch.optim's, each ``state_dtype`` by its name; the export of the FP32 masters,
-``master_state_dict``, is in ``export``, built on ``base``'s ``master_weight``. Functions of the optimizer, which ``base``'s methods call; this module
-does not import ``base``.
+torch.optim's ``load_state_dict`` casts floating state to the parameter's dtype, which would round
+an FP32 master or FP32 moments of a BF16 parameter. The load here keeps every state tensor's
+dtype, checks the whole checkpoint before changing anything, adopts torch.optim checkpoints
+(``_adopt_state``) and converts state saved under another ``master=`` (``_convert_master``).
 """
 
 from __future__ import annotations
@@ -29,16 +26,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.core import OptimizerCore
     from lowprec.optim.storage import MasterStorage
 
-# The options that say how the state is stored rather than how the rule steps: an optimizer
-# given them explicitly keeps them when it loads a checkpoint saved with others.
+# How the state is stored: an optimizer given these explicitly keeps them over a checkpoint's.
 _STORAGE_OPTIONS = ("master", "state_dtype")
 
 
 def state_dict(opt: OptimizerCore) -> dict[str, Any]:
-    """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` a dtype given by
-    its name (``"bfloat16"``): torch.distributed.checkpoint's full state dict (FSDP2's
-    ``get_optimizer_state_dict(..., full_state_dict=True)``) takes no ``torch.dtype``
-    values. ``load_state_dict`` reads either."""
+    """``torch.optim.Optimizer.state_dict``, each group's ``state_dtype`` dtype by its name
+    (``"bfloat16"``): torch.distributed.checkpoint's full state dict takes no ``torch.dtype``."""
     sd = Optimizer.state_dict(opt)
     for group in sd["param_groups"]:
         if isinstance(group.get("state_dtype"), torch.dtype):
@@ -47,16 +41,9 @@ def state_dict(opt: OptimizerCore) -> dict[str, Any]:
 
 
 def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
-    """Load a ``state_dict``, keeping every state tensor's dtype.
-
-    ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to the parameter's
-    dtype, which would round an FP32 master copy, FP32 moments or a compensation buffer kept
-    for a BF16 parameter. Here state tensors keep their saved dtype and move to the
-    parameter's device; the checkpoint is checked against the parameters before anything is
-    changed. The hooks of ``register_load_state_dict_pre_hook`` and ``..._post_hook`` run
-    as torch.optim runs them: the pre-hooks on (a shallow copy of) the state dict first,
-    each able to replace it, the post-hooks once everything is loaded.
-    """
+    """Load ``state_dict``, every state tensor keeping its dtype (moved to its parameter's
+    device), all checked before anything changes; torch.optim's load pre-hooks run first (each
+    may replace it) and its post-hooks last."""
     state_dict = state_dict.copy()  # (as torch.optim: a pre-hook may edit or replace it)
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         out = pre_hook(opt, state_dict)
@@ -77,12 +64,9 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
                 f"parameter group {gi} has {len(g['params'])} parameters but the checkpoint's "
                 f"has {len(sg['params'])}."
             )
-        # The checkpoint's options win, except how the state is stored where this
-        # optimizer was given that explicitly (a master other than "auto", a state_dtype):
-        # the state is then converted (_convert_master). A torch.optim checkpoint (no
-        # "master") brings its hyperparameters, and lowprec's own options stay as this
-        # optimizer's group has them: its "fused" means torch's kernels, and it has no
-        # master or seed.
+        # The checkpoint's options win, but for storage options given explicitly (the state
+        # is converted). A torch.optim checkpoint keeps lowprec's own options as the live
+        # group has them: its "fused" means torch's kernels, and it has no master or seed.
         if "master" in sg:
             own = {k: g[k] for k in _STORAGE_OPTIONS if g[k] != _COMMON_DEFAULTS[k]}
         else:
@@ -107,8 +91,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
             for k, v in st.items()
         }
         if "step" in moved and not isinstance(moved["step"], torch.Tensor):
-            # A count saved as a number (torch before 1.12, and some third-party code):
-            # a tensor, as torch's own optimizers convert it.
+            # (a count saved as a number: torch before 1.12, some third-party code)
             moved["step"] = _step_tensor(moved["step"], f"parameter {sid!r}")
         if moved:
             storage = resolve_master(merged["master"], p.dtype)
@@ -128,8 +111,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
         for p, value in writes:
             local(p).copy_(value)
     core.stages(opt).shards = {}  # (DTensor parameters' local views: lowprec.optim.shards)
-    # What torch's load_state_dict does once it has cast the state, which here keeps its
-    # dtypes: the live parameters in the loaded groups, the state keyed by them.
+    # (as torch's load_state_dict ends: the live parameters in the groups, state keyed by them)
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     state.update(new_state)
     opt.__setstate__({"state": state, "param_groups": loaded_groups})
@@ -145,12 +127,9 @@ def _convert_master(
     storage: MasterStorage,
     where: str,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """A parameter's state saved under another ``master=`` strategy (``st["master"]``) as
-    ``storage`` keeps it: the FP32 master rebuilt from the parameter's current value and
-    the saved buffers (load the model's weights first), then stored the new way
-    (``storage.convert``: exact into ``"fp32"`` and ``"split"``). Returns the new state and
-    the parameter's new value (its local shard for a DTensor), written by the caller once
-    every check has passed."""
+    """State saved under another ``master=`` (``st["master"]``) converted to ``storage`` from
+    the parameter's current value (load the model first): the new state and the parameter's new
+    value (a DTensor's local shard), which the caller writes once every check has passed."""
     old = STORAGES.get(st["master"])
     if old is None:
         raise ValueError(
@@ -186,11 +165,9 @@ def _cast_math_buffers(
     p: torch.Tensor,
     storage: MasterStorage,
 ) -> None:
-    """The update rule's buffers in this group's state dtype (a ``state_dtype`` this
-    optimizer was given, or the one a converted master implies): cast, or decoded from
-    8-bit or 4-bit codes, or encoded to them, or from one width to the other through their
-    FP32 values (``qstate``). A buffer that is neither values shaped as ``p`` nor codes of
-    ``p`` with their scales is left for ``core.check_state`` to refuse."""
+    """The rule's buffers in ``st`` converted in place to the group's state dtype: cast, or
+    encoded/decoded through FP32 (``qstate``). A buffer that is neither values shaped as ``p``
+    nor codes of ``p`` with scales is left for ``core.check_state`` to refuse."""
     dtype = core.state_dtype(group, p, storage)
     want = qstate.BITS.get(group["state_dtype"], 8) if dtype == torch.uint8 else 0
     # (a DTensor parameter's buffers: converted on this rank's shard, kept as DTensors)
@@ -202,15 +179,14 @@ def _cast_math_buffers(
     rule = opt.rule(group)
     for name in rule.buffers(p):
         key = qstate.scale_key(name)
-        t: Any  # (a tensor, or what else the checkpoint holds: _saved_width says)
+        t: Any  # (a tensor or anything else: _saved_width says)
         scale: Any
         t, scale = st.get(name), st.get(key)
         saved = _saved_width(t, scale, p)
         if saved is None:
             continue
         if saved and not is_dtensor(scale):
-            # (scales saved as another layout keeps them: an FSDP2 run's full state dict
-            # holds a row per row, a plain parameter's are flat)
+            # (scales saved in another layout: FSDP2's rows per row, or a plain run's flat)
             st[key] = scale = scale.reshape(qstate.scale_shape(p))
         if saved and saved == want:
             continue
@@ -242,13 +218,9 @@ def _adopt_state(
     storage: MasterStorage,
     where: str,
 ) -> dict[str, Any]:
-    """A parameter's state saved by torch.optim (SGD, AdamW or Adagrad: the same buffer names,
-    no ``"master"`` entry) as this optimizer's, to resume a torch.optim run with lowprec: the
-    moments cast to this group's state dtype, the master's own buffers as at a fresh start
-    from the parameter's current value (a zero Kahan compensation or split trail, an FP32
-    copy of the parameter: load the model's weights first), the count kept
-    (torch's SGD keeps none: 1 once it has a momentum buffer, so the next step is not the
-    first)."""
+    """A torch.optim state entry (same buffer names, no ``"master"``) as this optimizer's: the
+    moments cast, the master's buffers fresh from the parameter (load the model first), the
+    count kept (torch's SGD keeps none: 1 once it has a momentum buffer)."""
     rule = opt.rule(group)
     names = rule.buffers(p)
     # (older torch SGD without momentum kept momentum_buffer=None: nothing to adopt)

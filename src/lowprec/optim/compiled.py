@@ -1,23 +1,16 @@
-"""The compiled (fused) step: kernels and their cache; a tensor's compiled step prepared and run.
+"""The compiled (fused) step: the kernels and their cache, and a tensor's compiled step prepared
+(``prepare_fused``) and run (``run_fused``).
 
-``_compiled_kernel`` compiles ``update._param_update`` (or another function of ``update``) once
-per variant: optimizer, strategy, flags, loss-scaler mode and the tensors' device type and dtypes
-(``_signature``), with the Inductor settings the step's numerics need; ``_KERNELS`` caches them.
-``prepare_fused`` gathers what a compiled step of one contiguous tensor needs besides its
-gradient and the step's numbers (``_Fused``: flat views or words of pairs, ``pairs_plan``, and
-the kernels), which depends on layouts and dtypes alone, so a bucket keeps it;
-``run_fused`` runs it (a sums pass first for a rule with norms; the odd last element of pairs
-eagerly). A compilation failure (``_COMPILE_ERRORS``) leaves nothing written: the caller
-falls back to the eager step and ``_disable_fused`` turns the fused step off with a warning.
-Tests replace ``_compiled_kernel`` and ``pairs_plan``; other modules call them through this one.
+A kernel is ``update._param_update`` (or another function of ``update``) compiled once per variant
+(``_compiled_kernel``). A bucket keeps what ``prepare_fused`` makes. A compilation failure
+(``_COMPILE_ERRORS``) writes nothing: the caller steps eagerly and ``_disable_fused`` warns. Tests
+replace ``_compiled_kernel`` and ``pairs_plan``: call them through this module.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
-import time
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -61,13 +54,8 @@ except ImportError:  # pragma: no cover
     pass
 
 _KERNELS: dict[Any, _Kernel] = {}
-#: Rows of a block per compiled call of a parameter with 8-bit state (_run_fused_rows), per
-#: device type (a device not named takes CUDA's). CPU: 512K elements, whose temporaries (6 MB)
-#: stay in cache (256, 1024, 4096 and 8192 rows measured within 10% of it but 256, whose calls'
-#: overhead made it 2x slower). CUDA: no cache to keep them in, and each call costs its
-#: launches and ~30 us of host work, so 8M elements a call (a 25M-parameter step in 4 calls
-#: instead of 48), with at most a few hundred MB of temporaries. Not yet measured on a GPU:
-#: benchmarks/device_choices.py times 2048 rows, 32768 and the whole tensor.
+#: Rows of a block per compiled call of a parameter with 8-bit state, per device type (another
+#: takes CUDA's): docs/architecture.md, "Device choices".
 _QROWS = {"cpu": 2048, "cuda": 1 << 15}
 _PAIR_DTYPES = (torch.bfloat16, torch.float32)
 _ZERO_KEY = torch.zeros((), dtype=torch.int64)
@@ -76,7 +64,7 @@ _ZERO_KEY = torch.zeros((), dtype=torch.int64)
 def _key_tensors(
     lo: int | torch.Tensor, hi: int | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random key's halves as 0-d tensors for a compiled kernel (a constant zero when unused)."""
+    """The random key's halves as 0-d tensors (a constant zero where unused)."""
     if isinstance(lo, torch.Tensor):
         return lo, cast(torch.Tensor, hi)  # (both halves are tensors, or both numbers)
     if lo == 0 and hi == 0:
@@ -89,17 +77,13 @@ def _compiled_kernel(
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
     options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
 ) -> _Kernel:
-    """A compiled ``_param_update`` (or ``fn``) for one variant: the rule's math (not its
-    optimizer), storage, flags, and the ``signature`` of its tensors (``_signature``).
+    """``fn`` (default ``_param_update``) compiled for one variant, cached in ``_KERNELS``.
 
-    Each variant gets its own copy of the function's code object, so Dynamo keeps a separate
-    cache (and recompile budget) per variant instead of one shared by every optimizer. Everything
-    that changes the generated code is in the key: a dtype or device left out made one function
-    recompile for every combination a process stepped, until Dynamo's recompile limit raised.
-    Shapes are dynamic (parameters are passed flattened), so one compilation serves every size.
-    ``options``: Inductor settings on top of the ones below (``_MANY_OPTIONS``). ``fullgraph``
-    False lets Dynamo break the graph at a call it must not trace (``_whole_graph_breaks``).
-    """
+    The key holds everything that changes the generated code: the rule's math (not its optimizer),
+    storage, flags, scaler mode, ``signature`` (device type and dtypes), ``options``. Each variant
+    compiles its own copy of the code object, so Dynamo keeps a cache and recompile budget per
+    variant. Shapes are dynamic. ``fullgraph`` False: the rule may break the graph
+    (``Rule.graph_breaks``)."""
     key = (rule.math, rule.norm_terms, storage.name, tuple(sorted(flags.items())), scaled,
            fn.__name__, extra_key, tuple(sorted((options or {}).items())), signature, fullgraph)
     kernel = _KERNELS.get(key)
@@ -115,15 +99,11 @@ def _compiled_kernel(
             code = code.replace(co_name=name)
         variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
         variant.__kwdefaults__ = fn.__kwdefaults__
-        # emulate_precision_casts: without it Inductor folds x.to(bf16).float() into x, which
-        # would make the Kahan remainder w - round(w) zero and drop the compensation silently.
-        # cpp.dynamic_threads: the C++ kernel gets its parallel loop whatever the size it is
-        # first compiled for. Otherwise Inductor leaves out the parallel region when that size is
-        # small, and its on-disk cache then hands the single-threaded kernel to every later
-        # process and size (a test run on small tensors made a 25M-parameter step 1.4x slower).
-        # Random bits: Inductor's GPU threshold (30 ops) for storing a value its kernel reads
-        # twice, not torch 2.13's CPU one (50), under which the hash is written anew at each
-        # use: half a stochastic kernel's cold compile, the same C++ for AdamW's (compile_time.py).
+        # emulate_precision_casts: else x.to(bf16).float() folds to x and Kahan's remainder to 0.
+        # cpp.dynamic_threads: the parallel loop whatever size compiles first (the on-disk cache
+        # would hand a small size's single-threaded kernel to every size). Random bits: the
+        # GPU's realize threshold, else the hash is written anew at each use (half a cold
+        # compile). docs/architecture.md, "Tests and CI's time", has the figures.
         hash_ops = {"realize_opcount_threshold": 30} if storage.needs_random_bits else {}
         kernel = _Kernel(torch.compile(
             variant, dynamic=True, fullgraph=fullgraph,
@@ -140,16 +120,15 @@ def _signature(
     sbufs: dict[str, torch.Tensor],
     mbufs: dict[str, torch.Tensor],
 ) -> tuple[Any, ...]:
-    """What of a step's tensors besides their sizes decides a compiled kernel's code: the device
-    type and every dtype (``_compiled_kernel``'s key)."""
+    """The device type and every dtype of a step's tensors (part of a kernel's key)."""
     return (p.device.type, p.dtype, grad.dtype,
             *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
 
 
 def _fused_enabled(opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor) -> bool:
-    """Whether ``p``'s step is compiled: ``fused=True``, or the default (``fused=None``) where a
-    working compiler exists for its device (``_compiler``), unless ``LOWPREC_FUSED`` says
-    otherwise; never after this optimizer's compilation failed (``_disable_fused``)."""
+    """Whether ``p``'s step is compiled: ``fused=True``, or ``fused=None`` where
+    ``_default_compiles`` (warning once where it does not); never after a compile of ``opt`` failed.
+    """
     fused = group["fused"]
     if fused is False or core.stages(opt).fused_broken:
         return False
@@ -163,19 +142,15 @@ def _fused_enabled(opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor) -
 
 
 def _default_compiles(device_type: str) -> bool:
-    """Whether ``fused=None`` compiles the step on ``device_type`` (``LOWPREC_FUSED``, then
-    whether a compiler exists there)."""
+    """Whether ``fused=None`` compiles on ``device_type`` (``LOWPREC_FUSED``, ``_compiler``)."""
     mode = _default_mode()
     return mode == "fused" or (mode == "auto" and not _compiler(device_type))
 
 
 _WARNED: set[str] = set()
 def inductor_options() -> dict[str, bool]:
-    """Each Inductor option the compiled step is built with (``numerics.INDUCTOR_OPTIONS``) and
-    whether the installed torch's Inductor has it (a dotted name is looked up part by part). The
-    default step compiles only where every one exists (``_compiler``): Inductor refuses an
-    option it does not know, and without them the compiled step would not round as the eager one.
-    """
+    """Each Inductor option the kernels are compiled with (``numerics.INDUCTOR_OPTIONS``) and
+    whether this torch has it: the default step compiles only where all exist (``_compiler``)."""
     from lowprec.numerics import INDUCTOR_OPTIONS
 
     try:
@@ -194,44 +169,37 @@ def inductor_options() -> dict[str, bool]:
 
 
 _NO_OPTION = object()
-#: The first torch whose Inductor C++ backend keeps a value's round trip through BF16/FP16
-#: under ``emulate_precision_casts``. In torch 2.11 and 2.12 its ``to_dtype`` caches the inverse
-#: conversion unconditionally, so that ``x.to(bfloat16).float()`` of a value it has just rounded
-#: is the FP32 value again: Kahan's remainder ``w - w.to(p.dtype).float()`` compiles to zero, and
-#: a compiled Kahan step on FP16, or on BF16 off the pairs path, drops the compensation (measured
-#: on 2.11: tests/test_floor.py). Triton has no such cache.
+#: The first torch whose Inductor C++ code keeps a value's round trip through BF16/FP16: in
+#: 2.11 and 2.12 ``to_dtype`` caches the inverse cast, so Kahan's remainder compiles to zero
+#: off the pairs path (tests/test_floor.py). Triton has no such cache.
 _CPU_ROUND_TRIPS_KEPT = (2, 13)
 
 
 class RoundTripsDropped(RuntimeError):
-    """Raised (and caught: the step falls back to eager) where ``fused=True`` asks for a kernel
-    that this torch's Inductor C++ code would compile without Kahan's round trip through 16 bits
-    (``_CPU_ROUND_TRIPS_KEPT``), before anything is written."""
+    """Raised and caught (the step falls back to eager) before anything is written, where
+    ``fused=True`` asks for a kernel this torch's C++ code would compile without Kahan's round trip
+    through 16 bits (``_CPU_ROUND_TRIPS_KEPT``)."""
 
 
 def _cpu_drops_round_trips() -> bool:
-    """Whether this torch's Inductor C++ code drops a value's round trip through BF16/FP16
-    (``_CPU_ROUND_TRIPS_KEPT``)."""
+    """Whether this torch's C++ code drops a round trip through BF16/FP16."""
     version = torch.torch_version.TorchVersion(torch.__version__)
-    # (TorchVersion's comparisons, which take tuples, are set with setattr: to type checkers
-    # they are str's)
+    # (TorchVersion compares with tuples; type checkers see a str)
     older: bool = version < _CPU_ROUND_TRIPS_KEPT  # type: ignore[operator]
     return older
 
 
 def _round_trips_dropped(p: torch.Tensor) -> bool:
-    """Whether a compiled step of ``p`` (a 16-bit CPU tensor, off the pairs path) would lose a
-    value's round trip through its dtype in this torch."""
+    """Whether a compiled CPU step of 16-bit ``p``, off pairs, would drop it."""
     return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
             and _cpu_drops_round_trips())
 
 
 @functools.cache
 def _compiler(device_type: str) -> str:
-    """Why the default step cannot be compiled on ``device_type`` ("" where it can): Inductor
-    must have every option the step sets (``inductor_options``), the CPU needs the C++ compiler
-    Inductor looks for and a torch whose C++ code keeps low-precision round trips
-    (``_CPU_ROUND_TRIPS_KEPT``), CUDA needs Triton; other devices step eagerly."""
+    """Why the default step cannot compile on ``device_type``, or "": Inductor must have every
+    option (``inductor_options``); the CPU needs a C++ compiler and ``_CPU_ROUND_TRIPS_KEPT``, CUDA
+    Triton."""
     version = torch.torch_version.TorchVersion(torch.__version__)
     if device_type in ("cpu", "cuda"):
         missing = [name for name, found in inductor_options().items() if not found]
@@ -274,35 +242,9 @@ def _compiler(device_type: str) -> str:
     return f"no fused step on {device_type}"
 
 
-class CompileBudgetExceeded(RuntimeError):
-    """Raised (and caught: the step falls back to eager) where a new kernel would be compiled
-    after this process already spent its budget (``LOWPREC_COMPILE_BUDGET``) compiling."""
-
-
-_COMPILE_BUDGET_ENV = "LOWPREC_COMPILE_BUDGET"
-_COMPILE_BUDGET_S = 300.0
-#: Seconds this process spent in kernels' first calls (their compilation, and one run).
-_COMPILE_SPENT = [0.0]
-
-
-def _compile_budget() -> float:
-    value = os.environ.get(_COMPILE_BUDGET_ENV)
-    if value is None:
-        return _COMPILE_BUDGET_S
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{_COMPILE_BUDGET_ENV}={value!r} must be a number of seconds "
-                         "(e.g. 300, or inf for no budget).") from None
-
-
 class _Kernel:
-    """A compiled kernel that keeps count of its first call, the one that compiles it: once this
-    process has spent more than its budget in first calls (``_compile_budget``), a kernel not yet
-    called raises ``CompileBudgetExceeded`` instead of compiling, before anything is written, and
-    the optimizer steps eagerly from then on (``_disable_fused``). A compilation cannot be
-    interrupted, so the bound is the budget plus one compilation; Inductor's on-disk cache makes
-    a machine's later processes pay a fraction of it."""
+    """A compiled kernel, called with its tensors unviewed and Inductor's vector casts on;
+    ``warm`` once it has run (compiled)."""
 
     __slots__ = ("fn", "name", "warm")
 
@@ -310,35 +252,16 @@ class _Kernel:
         self.fn, self.name, self.warm = fn, name, False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _unviewed(args), _unviewed(kwargs)
-        if self.warm:
-            with vector_casts():  # (a call can recompile: a new pattern of sizes)
-                return self.fn(*args, **kwargs)
-        try:
-            budget = _compile_budget()
-        except ValueError as e:  # (raised mid-step, it would leave the step half taken)
-            raise CompileBudgetExceeded(str(e)) from None
-        if _COMPILE_SPENT[0] > budget:
-            raise CompileBudgetExceeded(
-                f"this process spent {_COMPILE_SPENT[0]:.0f} s compiling optimizer steps, past "
-                f"{_COMPILE_BUDGET_ENV}={budget:g} s, so {self.name} is not compiled"
-            )
-        start = time.perf_counter()
-        try:
-            with vector_casts():
-                out = self.fn(*args, **kwargs)
-        finally:
-            _COMPILE_SPENT[0] += time.perf_counter() - start
+        with vector_casts():  # (any call can compile: a new pattern of sizes)
+            out = self.fn(*_unviewed(args), **_unviewed(kwargs))
         self.warm = True
         return out
 
 
 def _unviewed(x: Any) -> Any:
-    """``x`` (tensors, in tuples and dicts too) with each view replaced by a detached alias (same
-    memory and version counter, no ``_base``): Dynamo guards a view's base (rank, size, duck
-    sizing), so one kernel compiled anew for a vector's view, a matrix's and a bucket's piece.
-    Aliases are still seen (AOTAutograd compares storages). Kept views are detached once where
-    they are made (``prepare_fused``, ``_run_fused_rows``), so a step adds no op per kept view."""
+    """``x`` (tensors, in tuples and dicts too) with each view replaced by a detached alias: Dynamo
+    guards a view's base, so one kernel compiled anew for each kind of base. Kept views are detached
+    where they are made, so a step adds no op per kept view."""
     if isinstance(x, torch.Tensor):
         return x.detach() if x._is_view() else x
     if isinstance(x, dict):
@@ -350,16 +273,12 @@ def _unviewed(x: Any) -> Any:
 
 def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
     core.stages(opt).fused_broken = True
-    if isinstance(error, CompileBudgetExceeded):
-        how = (f"set {_COMPILE_BUDGET_ENV} to a larger number of seconds to compile more, or "
-               "pass fused=False to silence this warning.")
-    elif isinstance(error, RoundTripsDropped):
+    if isinstance(error, RoundTripsDropped):
         how = "Upgrade torch for the fused step, or pass fused=False to silence this warning."
     else:
         how = ("Install a C++ compiler (CPU) or Triton (GPU), or pass fused=False to silence "
                "this warning.")
-    # (The cause: the first line, and the next where the first only introduces it, as
-    # BackendCompilerFailed's "backend='inductor' raised:" does.)
+    # (the cause: its first line, and the next where the first ends with ":")
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     cause = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
     warnings.warn(f"lowprec: the fused (torch.compile) optimizer step is unavailable here "
@@ -368,12 +287,9 @@ def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
 
 
 def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
-    """The view of a parameter (or its gradient) ``t`` that ``f``'s kernel takes: flat, or its
-    words of pairs of elements. Always a new view of ``t`` detached, even of a 1-d ``t``: handed
-    a 1-d parameter itself (a leaf that requires grad), a parameter's own call fails to compile
-    in Inductor, and handed a view of a BF16 parameter whose gradient is FP32 (``grad_dtype``
-    None), Dynamo's fake copy of it refuses the FP32 gradient. Detached after the view, so that
-    it is no view (``_unviewed``)."""
+    """The view of ``t`` (a parameter or its gradient) that ``f``'s kernel takes: flat, words of
+    pairs, or rows of a block; always a new view, detached (handed a leaf, or a view of a BF16
+    parameter with an FP32 gradient, Dynamo fails)."""
     if f.qkw:  # (8-bit or 4-bit state: rows of a block; see prepare_fused)
         return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"])).detach()
     v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
@@ -382,8 +298,7 @@ def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_bases(f: _Fused, pieces: list[slice]) -> list[torch.Tensor] | list[None]:
-    """Each piece's ``base`` for the random bits (the index of its first element in the whole
-    parameter, of its first pair for bfloat16; ``_random_bits``), made once per layout."""
+    """Each piece's ``base`` for the random bits (``update._random_bits``), made once."""
     if not f.storage.needs_random_bits:
         return [None] * len(pieces)
     cached = f.bases
@@ -414,38 +329,11 @@ class _Fused:
     rows: int
     sbufs: dict[str, torch.Tensor]
     shards: tuple[ProcessGroup, ...]
-    signature: tuple[Any, ...]
     start: int
     storage: MasterStorage
-    sums_fn: Callable[..., torch.Tensor] | None
     sums_kernel: _Kernel | None
-    update_fn: Callable[..., None]
     #: (flat views, or words of pairs, of the storage's and of the rule's buffers)
     views: tuple[dict[str, torch.Tensor], ...]
-
-    __slots__ = (
-        "base",
-        "bases",
-        "flags",
-        "kernel",
-        "mbufs",
-        "n",
-        "p",
-        "pairs",
-        "qkw",
-        "row_cuts",
-        "rows",
-        "rule",
-        "sbufs",
-        "shards",
-        "signature",
-        "start",
-        "storage",
-        "sums_fn",
-        "sums_kernel",
-        "update_fn",
-        "views",
-    )
 
 
 def prepare_fused(
@@ -463,22 +351,14 @@ def prepare_fused(
     qstate: QFormats = (),
     rows: int = 0,
 ) -> _Fused:
-    """What a compiled step of contiguous ``p`` under ``rule`` needs besides the gradient and
-    the step's numbers: flattened views (or words of pairs) of its buffers, and the kernel
-    variants.
-    It depends on the tensors' layouts and dtypes alone, so a recorded step keeps it
-    (``buckets``).
+    """What a compiled step of contiguous ``p`` needs besides its gradient and numbers: flat views
+    (or words of pairs, or rows of a block) of its buffers, and its kernels.
 
-    ``keyed``: per-word random keys (a gathered piece of BF16 parameters, on pairs or, off
-    the CPU, elementwise). ``start``: the
-    index of ``p``'s first element in a larger parameter whose random bits it takes (a DTensor's
-    shard; even on pairs), passed to the kernels as ``base``. ``shards``: the process groups
-    over which a DTensor shard's whole-tensor sums are added (``_norm_terms``). ``qstate``:
-    the buffers kept as codes (``update._param_update``; never on pairs). ``rows``: ``p`` and
-    every buffer are ``rows`` parameters of one size laid end to end (a bucket's piece,
-    ``buckets``), stepped as rows of a matrix, a rule's whole-tensor sums (``_norm_terms``)
-    made per row; 0: one parameter (or its piece).
-    """
+    ``keyed``: random keys per word (a gathered piece). ``start``: the index of ``p``'s first
+    element in a larger parameter (a DTensor's shard), the kernels' ``base``. ``shards``: the
+    process groups a shard's whole-tensor sums add over. ``qstate``: the buffers kept as codes
+    (never on pairs). ``rows``: ``p`` is that many parameters of one size, stepped as rows, a rule's
+    sums taken per row."""
     f = _Fused()
     flags = rule.flags
     f.rule, f.storage, f.flags, f.p, f.sbufs, f.mbufs = rule, storage, flags, p, sbufs, mbufs
@@ -500,8 +380,7 @@ def prepare_fused(
                               dtype=torch.int64)
     four = qstate_mod.four_bit(qstate)
     if qstate:
-        # Rows of a block (4-bit: its two halves), each quantized buffer's scales a column
-        # (_run_fused_rows steps them a piece of rows at a time).
+        # (rows of a block, 4-bit: its two halves; each quantized buffer's scales a column)
         role = {k: "codes" for k, _ in qstate}
         role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
         f.views = ({k: qstate_mod.rows(v, four) for k, v in sbufs.items()},
@@ -516,27 +395,24 @@ def prepare_fused(
     if rows:
         f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
     f.views = _unviewed(f.views)
-    # (The parameter's own view is made by each call, like the gradient's: a view kept here
-    # would keep its storage allocated after `p.data = ...` or `model.to(...)`.)
-    # The whole-tensor sums in a compiled pass of their own, so that the update pass
-    # recomputes what it needs instead of keeping full-size temporaries.
-    # The functions the kernels compile.
-    f.update_fn = _param_update if pairs is None else _param_update_pairs
-    f.sums_fn = None
+    # (the parameter's view is made by each call: one kept here would keep its storage alive
+    # after `p.data = ...`; whole-tensor sums are a pass of their own, so the update keeps no
+    # full-size temporaries)
     f.sums_kernel = None
-    f.signature = signature = _signature(p, grad, sbufs, mbufs)
+    signature = _signature(p, grad, sbufs, mbufs)
     # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
     codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
     rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
     if rule.norms:
-        f.sums_fn = _param_sums if pairs is None else _param_sums_pairs
         f.sums_kernel = _compiled_kernel(
-            rule, storage, flags, scaled=scaled, fn=f.sums_fn,
+            rule, storage, flags, scaled=scaled,
+            fn=_param_sums if pairs is None else _param_sums_pairs,
             extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
             signature=signature,
         )
     f.kernel = _compiled_kernel(
-        rule, storage, flags, scaled=scaled, fn=f.update_fn,
+        rule, storage, flags, scaled=scaled,
+        fn=_param_update if pairs is None else _param_update_pairs,
         extra_key=(*(codes_key if pairs is None else pairs),
                    *((("keys", "batched"),) if keyed else ()), *rows_key),
         signature=signature,
@@ -553,8 +429,7 @@ def run_fused(
     hi: int | torch.Tensor,
     extra: dict[str, Any],
 ) -> None:
-    """The compiled step prepared in ``f`` with gradient ``grad`` (raises compile errors before
-    writing anything)."""
+    """The step prepared in ``f`` with ``grad``; a compile error raises before any write."""
     if f.qkw:
         _run_fused_rows(f, grad, c32, lo, hi, extra)
         return
@@ -585,8 +460,7 @@ def run_fused(
         f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
                  storage=storage, math=math, flags=flags, **extra)
         return
-    # 16-bit strategies go through pairs of elements (vectorized); an odd last element
-    # takes the eager step, with its own index for the random bits.
+    # (an odd last element takes the eager step, with its own index for the random bits)
     f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=math,
              flags=flags, dtypes=pairs, **extra)
     if tail is not None:
@@ -605,13 +479,9 @@ def _run_fused_rows(
     hi: int | torch.Tensor,
     extra: dict[str, Any],
 ) -> None:
-    """The compiled step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` (per device
-    type) rows of a block (a rule with norms: every piece's sums first, then every piece's update).
-    Inductor writes the new moments and weights to full-size temporaries between its loops over the
-    rows; per piece they stay in cache and the allocator reuses them, where a step over a
-    16M-element parameter at once took 3.5x as long per element as one over 256K (2.8x faster in
-    all). Each piece's random bits are keyed by its elements' indices in the whole parameter
-    (``base``)."""
+    """The step of a parameter with 8-bit or 4-bit state, a call per ``_QROWS`` rows of a block (a
+    rule with norms: every piece's sums first): Inductor's full-size temporaries between its loops
+    stay in cache. Each piece's random bits are keyed by its elements' indices (``base``)."""
     pv, gv = _step_view(f, f.p), _step_view(f, grad)
     if f.row_cuts is None:  # (the pieces' views of the state, made once: f's tensors stay)
         sv, mv = f.views
@@ -638,30 +508,21 @@ def _run_fused_rows(
                  **kw, **extra, **({} if base is None else {"base": base}))
 
 
-# The strategies whose CPU step takes pairs of BF16 elements (32-bit words, ``storage``'s
-# ``load_pairs``/``store_pairs``): those that work on the bits (split's 16-bit trail,
-# stochastic rounding's random bits), for which the pairs kernel is the faster. For the others
-# the elementwise kernel is the faster, with the same bits (Inductor vectorizes BF16 <-> FP32
-# itself; the pairs kernel unpacks words with integer shifts). AdamW, BF16, 25M parameters in 32
-# tensors, Zen 3 (AVX2), torch 2.13, 2 threads, ms a step, pairs -> elementwise: kahan 57.0 ->
-# 33.0, none 59.1 -> 44.0, fp32 79.8 -> 37.0; LAMB kahan 116 -> 62; SGD kahan 45.4 -> 27.2; but
-# split 67.4 -> 113.5 and stochastic 63.0 -> 113.2 (benchmarks/fast_path.py's pairs column).
+# The strategies whose BF16 CPU step takes pairs of elements (32-bit words): those that work on
+# the bits, where the pairs kernel is 1.7-1.8x faster; for the others the elementwise kernel is
+# (docs/architecture.md, "The step's host cost: designs measured").
 _PAIRS_FASTER = ("split", "stochastic")
 
 
 def _pairs_pay(storage: MasterStorage) -> bool:
     """Whether a BF16 CPU step under ``storage`` takes the pairs kernel: where it is the faster
-    (``_PAIRS_FASTER``), and for Kahan where this torch's Inductor C++ code would drop the
-    compensation's round trip in the elementwise kernel (``_CPU_ROUND_TRIPS_KEPT``)."""
+    (``_PAIRS_FASTER``), and for Kahan where this torch drops the round trip elsewhere."""
     return storage.name in _PAIRS_FASTER or (storage.name == "kahan"
                                              and _cpu_drops_round_trips())
 
 
 def pairs_device(device: torch.device) -> bool:
-    """Whether a step on ``device`` may take the pairs kernel (``pairs_plan``): the CPU's, where
-    Inductor's C++ code vectorizes integer words it cannot vectorize as 16-bit elements. Off
-    it the elementwise kernel takes a gathered piece's per-word random keys
-    (``update._random_bits``)."""
+    """Whether a step on ``device`` may take the pairs kernel: the CPU's."""
     return device.type == "cpu"
 
 
@@ -673,13 +534,9 @@ def pairs_plan(
     sbufs: dict[str, torch.Tensor],
     mbufs: dict[str, torch.Tensor],
 ) -> PairDtypes | None:
-    """The ``dtypes`` of a fused step on pairs of elements, or None where it does not apply.
-
-    Pairs are for CPU steps of the strategies that provide them (``storage.pairs_ok``: every
-    strategy on bfloat16 parameters) where they are the faster kernel or the only correct one
-    (``_pairs_pay``), elementwise rules or rules whose only reductions are ``_norm_terms``, and
-    gradients and buffers in bfloat16 or FP32 whose flat views start on a pair boundary.
-    """
+    """The ``dtypes`` of a fused step on pairs of elements, or None: a CPU step of a strategy with
+    pairs (``pairs_ok``) where they pay (``_pairs_pay``), a rule that is not whole-tensor, and
+    gradient and buffers in BF16 or FP32 starting on a pair boundary."""
     if (
         not storage.pairs_ok(p.dtype) or not _pairs_pay(storage)
         or p.numel() < 2 or p.storage_offset() % 2

@@ -1,16 +1,9 @@
-"""What an optimizer's step reads of it: ``OptimizerCore`` (the update rule's interface that
-subclasses implement), a group's ``Rule`` (``OptimizerCore.rule``), what the step keeps between
-steps (``Stages``, ``stages``), and the step's interface to the groups and their state: the
-groups' checks (``validate_group``, ``validate_options``, ``step_options``, ``collect``,
-``check_param``, ``check_grad``, ``check_state``) and the state's layout (``init_state``,
-``new_buffer``, ``state_dtype``, ``qformats``, ``state_tensors``, ``math_state``).
+"""What an optimizer's step reads of it: ``OptimizerCore`` (the update rule's interface that the
+optimizers implement), a group's ``Rule``, what the step keeps between steps (``Stages``), and the
+functions the step's modules call for the groups' checks and the state's layout.
 
-``LowPrecisionOptimizer`` (``base``) is ``OptimizerCore`` with what a caller meets added
-(``add_param_group``, ``step``, ``state_dict``, ``master_weight``). The step's modules
-(``driver``, ``buckets``, ``param_step``, ``compiled``, ``in_backward``, ``shards``,
-``checkpoint``) take an ``OptimizerCore`` and call these functions: only this module reads the
-optimizer's private members (``tests/test_layout.py`` counts), and it imports none of those
-modules, so they and ``base`` form no import circle, type annotations included.
+Only this module reads the optimizer's private members (``tests/test_layout.py`` counts), and it
+imports none of the step's modules, so they and ``base`` form no import circle.
 """
 
 from __future__ import annotations
@@ -41,16 +34,11 @@ __all__ = ["OptimizerCore", "Rule", "Stages", "check_grad", "check_param", "chec
 
 @dataclass(frozen=True, eq=False)
 class Rule:
-    """A group's update rule as the step takes it (``OptimizerCore.rule``), so that the step's
-    modules read its math, flags and kind here and nothing of the optimizer.
-
-    ``kind``: ``"elementwise"`` (no reduction over the tensor: chunked, gathered into buckets,
-    on pairs), ``"norms"`` (elementwise but for whole-tensor sums of ``norm_terms``: LAMB,
-    StableAdamW; two passes, a bucket's parameters of one size as rows), or ``"whole"`` (each
-    parameter in its own shape, one call: Adafactor, Muon; compiled where ``compiles`` and the
-    step is fused, as two graphs around a call it must not trace where ``graph_breaks``).
-    The compiled kernels are keyed by ``math`` (with ``norm_terms``), not by the optimizer: rules
-    that are one function share them (AdamW's, Adam's and Muon's AdamW groups')."""
+    """A group's update rule as the step takes it (``OptimizerCore.rule``): its math, flags, kind
+    and buffers. ``kind``: ``"elementwise"``; ``"norms"`` (elementwise but for whole-tensor sums of
+    ``norm_terms``: two passes, a bucket's parameters of one size as rows); or ``"whole"`` (each
+    parameter in its own shape, one call: compiled where ``compiles``, as two graphs around a call
+    it must not trace where ``graph_breaks``). Kernels are keyed by ``math``, not the optimizer."""
 
     math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     flags: dict[str, Any]
@@ -80,9 +68,7 @@ class Rule:
 
 @dataclass(eq=False)
 class Stages:
-    """What the step's stages keep on an optimizer from one step to the next (``stages``): one
-    typed record, each field written by one module, where they were attributes set through the
-    optimizer's ``__dict__``."""
+    """What the step's modules keep on an optimizer from one step to the next (``stages``)."""
 
     #: ``capturable=True`` (``base``): every step makes its numbers on the device.
     capturable: bool = False
@@ -111,7 +97,7 @@ class Stages:
 
 
 def stages(opt: OptimizerCore) -> Stages:
-    """The record of what ``opt``'s step keeps between steps (made with the optimizer)."""
+    """The record of what ``opt``'s step keeps between steps."""
     got = opt.__dict__.get("_stages")
     if got is None:  # (an optimizer unpickled from before it had one)
         got = opt.__dict__["_stages"] = Stages()
@@ -119,20 +105,16 @@ def stages(opt: OptimizerCore) -> Stages:
 
 
 def host_counts(opt: OptimizerCore, device: torch.device) -> bool:
-    """Whether a step reads the step counts of ``opt``'s parameters on ``device`` on the host and
-    takes the group's host numbers: on the CPU (``loss_scale._host_counts``), where that costs no
-    synchronisation, unless the optimizer was made ``capturable``. Elsewhere every step, plain or
-    scaled, makes its numbers on the device from the counts kept there (``scaled_numbers``), so
-    that it reads no tensor value on the host and a CUDA graph can hold it."""
+    """Whether a step reads the counts of ``opt``'s parameters on ``device`` on the host and takes
+    the group's host numbers: on the CPU (``loss_scale._host_counts``), unless ``capturable``.
+    Elsewhere every step makes its numbers on the device, reading nothing on the host."""
     return not stages(opt).capturable and loss_scale._host_counts(device)
 
 
 class OptimizerCore(Optimizer):
-    """A ``torch.optim.Optimizer`` with an update rule and a master-weight storage per group:
-    the part of ``LowPrecisionOptimizer`` the step reads. Subclasses implement the update
-    rule's interface (``_validate_hparams``, ``_math_buffers``, ``_init_math_buffer``,
-    ``_coefficients``, ``_flags``, ``_math``) and, where they need them, its options
-    (``_whole``, ``_elementwise``, ``_norm_terms``, ``_buffer_shape``)."""
+    """A ``torch.optim.Optimizer`` with an update rule and a master-weight storage per group: what
+    the step reads. Subclasses implement the rule's interface below (``_coefficients`` and ``_math``
+    at least)."""
 
 
     # ------------------------------------------------------------------ subclass interface
@@ -141,15 +123,13 @@ class OptimizerCore(Optimizer):
         """Raise ``ValueError`` for invalid hyperparameters in ``group``."""
 
     def _math_buffers(self, group: dict[str, Any], p: torch.Tensor | None = None) -> tuple[str, ...]:
-        """Names of the per-parameter state tensors the update rule keeps (e.g. momentum), for
-        parameter ``p`` (Adafactor's depend on its number of dimensions; every caller that has
-        the parameter passes it)."""
+        """Names of the state tensors the rule keeps for ``p`` (for None: the group's; Adafactor's
+        depend on ``p``'s number of dimensions)."""
         return ()
 
     def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
-        """The shape of buffer ``name`` of ``p`` where it is not ``p``'s (Adafactor's row and
-        column statistics); such buffers are kept in FP32 whatever ``state_dtype`` says (they are
-        O(rows + columns)). None: shaped like ``p``, in the state dtype."""
+        """A buffer's shape where it is not ``p``'s (kept in FP32 whatever ``state_dtype`` says);
+        None: shaped as ``p``, in the state dtype."""
         return None
 
     #: A whole-tensor rule (``_whole``) whose step compiles as one graph in the parameter's shape
@@ -163,11 +143,8 @@ class OptimizerCore(Optimizer):
     _whole_graph_breaks = False
 
     def _whole(self, group: dict[str, Any]) -> bool:
-        """Whether the rule needs each parameter of ``group`` whole and in its own shape (Muon's
-        Newton-Schulz matmuls, Adafactor's row and column means): each such parameter then takes
-        one call of ``_math`` on its unflattened tensors, compiled where ``_whole_compiles`` and
-        the step is fused, else eager (never chunks, pairs or buckets),
-        and a DTensor parameter sharded across ranks is refused."""
+        """Whether the rule needs each parameter of ``group`` whole, in its own shape (one call of
+        ``_math``, never chunks, pairs or buckets; a sharded DTensor is refused)."""
         return False
 
     #: The rule is elementwise (no reduction over the tensor), so the eager step may process a
@@ -192,11 +169,11 @@ class OptimizerCore(Optimizer):
         return 0.0
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        """The update rule's per-step scalars, computed on the host (lr, bias corrections...)."""
+        """The rule's per-step scalars (lr, bias corrections...), on the host."""
         raise NotImplementedError
 
     def _flags(self, group: dict[str, Any]) -> dict[str, Any]:
-        """Static switches of the update rule (e.g. ``amsgrad``); each combination is a variant."""
+        """Static switches of the rule (e.g. ``amsgrad``): each combination is a kernel."""
         return {}
 
     @staticmethod
@@ -212,8 +189,7 @@ class OptimizerCore(Optimizer):
         raise NotImplementedError
 
     def rule(self, group: dict[str, Any]) -> Rule:
-        """The update rule of ``group`` as the step takes it: its math, flags and kind (a rule
-        that is neither elementwise nor names its whole-tensor sums takes each tensor whole).
+        """The update rule of ``group`` as the step takes it: its math, flags and kind.
 
         Args:
             group: One of ``param_groups``.
@@ -231,9 +207,8 @@ class OptimizerCore(Optimizer):
     def _first_use_coefficients(
         self, group: dict[str, Any], step: int | torch.Tensor
     ) -> dict[str, Any]:
-        """The coefficients of a parameter's first step with buffers created late (an option
-        turned on after its first step: ``collect``'s ``late``). Default: the step's own; SGD's
-        momentum buffer starts as the step's direction, as torch.optim's does."""
+        """The coefficients of a first step with buffers created late (default: the step's own;
+        SGD's momentum starts as the step's direction, as torch's does)."""
         return self._coefficients(group, step)
 
     def _group_math(self, group: dict[str, Any]) -> Callable[..., Any]:
@@ -242,10 +217,9 @@ class OptimizerCore(Optimizer):
 
 
 def step_flags(opt: OptimizerCore, group: dict[str, Any]) -> dict[str, Any]:
-    """The static switches of ``group``'s step: its rule's (``_flags``) and ``maximize``, which
-    the step applies to the gradient before the rule sees it (``update._descent``). Switches,
-    not coefficients: a select on a 0-d coefficient in every element's update made the
-    compiled step 5-15% slower (docs/architecture.md, "How a step flows")."""
+    """The static switches of ``group``'s step: its rule's and ``maximize``, which the step applies
+    to the gradient (``update._descent``). Switches, not coefficients: a select on a 0-d coefficient
+    in every element made the compiled step 5-15% slower (docs/architecture.md)."""
     return {**opt._flags(group), "maximize": bool(group.get("maximize", False))}
 
 
@@ -255,8 +229,7 @@ def step_flags(opt: OptimizerCore, group: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate_group(opt: OptimizerCore, group: dict[str, Any], index: int) -> list[MasterStorage]:
-    """Validate a group's options and parameters; returns each parameter's storage strategy
-    (resolved once per dtype)."""
+    """Validate a group's options and parameters; returns each parameter's storage."""
     validate_options(opt, group, index)
     where = f"parameter group {index}"
     storages: dict[torch.dtype, MasterStorage] = {}
@@ -312,17 +285,16 @@ def validate_options(opt: OptimizerCore, group: dict[str, Any], index: int) -> N
 
 
 def step_options(opt: OptimizerCore, group: dict[str, Any]) -> tuple[Any, ...]:
-    """A group's options that shape a step beyond its coefficients (its strategy, state format,
-    ``fused``, seed, the rule's buffers and flags): the buckets (``driver.step_buckets``) and
-    the update inside backward step a group only while they stay the same."""
+    """A group's options that shape a step beyond its coefficients: buckets and the update inside
+    backward step a group only while they stay the same."""
     return (group["master"], group["state_dtype"], group["fused"], group["seed"],
             opt._math_buffers(group), step_flags(opt, group))
 
 
 def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) -> torch.dtype:
-    """The dtype of the update rule's buffers for ``p``: ``torch.uint8`` where they are kept
-    as 8-bit or 4-bit codes (``qstate``; the group's ``state_dtype`` says which), FP32 for
-    the parameters too small for that."""
+    """The dtype of the rule's buffers for ``p``: ``torch.uint8`` for 8-bit or 4-bit codes (FP32 for
+    parameters too small for them), ``state_dtype``, or FP32 for ``"fp32"``/``"split"``, else
+    ``p``'s."""
     if group["state_dtype"] in qstate.BITS:
         return torch.uint8 if qstate.qualifies(p) else torch.float32
     if group["state_dtype"] is not None:
@@ -333,11 +305,8 @@ def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) 
 
 
 def collect(opt: OptimizerCore, late: list[WorkItem] | None = None) -> list[WorkItem]:
-    """Validate every group, gradient and state; return the work list. Writes nothing.
-
-    ``late`` collects the work items whose state lacks a buffer the update rule now keeps
-    (an option turned on after the parameter's first step, e.g. SGD's momentum going from 0
-    to 0.9): ``driver.run`` creates it, as torch.optim creates its buffers lazily."""
+    """Validate every group, gradient and state; return the work list. Writes nothing. ``late``
+    collects the items whose state lacks a buffer an option turned on since their first step."""
     work: list[WorkItem] = []
     index = -1
     expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
@@ -367,9 +336,8 @@ def check_param(
     where: tuple[int, int],
     expected: dict[Any, dict[str, torch.dtype]],
 ) -> bool:
-    """Raise ``ValueError`` unless ``p``'s gradient (present) and state fit it; True where
-    its state lacks buffers the rule now keeps (``collect``'s ``late``). ``expected``
-    caches ``_expected_state`` per kind of parameter across calls."""
+    """Raise ``ValueError`` unless ``p``'s gradient and state fit it; True where its state lacks
+    buffers the rule now keeps. ``expected`` caches ``_expected_state`` per kind of parameter."""
     check_grad(p, where)
     state = opt.state.get(p)
     if not state:
@@ -381,7 +349,7 @@ def check_param(
 
 
 def check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
-    """Raise ``ValueError`` unless ``p``'s gradient (present) is dense and shaped as ``p``."""
+    """Raise ``ValueError`` unless ``p``'s gradient is dense and shaped as ``p``."""
     g = cast(torch.Tensor, p.grad)  # (present: collect steps parameters with gradients)
     gi, pi = where
     if g.is_sparse:
@@ -414,9 +382,7 @@ def _expected_state(
 def qformats(
     opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
 ) -> tuple[tuple[str, str], ...]:
-    """The update rule's buffers that ``state`` (of ``p``) keeps as codes, each with its
-    format (``update._param_update``'s ``qstate``: signed or not, and the group's 8 or 4
-    bits; ``check_state`` has checked that the codes are of that width)."""
+    """The rule's buffers that ``state`` keeps as codes, each with its format (``qstate.fmt``)."""
     bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
     return tuple((k, qstate.fmt(k not in opt._nonnegative_buffers, bits))
                  for k in opt._math_buffers(group, p) if qstate.scale_key(k) in state)
@@ -425,8 +391,7 @@ def qformats(
 def state_tensors(
     opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """The update rule's state tensors of a parameter ``p``: its buffers, and the scales of
-    those kept as codes (``"<name>_scale"``)."""
+    """The rule's state tensors of ``p``: its buffers and the codes' scales."""
     names = opt._math_buffers(group, p)
     out = {k: state[k] for k in names}
     out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
@@ -436,8 +401,7 @@ def state_tensors(
 def math_state(
     opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """The update rule's buffers of ``p`` as FP32 values (8-bit or 4-bit codes decoded,
-    shaped as ``p``)."""
+    """The rule's buffers of ``p`` as FP32 values (codes decoded, shaped as ``p``)."""
     fmts = dict(qformats(opt, group, state, p))
     return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
                                  qstate.is_signed(fmts[k]), p.shape)
@@ -453,8 +417,8 @@ def state_layout(
     opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor,
     expected: dict[str, torch.dtype],
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The dtype and shape of each state tensor of ``p`` (``expected``: ``_expected_state``):
-    a quantized buffer's scales one per block, 4-bit codes flat (two per byte)."""
+    """The dtype and shape of each state tensor of ``p`` (``expected``: ``_expected_state``): scales
+    one per block, 4-bit codes flat (two a byte)."""
     scale_of = _scales_of(expected)
     bits = qstate.BITS.get(group["state_dtype"], 8)
     return {name: (dtype, tuple(qstate.scale_shape(p) if name in scale_of
@@ -472,8 +436,8 @@ def check_state(
     where: str | tuple[int, int],
     expected: dict[str, torch.dtype] | None = None,
 ) -> tuple[str, ...]:
-    """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns
-    the update rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
+    """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns the
+    rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
     if isinstance(where, tuple):  # (group, parameter): formatted only for an error
         where = f"parameter group {where[0]}, parameter {where[1]}"
     if state.get("master") != storage.name:
@@ -507,10 +471,9 @@ def init_state(
     opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
     preview: bool = False, out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """A new state for ``p``. ``preview``: the state its first step would create, for a
-    look ahead (``diagnostics.UpdateMonitor``): the FP32 value kept for ``p`` is read,
-    not taken, and ``p`` is not written. ``out``: tensors (of ``state_layout``) the state is
-    written into, by name (``driver.new_state``: views of the buckets' flat buffers)."""
+    """A new state for ``p``. ``preview``: the state its first step would create
+    (``diagnostics.UpdateMonitor``): the kept FP32 value read, not taken, and ``p`` not written.
+    ``out``: tensors (of ``state_layout``) written in place, by name (``driver.new_state``)."""
     if is_dtensor(p):  # (a checkpoint's state adopted for a DTensor: checkpoint._adopt_state)
         # (computed on its shard, kept as DTensors placed as p)
         mark_blocks(p)
@@ -542,9 +505,8 @@ def new_buffer(
     opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """A new buffer ``name`` of the update rule, as state entries: the buffer, and for
-    codes (``dtype`` ``torch.uint8``; 8 or 4 bits as the group says) its scales; ``out``:
-    the tensor a buffer of ``p``'s shape is filled in (no other made)."""
+    """A new rule buffer ``name`` as state entries: the buffer and, for codes (``dtype`` uint8), its
+    scales; ``out``: the tensor a buffer of ``p``'s shape is filled in."""
     value = opt._init_math_buffer(name, p, group)
     shape = opt._buffer_shape(name, p)
     if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)

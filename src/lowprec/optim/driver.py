@@ -1,23 +1,12 @@
 """What ``step()`` does after its closure: one grouping, the buckets, from the first step on.
 
-``step()`` (``base``) makes a ``StepContext`` of the loss scaler's inputs and calls ``run``. A
-group's parameters are laid out in buckets (``flatten``: which parameter goes where, ``_kind``;
-each bucket a ``buckets._Bucket``, a parameter that cannot be gathered with others a bucket of
-one) as soon as their state exists, so every step, the first included, goes through
-``step_buckets``: a few calls per bucket whatever the number of tensors, and the parameters no
-bucket takes (whole-tensor rules, one-element or non-contiguous tensors, ...) each by its own
-step (``param_step.step_param``). The first step, or one after something the buckets were made
-for changed (a parameter rebound, state loaded), validates every parameter (``core.collect``,
-raising before anything is written), creates the missing state, lays the buckets out again and
-steps through them. ``full_step``, every parameter on its own and eager, is left for what the
-buckets decline: buffers an option turned on since a parameter's last step
-(``param_step.step_late``). Nothing is recorded and replayed: a bucket keeps its compiled
-calls, and that is the whole cache.
-
-The update inside backward (``in_backward``) steps its parameters through the same buckets, and
-a DTensor's parameters are stepped as their local shards (``shards.local_shards``), in buckets
-of their own (those whose whole-tensor sums add every rank's stepped in the parameters'
-order, ``step_buckets``).
+``run`` steps through the buckets (``step_buckets``). Where they decline (the first step, or
+something they were laid out for changed) ``stages`` validates every parameter (``core.collect``,
+raising before anything is written), creates the missing state in the buckets' flat buffers
+(``new_state``), lays them out (``flatten``) and steps through them. ``full_step``, every parameter
+on its own and eager, takes only buffers an option turned on since a parameter's last step. The
+update inside backward and DTensor shards go through the same buckets. docs/architecture.md, "How a
+step flows", tells the whole path.
 """
 
 from __future__ import annotations
@@ -46,11 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class StepContext:
-    """What one ``step()`` hands its stages: the loss scaler's inputs (``torch.amp.GradScaler``'s
-    contract, ``OptimizerCore.step``) and how the kernels take them (``scaled``:
-    ``"unscale"`` with a scale, ``"skip"`` with ``found_inf`` alone, False without either;
-    ``loss_scale._Scaling.mode``). Each stage keeps its own working numbers (a ``memo``, a
-    ``_Scaling``): one that declines leaves none behind."""
+    """What one ``step()`` hands its stages: the loss scaler's inputs and how the kernels take them
+    (``scaled``: ``"unscale"`` with a scale, ``"skip"`` with ``found_inf`` alone, else False)."""
 
     grad_scale: torch.Tensor | float | None = None
     found_inf: torch.Tensor | None = None
@@ -77,9 +63,8 @@ def run(opt: OptimizerCore, ctx: StepContext) -> None:
 
 
 def stages(opt: OptimizerCore, ctx: StepContext) -> None:
-    """The buckets' step; where they decline (the first step, or something they were made for
-    changed), validate, create the missing state, lay them out and try again; ``full_step``
-    only for what they still decline."""
+    """The buckets' step; where they decline, validate, create the missing state, lay them out and
+    try again; ``full_step`` only for what they still decline."""
     if step_buckets(opt, ctx):
         return
     late: list[WorkItem] = []
@@ -93,14 +78,10 @@ def stages(opt: OptimizerCore, ctx: StepContext) -> None:
 
 
 def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
-    """Create the state of ``work``'s parameters (which have none; lazily, with only the
-    buffers each strategy needs) where the buckets will keep it: one flat buffer per group and
-    state tensor for the parameters a bucket will gather, each parameter's share a view, in the
-    order ``flatten`` puts them, so that each bucket takes its share as its flat buffer
-    (``_Bucket``): the state is written once, no buffer copied (docs/architecture.md,
-    "Buckets": the figures). A parameter left out (a whole-tensor rule, an odd size, a
-    DTensor's shard, ...) has its state made as its own tensors. Returns the flat buffers'
-    ids, for ``flatten``."""
+    """Create the state of ``work``'s parameters (which have none) where the buckets will keep it:
+    one flat buffer per group, dtype, strategy and state tensor, each parameter's share a view, in
+    ``flatten``'s order, so a bucket takes its run of views as its flat buffer. A parameter no
+    bucket gathers gets tensors of its own. Returns the flat buffers' ids, for ``flatten``."""
     shards = core.stages(opt).shard_offsets or {}
     rules = {id(group): opt.rule(group) for group in opt.param_groups}
     need: dict[Any, list[tuple[int, str, tuple[int, ...]]]] = {}
@@ -109,8 +90,7 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
         if _own_step(rules[id(group)], p) or p.numel() % 2 or id(p) in shards:
             continue
         expected = core._expected_state(opt, group, p, storage)
-        # (keyed as a bucket is, _kind: parameters of another dtype or strategy never share
-        # a buffer, so that a bucket takes its run of views whole, none kept alive unused)
+        # (keyed as a bucket is, so that a bucket takes its run of views whole)
         for name, (dtype, shape) in core.state_layout(opt, group, p, expected).items():
             need.setdefault((id(group), p.dtype, storage.name, name, dtype, p.device), []).append(
                 (id(p), name, shape))
@@ -128,9 +108,8 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
 def full_step(
     opt: OptimizerCore, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
 ) -> None:
-    """Every parameter of ``work`` (validated by ``core.collect``) on its own: check the gradients
-    under a loss scaler, create the buffers an option turned on (``late``:
-    ``param_step.step_late``), step the others (``param_step.step_param``)."""
+    """Every parameter of ``work`` on its own (the reference the buckets are tested against): the
+    buffers an option turned on (``late``: ``param_step.step_late``), then the others."""
     memo = Memo()
     got = _scaling(opt, ctx, work)
     if got is True:
@@ -145,10 +124,9 @@ def full_step(
 
 
 def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Scaling | bool:
-    """How the step of ``work`` takes ``ctx``'s loss scaler, decided before anything is written:
-    True, skipped; False, the plain step (no scaler, or, where the counts are read on the host,
-    ``core.host_counts``, the gradients unscaled in place: ``loss_scale.skipped_on_host``); else
-    the kernels take the scaler's inputs (``_Scaling``)."""
+    """How ``work``'s step takes the loss scaler, decided before anything is written: True, skipped;
+    False, the plain step (no scaler, or gradients unscaled in place on the host:
+    ``loss_scale.skipped_on_host``); else the kernels take its inputs (``_Scaling``)."""
     if not ctx.scaled:
         return False
     reduce = core.stages(opt).shard_reduce
@@ -163,33 +141,26 @@ def _kind(
     opt: OptimizerCore, rule: Rule, group: dict[str, Any], p: torch.Tensor,
     storage: MasterStorage,
 ) -> tuple[Any, ...] | None:
-    """The bucket key of ``p`` (device, dtype, strategy, its state's names, dtypes and elements
-    of ``p`` per element; a key of its own where ``p`` cannot be gathered with others: a bucket
-    of one), or None where ``p`` is stepped on its own: a whole-tensor ``rule``, or a layout
-    the flat buffers cannot hold."""
+    """``p``'s bucket key (device, dtypes, strategy, its state's layout; ``id(p)`` last where it
+    must be a bucket of one), or None where it is stepped on its own."""
     state = opt.state.get(p)
     if _own_step(rule, p) or not state:
         return None
     keyed = storage.needs_random_bits
-    # (a DTensor's shard, ``shards.local_shards``: its state stays in tensors of its own,
-    # gathered per piece, since torch 2.13 cannot deep-copy a DTensor over a view of a flat
-    # buffer, as copy.deepcopy(opt.state_dict()) does: "Attempted to call copy_() on an invalid
-    # python storage")
+    # (a DTensor's shard keeps its state in tensors of its own: torch 2.13 cannot deep-copy a
+    # DTensor over a view of a flat buffer, as copy.deepcopy(opt.state_dict()) does)
     shard = id(p) in (core.stages(opt).shard_offsets or {})
-    # A bucket of one: an odd size (it would put the next tensor's words off their pair
-    # boundary); random bits keyed per word of a piece need words of BF16 pairs; a shard
-    # keyed from its offset in the whole parameter, or whose whole-tensor sums add every rank's
-    # (stepped in the parameters' order: step_buckets); codes are never stepped on pairs, nor
-    # their rows' sums taken per row.
+    # A bucket of one: an odd size (the next tensor's words off their pair boundary); random
+    # bits keyed per word without BF16 pairs; a shard keyed from its offset, or whose sums add
+    # every rank's; codes with random keys or norms (never on pairs, nor rows).
     alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
              or (shard and rule.norms and bool(reduce_groups(opt, p))))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):
         return None
-    # 8-bit and 4-bit codes (one byte per element, or per two) and their scales (one per block):
-    # every parameter that has them is whole blocks, so its scales' share of a flat buffer
-    # starts where its elements' would.
+    # (codes: a byte per element, or per two; scales: one per block. A parameter with codes
+    # is whole blocks, so its scales' share of a flat buffer starts where its elements' would.)
     per: dict[str, int] = {}
     for name, f in core.qformats(opt, group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
@@ -211,24 +182,20 @@ def _kind(
 
 
 def _own_step(rule: Rule, p: torch.Tensor) -> bool:
-    """Whether ``p`` is stepped on its own, in no bucket: a whole-tensor ``rule``, one element,
-    or a layout the flat buffers cannot hold."""
+    """Whether ``p`` is in no bucket: a whole-tensor ``rule``, one element, or not contiguous."""
     return rule.whole or p.numel() < 2 or not p.is_contiguous()
 
 
 def _order(p: torch.Tensor, norms: bool) -> tuple[bool, int]:
-    """Where ``p`` goes in its bucket (``flatten``, and ``new_state``, which lays new state out
-    in the same order): the large parameters first, each a piece of its own; the small ones
-    after them, together, so that their pieces gather many (``_pieces``); for a rule with
-    whole-tensor sums, which steps a piece's parameters as rows, equal sizes side by side."""
+    """Where ``p`` goes in its bucket: the large parameters first, each a piece of its own, then the
+    small ones, gathered; for a rule with norms, equal sizes side by side."""
     return p.numel() < _gathered(p.device), p.numel() if norms else 0
 
 
 class _Layout:
-    """An optimizer's buckets, and what they were made for: its groups, their parameters and
-    options (``core.step_options``); the parameters stepped on their own (``rest``: group,
-    position, index), and each bucketed parameter's bucket and position in it (``where``: the
-    update inside backward)."""
+    """An optimizer's buckets and what they were made for: its groups, their parameters and options
+    (``core.step_options``); the parameters stepped on their own (``rest``: group, position, index);
+    each bucketed parameter's bucket and position (``where``)."""
 
     __slots__ = ("buckets", "groups", "rest", "where")
 
@@ -248,7 +215,7 @@ class _Layout:
         )
 
     def same_options(self, opt: OptimizerCore) -> bool:
-        """Whether each group's options and flags are those its buckets' calls were made for."""
+        """Whether each group's options are those its buckets were made for."""
         return all(core.step_options(opt, g) == options for g, _, options in self.groups)
 
 
@@ -258,14 +225,12 @@ def buckets_of(opt: OptimizerCore) -> _Layout | None:
 
 
 def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
-    """Lay the buckets out once the state exists (``driver.stages``: before the first step,
-    and again where anything they were made for changed); keeps the buckets that still hold.
-    ``fresh``: the ids of the flat buffers ``new_state`` made for this step's new state."""
+    """Lay the buckets out (the first step, and after a change), keeping those that still hold.
+    ``fresh``: the flat buffers ``new_state`` made for this step's new state."""
     old = buckets_of(opt)
     kept: dict[Any, _Bucket] = {}
     if old is not None and old.same_groups(opt):
-        # (a bucket's prepared calls were compiled for its group's options and flags: kept
-        # only where those are the same, e.g. not after amsgrad=True)
+        # (a bucket is kept only where its group's options and flags are the same)
         same = {id(g) for g, _, options in old.groups if core.step_options(opt, g) == options}
         kept = {(b.kind, *map(id, b.params)): b for b in old.buckets
                 if id(b.group) in same and b.current(opt)}
@@ -295,23 +260,19 @@ def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
 
 
 def laid_out(opt: OptimizerCore) -> bool:
-    """Whether the buckets ``flatten`` laid out still hold: the same groups, parameters, options
-    and flags, and every bucket's parameters and state entries its own."""
+    """Whether the buckets still hold: the same groups, parameters, options and state."""
     layout = buckets_of(opt)
     return (layout is not None and layout.same_groups(opt) and layout.same_options(opt)
             and all(b.current(opt) for b in layout.buckets))
 
 
 def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
-    """A step through the buckets ``flatten`` laid out: validate as the full step does (raising
-    its errors), step each bucket and the parameters stepped on their own; False, having written
-    nothing, where anything the buckets rely on changed. Under a loss scaler (``ctx``'s
-    ``grad_scale`` and ``found_inf``) the gradients are checked first (``loss_scale._Scaling``).
-    With the counts on the device (``core.host_counts``) the step's numbers are made there, per
-    group at once (``param_step.scaled_numbers_many``): from the first count of each run of
-    equal counts (``_Bucket.runs``). The buckets whose whole-tensor sums add
-    every rank's (a DTensor's shards, ``_Bucket.shards``) and the parameters stepped on their own
-    go last, in the parameters' order, so that every rank makes its all-reduces in one order."""
+    """A step through the buckets: validate as the full step does, check the loss scaler's gradients
+    first (``_scaling``), make the numbers of every run's first count at once where the counts live
+    on the device, then step each bucket and each parameter stepped on its own. False, having
+    written nothing, where anything the buckets rely on changed. Buckets whose whole-tensor sums add
+    every rank's (``_Bucket.shards``) and the parameters on their own go last, in the parameters'
+    order, so that every rank makes its all-reduces in one order."""
     layout = buckets_of(opt)
     if layout is None or not layout.same_groups(opt):
         return False

@@ -1,8 +1,6 @@
-"""DTensor parameters' local tensors: ``is_dtensor``, ``local`` (a parameter's or a state
-entry's shard, the same object every call), ``wrap_like`` and ``wrap_state`` (a shard's value
-as a DTensor placed as its parameter), ``mark_blocks`` (whether a shard keeps 8-bit state) and
-``flat_offset``. Plain functions of tensors: the step over DTensor parameters
-(``shards.local_shards``) and the optimizer's state (``core``) build on them.
+"""DTensor parameters' local tensors: ``local`` (a shard, the same object every call),
+``wrap_like``/``wrap_state`` (a shard's value as a DTensor placed as its parameter),
+``mark_blocks`` and ``flat_offset``; plain functions that ``shards`` and ``core`` build on.
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ def is_dtensor(t: object) -> TypeIs[DTensor]:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's elements of DTensor ``t``: the same object every call (the
-    step writes into it in place); ``t`` itself when it is not a DTensor. ``to_local()`` hands a
-    parameter a fresh view each time, so a parameter's own local tensor is taken as DTensor's
-    no-grad ``to_local`` takes it."""
+    """The tensor holding this rank's elements of DTensor ``t`` (else ``t``): the same object
+    every call, since the step writes into it (``to_local()`` hands a fresh view each time)."""
     if not is_dtensor(t):
         return t
     lt = getattr(t, "_local_tensor", None)

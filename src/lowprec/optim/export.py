@@ -1,6 +1,5 @@
-"""The export of the FP32 master values: ``master_state_dict``, a model state dict holding what a
-lowprec optimizer's master keeps for each parameter (``LowPrecisionOptimizer.master_weight``),
-for ``model.float().load_state_dict`` or any FP32 consumer. Imports ``base``; nothing in
+"""The export of the FP32 master values: ``master_state_dict``, a model state dict of each
+parameter's ``LowPrecisionOptimizer.master_weight``. Imports ``base``; nothing in
 ``lowprec.optim`` imports this module but the package's ``__init__``.
 """
 
@@ -20,9 +19,8 @@ def master_state_dict(model: torch.nn.Module, optimizer: object) -> dict[str, An
 
     Parameters the optimizer updates are replaced by ``optimizer.master_weight(p)``; other
     floating-point entries (frozen parameters, buffers) are cast to FP32; the rest is kept.
-    ``optimizer`` may be a framework's wrapper of a lowprec optimizer that keeps it as
-    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, which Hugging Face Trainer's
-    ``trainer.optimizer`` is, or Lightning's ``LightningOptimizer``).
+    ``optimizer`` may be a wrapper holding it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Hugging Face Trainer's, Lightning's ``LightningOptimizer``).
 
     Args:
         model: The model whose ``state_dict()`` is exported; every name of a tied weight gets
@@ -62,8 +60,7 @@ def master_state_dict(model: torch.nn.Module, optimizer: object) -> dict[str, An
     masters = {}
     known = {id(p) for group in optimizer.param_groups for p in group["params"]}
     by_id: dict[int, torch.Tensor] = {}
-    # Every name of a tied parameter (GPT-2's lm_head.weight is wte.weight), each holding the
-    # master: named_parameters() would name it once and leave the others at the stored value.
+    # (remove_duplicate=False: every name of a tied weight, e.g. GPT-2's lm_head, gets the master)
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in known:
             if id(p) not in by_id:

@@ -1,43 +1,11 @@
 """The update inside backward: ``lowprec.step_in_backward(model, optimizer)``.
 
-A training step normally holds every gradient at once: backward writes them all, then
-``optimizer.step()`` reads them. With BF16 weights that is 2 bytes per parameter, as much as the
-weights themselves. ``step_in_backward`` steps each parameter in its post-accumulate-grad hook,
-as soon as autograd has summed its gradient, and frees the gradient right after, so that only
-the gradients autograd is still producing exist at any moment (optimi's "gradient release",
-torch's private ``_apply_optimizer_in_backward``).
-
-It steps the parameter through its bucket, as a piece of its own (``buckets._Bucket.step_one``:
-the compiled call the bucket keeps for it; a parameter no bucket takes, Adafactor's or Muon's,
-by its own step, ``param_step.step_param``), with the numbers of the parameter's group made once
-per step, so the result equals
-the same optimizer stepped normally bit for bit, for every optimizer and ``master=`` strategy:
-each parameter's update depends on its own gradient and state alone (LAMB's and StableAdamW's
-norms are per tensor; stochastic rounding's key is the parameter's index and step). Small
-parameters (biases, norms: ``_SMALL`` elements or fewer) are stepped together at the end of
-backward (``queue_callback``), by the normal step's buckets (``driver.stages``); their gradients
-are a few KB.
-
-``optimizer.step()`` must still be called once after each backward: it finds no gradient on
-these parameters, so it steps nothing, and it ends the step (a second backward before it is
-refused as gradient accumulation); ``zero_grad()`` finds nothing to free. Schedulers, which
-change ``lr`` between ``step()`` calls, and checkpoints (the state is the optimizer's as ever)
-work as they do without it.
-
-What cannot work is refused, before anything is written where it can be known then:
-
-* **gradient accumulation over micro-batches**: every backward updates the parameters; the
-  second backward before ``step()`` raises at its first parameter;
-* **a loss scaler** (FP16): a step taken during backward cannot be skipped when a later
-  gradient overflows; FP16 parameters are refused at registration, and ``step()`` raises
-  where ``torch.amp.GradScaler`` or a ``LossScaler`` hands it a scale (by then one step was
-  taken with scaled gradients);
-* **DDP** (its all-reduce runs after these hooks) and **FSDP2 / DTensor parameters** (FSDP2
-  sets each sharded gradient after its reduce-scatter without running post-accumulate-grad
-  hooks): refused at registration;
-* **clipping by the global gradient norm** cannot be detected: by the time
-  ``clip_grad_norm_`` runs, the gradients are gone and it sees none (it returns 0). Use
-  ``lowprec.StableAdamW`` (its update is clipped per tensor by its RMS) instead.
+Each parameter is stepped in its post-accumulate-grad hook, through its bucket as a piece of its own
+(``buckets._Bucket.step_one``; one no bucket takes by ``param_step.step_param``), and its gradient
+freed at once (optimi's "gradient release"). Small parameters wait for the end of backward, where
+the normal step's buckets take them together. Each parameter's update depends on its own gradient
+and state alone, so the result equals the normal step's bit for bit. docs/architecture.md, "The
+update inside backward", tells the rest.
 """
 
 from __future__ import annotations
@@ -62,7 +30,7 @@ __all__ = ["StepInBackward", "step_in_backward"]
 #: The attribute marking a parameter stepped inside backward (``lowprec.accumulate`` refuses it).
 MARK = "_lowprec_in_backward"
 #: Parameters of up to this many elements (biases, norms) wait for the end of backward, where
-#: the buckets step them together: a call each in their hooks would cost most of their step.
+#: the buckets step them together.
 _SMALL = 1 << 16
 
 
@@ -117,8 +85,9 @@ class StepInBackward:
     # ------------------------------------------------------------------ the hooks
 
     def _begin(self) -> Memo:
-        """The first hook of a step: check every group's options and every parameter's state,
-        as ``step()`` does before writing anything; returns the step's memo."""
+        """The first hook of a step: check every group's options and every parameter's state, as
+        ``step()`` does before writing anything, create and lay out the missing state; returns the
+        step's memo."""
         opt = self.optimizer
         for name in ("grad_scale", "found_inf"):
             if getattr(opt, name, None) is not None:  # (GradScaler's, set on the optimizer)
@@ -155,9 +124,7 @@ class StepInBackward:
                     self._checked[id(it.p)] = key
             elif it.p.requires_grad:
                 new.append(it)
-        # (the state of the parameters this backward steps, created before any is stepped and
-        # laid out in the buckets at once, or again where the layout no longer holds: the hooks
-        # and the small ones' step at the end of backward find it where it stays)
+        # (the missing state created and laid out before any parameter is stepped)
         if new or not driver.laid_out(opt):
             driver.flatten(opt, driver.new_state(
                 opt, [(it.group, it.p, it.index, it.storage) for it in new]))
@@ -184,7 +151,7 @@ class StepInBackward:
         if it is None:  # (no longer in the optimizer's groups)
             return
         self._stepped.add(id(p))
-        if it.small:  # (with the others, in the normal step's batches, at the end of backward)
+        if it.small:  # (with the others, in the normal step's buckets, at the end of backward)
             if not self._small_waiting:
                 self._small_waiting = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
@@ -194,8 +161,7 @@ class StepInBackward:
         p.grad = None
 
     def _step(self, it: _Item, memo: Memo) -> None:
-        """A parameter's step: through its bucket (laid out by ``_begin``, its state entries the
-        bucket's, so nothing to check), else on its own, as ``step()`` takes it."""
+        """A parameter's step: through its bucket, else on its own, as ``step()`` takes it."""
         opt = self.optimizer
         layout = driver.buckets_of(opt)
         where = layout.where.get(id(it.p)) if layout is not None else None
@@ -212,8 +178,7 @@ class StepInBackward:
 
     @torch.no_grad()
     def _flush(self) -> None:
-        """The end of backward: the small parameters, the only ones left with gradients, take
-        the optimizer's own step (the buckets')."""
+        """The end of backward: the small parameters take the optimizer's own step."""
         if not self._small_waiting:
             return
         self._small_waiting = False
@@ -225,8 +190,8 @@ class StepInBackward:
     def _end_step(
         self, grad_scale: torch.Tensor | float | None, found_inf: torch.Tensor | None
     ) -> bool:
-        """``optimizer.step()``: the step's end, before it looks for gradients. Returns whether
-        a parameter still has a gradient for it to step (one the hooks did not see)."""
+        """``optimizer.step()``: the step's end. Returns whether a parameter still has a gradient
+        (one the hooks did not see) for it to step."""
         if grad_scale is not None or found_inf is not None:
             raise _scaler_error()
         self._flush()  # (a backward whose end was not seen: torch.autograd.backward inputs=)
@@ -261,8 +226,8 @@ def _scaler_error() -> RuntimeError:
 
 
 def _check(model: nn.Module, optimizer: object) -> list[torch.Tensor]:
-    """The optimizer's parameters that require gradients, after every refusal that can be
-    decided at registration."""
+    """The optimizer's parameters that require gradients, after every refusal that can be decided at
+    registration."""
     if not isinstance(optimizer, OptimizerCore):
         raise TypeError(
             f"step_in_backward takes a lowprec optimizer, got {type(optimizer).__name__}; "
@@ -324,9 +289,14 @@ def step_in_backward(model: nn.Module, optimizer: OptimizerCore) -> StepInBackwa
     The training loop stays as it is (``loss.backward()``, ``optimizer.step()``,
     ``optimizer.zero_grad()``, a scheduler's ``step()``); the update now happens inside
     ``backward()``, so no full set of gradients ever exists: a step's peak memory drops by the
-    gradients' bytes (2 per parameter with BF16 weights). The result is the normal step's, bit
-    for bit. See the module docstring for what is refused (gradient accumulation, loss scaling
-    and FP16, DDP, FSDP2) and for global-norm clipping, which this makes a no-op.
+    gradients' bytes (2 per parameter with BF16 weights). The result is the normal step's, bit for
+    bit. ``optimizer.step()`` must still be called after each backward: it ends the step.
+
+    Refused, before anything is written where it can be known then: gradient accumulation (a second
+    backward before ``step()``), a loss scaler and FP16 parameters (a step taken during backward
+    cannot be skipped), DDP and FSDP2 / DTensor parameters (their gradients are reduced after these
+    hooks). Clipping by the global gradient norm cannot be detected: it finds no gradients and does
+    nothing (``lowprec.StableAdamW`` clips each tensor's update by its RMS).
 
     Args:
         model: The module whose parameters ``optimizer`` steps.

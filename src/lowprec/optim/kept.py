@@ -1,22 +1,11 @@
 """FP32 values kept for the optimizer: what a model held before it was cast to BF16 or FP16.
 
-Casting an FP32 model to BF16 rounds each weight to 8 significant bits. An optimizer built on
-the cast model would start its master from the rounded weight: the split master's trail at
-zero, Kahan's compensation at zero, the FP32 copy as the rounded value, and what the FP32
-weights held below BF16's precision would be gone before the first step. So the cast keeps
-each parameter's FP32 value (``Recipe.convert`` does; ``keep_fp32_values`` for a model the user
-casts), and the optimizer, when it creates a parameter's state, starts the master from it
-(``MasterStorage.init``'s ``value``: the split master as the exact FP32 value, Kahan's
-compensation as the rounding residual, the FP32 copy as the value) and lets it go. Plain BF16
-and stochastic rounding keep nothing beyond the parameter and start from the rounded weight.
-
-The value is the FP32 tensor the parameter held (no copy: the cast leaves it to us instead of
-freeing it), noted on the parameter with the parameter's version counter. A value is taken
-only while the parameter has not been written since (``torch.Tensor._version``: loading other
-weights into it, or a step, counts as a write; a cast or a move to another device does not,
-and the value follows the parameter to its device), and only by a parameter of another dtype.
-Until then it costs the FP32 bytes the model had: a BF16 model cast from FP32 holds 6 bytes a
-parameter until its optimizer's first step, as the FP32 model held 4.
+So that a master does not start from the rounded weight, the cast keeps each parameter's FP32
+value (``Recipe.convert``; ``keep_fp32_values`` for a user's own cast), and ``MasterStorage.init``
+starts the master from it when the state is created, then lets it go. The value is the FP32
+tensor itself (no copy), noted with the parameter's version counter: it is taken only by a
+parameter of another dtype not written since (a cast or a move is no write; a load or a step
+is). Until then it costs the FP32 model's bytes.
 """
 
 from __future__ import annotations
@@ -68,12 +57,10 @@ def keep_fp32_values(model: nn.Module) -> nn.Module:
     """Keep the FP32 values of ``model``'s trainable parameters for the optimizer, before you
     cast the model to BF16 or FP16 yourself (``Recipe.convert`` does this already).
 
-    A lowprec optimizer built on the cast model then starts each parameter's master from its
-    FP32 value instead of the rounded weight: ``master="split"`` as the exact FP32 value,
-    ``"fp32"`` as a copy of it, ``"kahan"`` with the rounding residual as its compensation
-    (``master_weight(p)`` gives that value before the first step too). The values are let go
-    when the optimizer creates the parameter's state, at its first step; a parameter written
-    between (new weights loaded into it, a step of another optimizer) keeps none.
+    A lowprec optimizer built on the cast model starts each master from the FP32 value
+    (``"split"``, ``"fp32"``; ``"kahan"`` with the rounding residual as its compensation)
+    instead of the rounded weight. The values are let go at its first step; a parameter
+    written before (new weights loaded, another optimizer's step) keeps none.
 
     Args:
         model: An FP32 model, before its cast.

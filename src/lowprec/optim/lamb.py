@@ -6,9 +6,8 @@ Adam moments with bias correction, then a per-tensor trust ratio::
     ratio = ||w|| / ||u||        (1 when either norm is 0)
     w = w - lr * ratio * u
 
-No options beyond the paper's except ``maximize``; in particular no clamp on ``||w||`` and no
-gradient-norm pre-scaling (clip gradients yourself if needed). The norms are of the FP32 master
-weight and update, and the ratio stays a tensor (no host synchronisation).
+No options beyond the paper's but ``maximize``: no clamp on ``||w||``, no gradient-norm
+pre-scaling. The norms are of the FP32 master and update; the ratio stays a tensor (no host sync).
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ def lamb_coefficients(
 ) -> dict[str, Any]:
     """The per-step scalars of ``lamb_math``: host floats, or 0-d tensors for a tensor step.
 
-    The bias corrections are folded into two scalars: with ``bc1 = 1 - beta1**step`` and
-    ``bc2 = sqrt(1 - beta2**step)``, ``(m / bc1) / (sqrt(v) / bc2 + eps)`` equals
-    ``m * (bc2 / bc1) / (sqrt(v) + eps * bc2)``: one division per element instead of three.
+    Bias corrections folded: ``(m / bc1) / (sqrt(v) / bc2 + eps)`` is ``m * (bc2 / bc1) / (sqrt(v)
+    + eps * bc2)``, ``bc2 = sqrt(1 - beta2**step)``: one division per element instead of three.
     """
     bc2 = (1 - beta2**step) ** 0.5
     return {
@@ -57,9 +55,9 @@ def _lamb_direction(
     """The elementwise part of LAMB: the update direction ``u`` and the new moments."""
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
-    # m_hat / (sqrt(v_hat) + eps), the bias corrections carried by c (see lamb_coefficients).
+    # m_hat / (sqrt(v_hat) + eps), the bias corrections folded into c (lamb_coefficients).
     u = (m * c["m_scale"]) / (sqrt_rn(v) + c["eps"])
-    if l2:  # (the static flag: the decay is in the code)
+    if l2:
         u = plus_l2(u, w, c["weight_decay"])
     return u, {"exp_avg": m, "exp_avg_sq": v}
 
@@ -74,9 +72,8 @@ def lamb_norm_terms(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors whose norms make the trust ratio, ``(w, u)``, over a piece of a tensor (pure).
 
-    The optimizer sums their squares (``lowprec.numerics.sum_squares``) over the whole tensor,
-    in pieces or compiled, and hands the two sums to ``lamb_math`` as ``c["sums"]``, so that no
-    full-size temporary is needed for the norms.
+    The optimizer sums their squares over the whole tensor and hands the two sums to
+    ``lamb_math`` as ``c["sums"]`` (no full-size temporary for the norms).
     """
     u, _ = _lamb_direction(w, g, bufs, c, l2)
     return w, u
@@ -97,9 +94,8 @@ def lamb_math(
     (FP64, 2 elements) and replaces those of ``w``, which must then be all of the tensor.
     """
     u, out = _lamb_direction(w, g, bufs, c, l2)
-    # Norms from sums of squares accumulated in FP64 and rounded once (see sum_squares): the
-    # eager, chunked, compiled and pairs reductions add in different orders, and FP64 makes
-    # that difference vanish in the FP32 ratio.
+    # FP64 sums (sum_squares): the eager, chunked, compiled and pairs reductions add in
+    # different orders, and FP64 hides that in the FP32 ratio.
     sums = c["sums"] if "sums" in c else torch.stack([sum_squares(w), sum_squares(u)])
     w_norm, u_norm = sums.sqrt().float().unbind()
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))

@@ -1,19 +1,16 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2).
 
-The update is the sign of an interpolation between the momentum and the gradient, and the
-momentum is then updated with a second, slower rate::
+Per step::
 
     c = beta1 * m + (1 - beta1) * g
     w = w * (1 - lr * weight_decay) - lr * sign(c)
     m = beta2 * m + (1 - beta2) * g
 
-Every element moves by exactly ``lr`` (or not at all where ``c`` is 0: ``torch.sign``), so the
-update is as large for a parameter of small gradients as for one of large ones: the paper's
-learning rate is 3-10x smaller than AdamW's, and its weight decay 3-10x larger. Defaults are the
-paper's and those of ``lion-pytorch`` and optimi. ``decouple_lr`` is optimi's fully decoupled
-decay, ``w *= 1 - (lr / max_lr) * weight_decay`` (``lion-pytorch``'s ``decoupled_weight_decay``).
-A NaN or infinite ``c`` gives a NaN update rather than ``torch.sign``'s 0 or 1, so that a NaN
-gradient shows in the weights as it would under AdamW instead of freezing them silently.
+Every element moves by ``lr`` (0 where ``c`` is 0), so the paper's lr is 3-10x smaller than
+AdamW's and its weight decay 3-10x larger. Defaults are the paper's, lion-pytorch's and optimi's;
+``decouple_lr`` is optimi's fully decoupled decay (lion-pytorch's ``decoupled_weight_decay``).
+A NaN or infinite ``c`` gives a NaN update (not ``torch.sign``'s 0 or 1): a NaN gradient shows in
+the weights, as under AdamW, instead of freezing them.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ def lion_math(
     w = w * c["decay"]  # (1 without decay: w, bit for bit)
     m = bufs["exp_avg"]
     direction = m * c["beta1"] + g * c["one_minus_beta1"]
-    # sign(0) = 0 as torch.sign; (direction - direction) is 0, or NaN for a NaN or an infinity.
+    # (direction - direction) is 0, or NaN for a NaN or an infinity: such an update is NaN.
     update = torch.sign(direction) + (direction - direction)
     return w - update * c["lr"], {"exp_avg": m * c["beta2"] + g * c["one_minus_beta2"]}
 

@@ -1,15 +1,10 @@
 """The optimizer's side of the loss-scaler contract: ``step(grad_scale=..., found_inf=...)``.
 
-``_Scaling.prepare`` checks every gradient for inf/NaN before the first write (a skipped step
-leaves every parameter as it was), adds its finding to ``found_inf`` and takes ``1 / grad_scale``
-as GradScaler does; the kernels then take ``kernel_args``: the inverse scale, which multiplies
-the gradient inside the update (``update._param_update``), and the skip flag, which selects the
-old value for every write. ``_mode`` is the part of a compiled kernel's key this decides. On the
-CPU ``skipped_on_host`` takes most scaled steps before that as GradScaler takes torch.optim's:
-the gradients unscaled in place, then no step or the plain one.
-``_host_counts`` says where a step under a scaler reads its counts on the host (the CPU) or
-computes its numbers on the device (``param_step.scaled_numbers``); tests replace it, so the modules
-that read it read it through this one (``loss_scale._host_counts``).
+``_Scaling.prepare`` checks every gradient for inf/NaN before the first write, adds the finding to
+``found_inf`` and takes ``1 / grad_scale`` as GradScaler does; the kernels take ``kernel_args``
+(the inverse scale, applied inside the update, and the skip flag, which selects every write's old
+value). On the CPU ``skipped_on_host`` takes most scaled steps as GradScaler takes torch.optim's.
+Tests replace ``_host_counts``, so other modules read it through this module.
 """
 
 from __future__ import annotations
@@ -29,22 +24,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class _Scaling:
-    """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag.
-
-    The inf/NaN check is a pass over the gradients (``_non_finite``, a call or two per device)
-    done before the first write, since a skipped step must leave every parameter unchanged,
-    including those updated before the bad gradient would be met. The unscaling happens inside
-    the update itself, which writes the gradients back unscaled.
-    """
+    """One step's loss-scaler inputs, resolved on the devices: ``1 / grad_scale`` and the skip flag
+    (checked before the first write: a skipped step leaves every parameter unchanged)."""
 
     def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
         self._inv: dict[torch.device, torch.Tensor] = (
             {} if inv_scale is None else {inv_scale.device: inv_scale})
         self._skip = {skip.device: skip}
         self._taken: dict[torch.device, torch.Tensor] = {}
-        #: What the kernels do: "unscale" (divide the gradients by the scale, write them back
-        #: unscaled, skip on inf/NaN) or "skip" (gradients already unscaled, e.g. by the scaler's
-        #: unscale_: skip only). Part of a compiled kernel's key.
+        #: "unscale" (unscale the gradients, write them back, skip on inf/NaN) or "skip"
+        #: (already unscaled, e.g. by ``unscale_``). Part of a compiled kernel's key.
         self.mode = "skip" if inv_scale is None else "unscale"
 
     @classmethod
@@ -144,19 +133,11 @@ def skipped_on_host(
     found_inf: torch.Tensor | None,
     reduce: Iterable[ProcessGroup] | None = None,
 ) -> bool | None:
-    """A loss-scaled step on the CPU, where reading a tensor costs no synchronisation, taken as
-    torch.amp.GradScaler takes a torch.optim step: the gradients checked and unscaled in place in
-    one pass (``torch._amp_foreach_non_finite_check_and_unscale_``, which a plain check makes
-    anyway on the CPU: ``_non_finite``), the finding read on the host, and then either no step
-    at all (True: a skipped step writes nothing, and its counts stay) or the plain step (False),
-    whose compiled kernels are the ones a step without a scaler runs. Where an unscaled gradient
-    is the one the scaled kernels would see, bit for bit: BF16, FP32 or FP64 gradients and a
-    power-of-two scale (GradScaler's), whose product is exact; None (``_Scaling.prepare`` takes
-    it) for anything else: FP16 gradients (unscaled in FP16 they would lose the small values
-    the scale kept; the kernels unscale them in FP32), another scale, a gradient off the CPU or
-    not contiguous. Against the kernels' own check and select (``_Scaling``): AdamW + Kahan, 25M
-    BF16 parameters in 34 tensors, 21.7 -> 16.5 ms a step; with 8-bit state 128 -> 33 ms (AMD
-    EPYC Zen 4, 2 threads), and no scaled kernels compiled beside the plain ones."""
+    """A scaled CPU step taken as GradScaler takes torch.optim's: gradients checked and unscaled
+    in place in one pass, the finding read on the host; True: skip (nothing written), False: the
+    plain step. None (``_Scaling`` takes it) unless that unscaling is exact and is what the
+    kernels would see: contiguous CPU BF16/FP32/FP64 gradients, a power-of-two scale (FP16
+    gradients unscaled in FP16 would lose what the scale kept)."""
     grads = [cast(torch.Tensor, p.grad) for _, p, _, _ in work]
     if any(g.device.type != "cpu" or not g.is_contiguous() for g in grads) or (
         isinstance(found_inf, torch.Tensor) and found_inf.device.type != "cpu"
@@ -179,18 +160,10 @@ _EXACT = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def _non_finite(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 (0-d FP32, on ``device``) where any of ``grads`` (on ``device``) holds inf or NaN, else
-    0.0, read-only for the values.
-
-    On the CPU, torch's loss-scaler check (``_amp_foreach_non_finite_check_and_unscale_``, with
-    a scale of 1: each contiguous gradient is read and written back times 1.0, the same bits) is
-    one vectorized pass per gradient; ``torch._foreach_norm`` loops over its tensors one operator
-    at a time there: 6.5 against 45 ms for 25M BF16 gradients in 32 tensors, 1.5 against 9.6 ms
-    for 512 of 4,096 elements (2 threads, an AVX2-only AMD EPYC). Elsewhere, and for gradients
-    that are not contiguous (an expanded one cannot be written), the largest magnitude of every
-    gradient (one multi-tensor call: inf and NaN propagate; torch's CUDA check has no BF16
-    kernel, pytorch#127176), summed in FP64 (no overflow from finite values): the total is
-    finite exactly when every gradient is."""
+    """1.0 (0-d FP32 on ``device``) where any of ``grads`` holds inf or NaN, else 0.0. On the CPU
+    torch's scaler check with a scale of 1 (one vectorized pass; ``_foreach_norm`` loops per
+    tensor there); elsewhere (no BF16 CUDA check: pytorch#127176) and for gradients it cannot
+    write back (not contiguous), the ``_foreach_norm`` maxima summed in FP64: finite iff all are."""
     found = torch.zeros((), dtype=torch.float32, device=device)
     cpu = device.type == "cpu"
     dense: list[torch.Tensor] = []
@@ -222,8 +195,7 @@ def _mode(scaling: _Scaling | None) -> str | bool:
 
 
 def _host_counts(device: torch.device) -> bool:
-    """Whether a step under a loss scaler reads the step counts of parameters on ``device`` on the
-    host and takes the group's host numbers, as a plain step does: on the CPU, where that costs
-    no synchronisation and saves each parameter a dozen small tensor operations. Elsewhere the
-    numbers are computed on the device (``param_step.scaled_numbers``)."""
+    """Whether a scaled step reads the counts of ``device``'s parameters on the host (the CPU: no
+    synchronisation, a dozen fewer tensor operations a parameter); else its numbers are made on
+    the device."""
     return device.type == "cpu"

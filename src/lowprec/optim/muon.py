@@ -9,13 +9,9 @@ Per step, for a 2-D parameter::
     O = NewtonSchulz(U)                             (in BF16, as torch: ns_steps quintic steps)
     w = w * (1 - lr * weight_decay) - lr * adjust(shape) * O
 
-The orthogonalization needs the whole matrix: each parameter's step is one call in its own
-shape (``LowPrecisionOptimizer._whole``). Fused, the elementwise work before and after the
-matmuls compiles (two graphs, ``_momentum_and_orthogonalize`` eager between them), bit for bit
-the eager step.
-A group with ``use_muon=False`` is an AdamW group (``adamw_math``, elementwise: compiled and
-batched as ``lowprec.AdamW``'s), with torch.optim.AdamW's defaults for the options it does not
-set; ``muon_param_groups`` makes both groups from a model.
+The orthogonalization needs the whole matrix (``_whole``); fused, the elementwise work around
+the matmuls compiles as two graphs, bit for bit the eager step. A ``use_muon=False`` group is
+stepped by AdamW's rule, with torch.optim.AdamW's defaults for what it does not set.
 """
 
 from __future__ import annotations
@@ -75,13 +71,9 @@ def _momentum_and_orthogonalize(
     g: torch.Tensor, buf: torch.Tensor, c: dict[str, Any], nesterov: bool,
     ns: tuple[float, float, float], steps: int, eps: float, adjust: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The new momentum, ``newton_schulz`` of the update, and the learning rate's shape ratio
-    as a 0-d FP32 tensor: always ATen's calls. Where the step is fused this is where its graph
-    breaks: the master's load before and the decay, update and store after compile, while these
-    run as torch.optim.Muon runs them (ATen's CPU lerp fuses a multiply-add in its vector loop
-    but not in its tail, which compiled code does not follow; Inductor would split ``addmm``
-    into a product and a sum rounded apart). The ratio is a tensor so that ``lr * ratio`` is
-    the same FP32 product in eager and compiled code."""
+    """The new momentum, ``newton_schulz`` of the update, and the lr's shape ratio (0-d FP32, so
+    ``lr * ratio`` rounds alike eager and compiled). Never compiled, to round as torch: ATen's CPU
+    lerp fuses a multiply-add in its vector loop, not its tail; Inductor rounds addmm twice."""
     buf = buf.lerp(g, c["one_minus_momentum"])
     u = g.lerp(buf, c["momentum"]) if nesterov else buf
     ratio = torch.tensor(_adjusted_ratio(adjust, u.shape), dtype=torch.float32)
@@ -222,7 +214,6 @@ class Muon(LowPrecisionOptimizer):
                 ``LowPrecisionOptimizer.add_param_group`` takes it.
         """
         if isinstance(param_group, dict) and param_group.get("use_muon", True) is False:
-            # (an AdamW group: AdamW's defaults, not Muon's, for what it leaves out)
             param_group = {**ADAMW_DEFAULTS, "amsgrad": False, "maximize": False, **param_group}
         super().add_param_group(param_group)
 
@@ -255,8 +246,7 @@ class Muon(LowPrecisionOptimizer):
 
     _nonnegative_buffers = AdamW._nonnegative_buffers  # (the AdamW groups' second moments)
 
-    # A use_muon=False group is stepped by AdamW's rule: its buffers, coefficients and flags are
-    # AdamW's own (its methods, called on this optimizer).
+    # A use_muon=False group's buffers, coefficients and flags are AdamW's (its methods, on self).
 
     def _math_buffers(
         self, group: dict[str, Any], p: torch.Tensor | None = None
@@ -271,8 +261,7 @@ class Muon(LowPrecisionOptimizer):
     def _group_math(self, group: dict[str, Any]) -> Any:
         return muon_math if group["use_muon"] else adamw_math  # (AdamW's kernels, shared)
 
-    # Fused, a Muon parameter's step compiles its elementwise work around the matmuls (two
-    # graphs, `_momentum_and_orthogonalize` between them: `_whole_graph_breaks`).
+    # Fused: two graphs around the eager `_momentum_and_orthogonalize` (`_whole_graph_breaks`).
     _whole_compiles = True
     _whole_graph_breaks = True
 

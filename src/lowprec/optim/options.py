@@ -1,15 +1,6 @@
-"""Group options: lowprec's own defaults and the checks that the base class, the update rules and
-the loss-scaler inputs share.
-
-``_COMMON_DEFAULTS`` are the options every lowprec group has beside its rule's hyperparameters
-(``base`` adds them to a subclass's defaults); ``_TORCH_ONLY_OPTIONS`` are torch.optim's
-implementation options, accepted and kept out of the groups. The update rules (``sgd.py``, ...)
-check their hyperparameters with ``_as_float``, ``_check_nonnegative`` and ``_validate_betas``
-(a tensor's value left unread inside a step, ``in_step``) and take the learning rate with
-``_lr`` (a tensor kept a tensor);
-``_step_tensor`` turns a step count saved as a number into the tensor lowprec keeps
-(``base.__setstate__``, ``checkpoint``). ``ARG_DOCS`` is the reference text of the arguments
-every optimizer takes alike, which ``fill_docs`` puts into each class's docstring. Imports
+"""Group options: lowprec's own defaults (``_COMMON_DEFAULTS``) and the checks that the base
+class, the update rules and the loss-scaler inputs share, and ``ARG_DOCS``, the one text of the
+arguments every optimizer takes, which ``fill_docs`` puts into each class's docstring. Imports
 nothing from the rest of ``lowprec.optim``.
 """
 
@@ -27,8 +18,8 @@ from typing import Any
 import torch
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: Those dtypes by name: how a state dict keeps a group's state_dtype (torch.distributed.checkpoint's
-#: full state dict takes no torch.dtype values) and how a configuration file may give it.
+#: Those dtypes by name: how a state dict keeps a group's state_dtype (DCP's full state dict
+#: takes no torch.dtype) and how a configuration file may give it.
 _STATE_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _STATE_DTYPES}
 
 
@@ -56,8 +47,7 @@ def _check_state_dtype(value: Any, where: str) -> None:
         f"got {value!r}."
     )
 _COMMON_DEFAULTS = {"master": "auto", "state_dtype": None, "seed": None, "fused": None}
-# Options of torch.optim's implementations (how its step runs), accepted for code written for
-# torch.optim and kept out of lowprec's groups: lowprec chooses its own implementation.
+# torch.optim's implementation options: accepted for code written for it, kept out of the groups.
 _TORCH_ONLY_OPTIONS = ("foreach", "capturable", "differentiable")
 
 
@@ -72,10 +62,8 @@ def _as_float(value: Any, name: str) -> float:
     return float(value)
 
 
-#: Set for the length of a step (``driver.run``): a hyperparameter given as a tensor then has its
-#: shape and dtype checked but not its value, which was checked when its group was added
-#: (``add_param_group``, as torch.optim checks a tensor ``lr``), so that the step reads nothing
-#: on the host.
+#: Set during a step (``driver.run``): a tensor hyperparameter's value, checked when its group
+#: was added, is left unread (only its shape and dtype checked), so the step reads no host value.
 _IN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lowprec_in_step", default=False)
 
 
@@ -100,10 +88,8 @@ def _unread(value: Any, name: str) -> bool:
 
 
 def _lr(group: dict[str, Any]) -> float | torch.Tensor:
-    """A group's learning rate for its coefficients: a number as a float, a tensor (a capturable
-    optimizer's, which a scheduler changes in place) as a 0-d FP64 tensor on its device, never
-    read on the host; the coefficients made from it are then tensors too, with the bits the
-    same value as a number gives."""
+    """A group's learning rate: a float, or a tensor (changed in place by a scheduler) as a 0-d
+    FP64 tensor, never read on the host, whose coefficients have the bits a number gives."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         _unread(lr, "lr")  # (its shape; its value was checked when its group was added)
@@ -126,8 +112,7 @@ def _check_torch_options(
             "weights in place without autograd; use torch.optim for differentiating through "
             "an optimizer step."
         )
-    # foreach: torch's choice between its loop and multi-tensor kernels; lowprec's step has its
-    # own (fused=), so any value is accepted and changes nothing.
+    # (foreach is accepted and changes nothing: lowprec's step has its own, fused=)
 
 
 def _step_tensor(value: Any, where: str) -> torch.Tensor:
@@ -179,9 +164,8 @@ def _default_mode() -> str:
     return mode
 
 
-#: The reference text of the constructor arguments the optimizers share: ``{name}`` in an entry
-#: of a class docstring's ``Args:`` stands for it (``fill_docs``; ``base`` fills each class's
-#: ``__doc__``, docs/griffe_comments.py the API reference), so that one text serves all ten.
+#: The text of the arguments the optimizers share: ``{name}`` in a class docstring's ``Args:``
+#: stands for it (``fill_docs``, for ``help()``; docs/griffe_comments.py, for the reference).
 ARG_DOCS = {
     "master": (
         'How the FP32 master weight of a BF16/FP16 parameter is kept: ``"auto"`` (``"kahan"`` '

@@ -1,25 +1,17 @@
-"""One parameter's step, and the step's numbers: what the step (``driver``, ``buckets``) runs
-for a parameter no bucket takes, and the numbers every call of a step shares.
+"""One parameter's step and the step's numbers.
 
-``step_param`` steps one parameter: a rule that needs it whole in one compiled call in the
-parameter's shape (``_step_whole_fused``) where enabled and possible; else eager
-(``update._param_update``), in chunks on a large tensor, a rule's whole-tensor sums first
-(``eager_step``, which the buckets' eager pieces run too). Every compiled call of an
-elementwise rule or one with norms is a bucket's (``buckets``). ``step_late`` creates the
-buffers an option turned on and takes their
-first, eager, step. The step's numbers are made once per group and step number and shared through
-a ``Memo`` (which a stage keeps for one ``step()``): the group's rule (``group_rule``), its
-coefficients on the host and as 0-d FP32 tensors for the kernels (``step_coefficients``),
-stochastic rounding's keys (``random_keys``) and, under a loss scaler off the CPU, all of them
-made on the device from the step counts kept there (``scaled_numbers_many``). ``advance``
-advances a parameter's count once it is stepped (by ``1 - skip`` under a loss scaler, decided on
-the device).
+``step_param`` steps a parameter no bucket takes: a whole-tensor rule compiled in its shape
+(``_step_whole_fused``) where it can, else eagerly (``eager_step``, which the buckets' eager pieces
+run too: in chunks, a rule's whole-tensor sums first). ``step_late`` creates the buffers an option
+turned on and takes their first step. A ``Memo`` shares one ``step()``'s numbers: the groups' rules
+and coefficients (host numbers and 0-d FP32 tensors) and, where the counts live on the device, the
+numbers made there from them (``scaled_numbers_many``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,11 +36,7 @@ _ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
 
 
 class Memo:
-    """What one ``step()`` shares between its parameters, made once and read by each: the
-    rule per group (``group_rule``: ``OptimizerCore.rule``), its coefficients per group and step number, on the
-    host and as 0-d FP32 tensors (``step_coefficients``), the numbers made on the device for a
-    parameter whose count is kept there (``scaled_numbers``), the group's constants on each
-    device."""
+    """What one ``step()`` makes once and shares between its parameters."""
 
     __slots__ = ("coeffs", "constants", "numbers", "rules")
 
@@ -61,14 +49,13 @@ class Memo:
 
     def group_constants(self, group: dict[str, Any], device: torch.device
                         ) -> dict[str, torch.Tensor]:
-        """The group's coefficients that do not depend on the step count, as 0-d FP32 tensors
-        on ``device``, shared by its parameters there (filled by the caller)."""
+        """The group's step-independent coefficients on ``device`` (filled by the caller)."""
         return self.constants.setdefault((id(group), device), {})
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
-    """The blocks' scales of the elements ``sl`` (which start on a block, or are all of them);
-    ``per`` 2: the bytes of their packed 4-bit codes (a block's elements are its bytes')."""
+    """The blocks' scales of elements ``sl`` (which start on a block); ``per`` 2: the bytes of their
+    4-bit codes."""
     if sl.start is None:
         return sl
     per = per or qstate.BLOCK
@@ -84,7 +71,7 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a copy of ``t`` padded)."""
+    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a padded copy)."""
     per = max(1, 16 // t.element_size())
     padded = t.new_zeros((t.numel(), per))
     padded[:, 0] = t
@@ -92,8 +79,8 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None) -> None:
-    """Step the parameters whose state lacks buffers the rule now keeps (``core.collect``):
-    create them, then take an eager step with the coefficients of their first use."""
+    """Step the parameters whose state lacks buffers the rule now keeps (``core.collect``'s
+    ``late``): create them, then take an eager step with the coefficients of their first use."""
     for group, p, index, storage in late:
         state = opt.state[p]
         dtype = core.state_dtype(group, p, storage)
@@ -111,50 +98,29 @@ def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
     return rule
 
 
-@overload
-def step_coefficients(
-    opt: OptimizerCore,
-    group: dict[str, Any],
-    step: int,
-    memo: Memo,
-    tensors: Literal[True] = True,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]: ...
-
-
-@overload
-def step_coefficients(
-    opt: OptimizerCore,
-    group: dict[str, Any],
-    step: int,
-    memo: Memo,
-    tensors: bool,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]: ...
-
-
 def step_coefficients(
     opt: OptimizerCore,
     group: dict[str, Any],
     step: int,
     memo: Memo,
     tensors: bool = True,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
-    """The group's coefficients at ``step`` on the host, and (``tensors``) as 0-d FP32 tensors
-    for the compiled kernels; computed once per group and step number in a ``step()``."""
-    key = (id(group), step)
-    cached = memo.coeffs.get(key)  # (tensors=False: no tensors yet, None in their place)
-    if cached is None or (tensors and cached[1] is None):
-        host = group_rule(opt, group, memo).coefficients(step) if cached is None else cached[0]
-        c32 = _coefficient_tensors(opt, group, host) if tensors else None
-        cached = memo.coeffs[key] = (host, c32)
-    return cached
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The group's coefficients at ``step`` on the host and (``tensors``, else empty) as 0-d
+    FP32 tensors for the kernels, made once per group and step number in a ``step()``."""
+    host, c32 = memo.coeffs.get((id(group), step), (None, None))
+    if host is None:
+        host = group_rule(opt, group, memo).coefficients(step)
+    if tensors and c32 is None:
+        c32 = _coefficient_tensors(opt, group, host)
+    memo.coeffs[id(group), step] = (host, c32)
+    return host, c32 or {}
 
 
 def _coefficient_tensors(
     opt: OptimizerCore, group: dict[str, Any], host: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """``host`` as 0-d FP32 tensors for the compiled kernels, reusing the group's tensor from
-    the previous step for every value that did not change (lr, betas, weight decay... most
-    of them), so that a step creates few (each costs microseconds of host time)."""
+    """``host`` as 0-d FP32 tensors, reusing the group's tensor from the previous step for every
+    value that did not change (each new tensor costs microseconds of host time)."""
     cache = core.stages(opt).coefficients
     prev = cache.get(id(group))
     old_host, old = (prev[1], prev[2]) if prev is not None and prev[0] is group else ({}, {})
@@ -177,12 +143,8 @@ def scaled_numbers(
     scaling: _Scaling | None,
     memo: Memo,
 ) -> _ScaledNumbers:
-    """A parameter's step counted on its device (``host_counts`` False; under a loss scaler or
-    not): its step number (FP64), random key halves, FP32 coefficients and the scaler's tensors,
-    all on its device. The step count lives there (and under a loss scaler advances only when
-    the step is taken), so everything that depends on it is computed there too. The coefficients
-    that do not depend on it (lr, weight decay...) are the same tensors for the group's
-    parameters within a ``step()``."""
+    """A parameter's numbers for a step counted on its device: its step number (FP64), random key
+    halves, FP32 coefficients and the loss scaler's tensors, all on its device."""
     done = memo.numbers.get(id(p))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
         scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
@@ -197,16 +159,10 @@ def scaled_numbers_many(
     memo: Memo,
     keys: bool = True,
 ) -> None:
-    """``scaled_numbers`` for many parameters at once, kept in ``memo`` for it to return:
-    per group and device the step counts are stacked and every number is computed for all of
-    them by one vector operation each (a dozen kernels per group, not a dozen per parameter,
-    which on a GPU were most of a step), each parameter's share a view. ``items``: (group,
-    p, index, storage, state) of parameters whose counts are kept on their devices. ``keys``
-    False: no random keys (zeros in their place; a bucket makes its pieces' own, ``_keys``:
-    on a GPU each of the hash's operations is a launch).
-
-    The views lie 16 bytes apart, as a tensor of their own would begin: a compiled kernel
-    may take an input it was compiled for aligned only after copying it."""
+    """``scaled_numbers`` for many parameters at once, kept in ``memo``: per group and device the
+    counts are stacked and each number made by one vector operation for all of them, each
+    parameter's share a view 16 bytes apart (a compiled kernel may copy a misaligned input).
+    ``keys`` False: zeros for the random keys (a bucket makes its pieces' own)."""
     sets: dict[Any, tuple[dict[str, Any], list[tuple[torch.Tensor, int, MasterStorage]]]] = {}
     for group, p, index, storage, state in items:
         if state["step"].device != p.device:
@@ -263,11 +219,8 @@ def step_param(
     memo: Memo | None = None,
     first_use: bool = False,
 ) -> None:
-    """One parameter's step: compiled for a whole-tensor rule (``_step_whole_fused``), else
-    eager (``eager_step``). ``memo`` caches, for one ``step()`` call, what every parameter of a
-    group shares (flags, coefficients and their tensors for a given step number), so that a
-    model of many small tensors does not pay for them per tensor. ``first_use``: the
-    first step of buffers created late (``step_late``), with ``_first_use_coefficients``."""
+    """One parameter's step: a whole-tensor rule compiled (``_step_whole_fused``), else eager
+    (``eager_step``). ``first_use``: the first step of buffers created late (``step_late``)."""
     memo = Memo() if memo is None else memo
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     state = opt.state[p]
@@ -290,25 +243,21 @@ def step_param(
         )
     if first_use:
         coeffs = rule.first_use(step)
-    # A DTensor's shard (lowprec.optim.shards): whole-tensor sums add every rank's shard.
+    # (a DTensor's shard: its whole-tensor sums add every rank's; its random bits are keyed
+    # by its elements' indices in the whole parameter, from `start` on)
     shards = reduce_groups(opt, p) if rule.norms else ()
-    # A DTensor's shard (lowprec.optim.shards): its random bits are keyed by its elements'
-    # indices in the whole parameter, from `start` on (the compiled kernels take it as a
-    # tensor, `base`; on bfloat16 pairs it must fall on a pair boundary).
     start = 0
     offsets = core.stages(opt).shard_offsets
     if offsets and storage.needs_random_bits:
         start = offsets.get(id(p), 0)
     tensors = (p, grad, *sbufs.values(), *mbufs.values())
-    # Flattening must give views for the in-place writes to land: both the fused kernel and
-    # the chunked eager step need contiguous tensors.
+    # (flat views, where the writes land, need contiguous tensors)
     contiguous = all(t.is_contiguous() for t in tensors)
     per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}  # (elements per entry)
     per.update({k: 2 for k, f in quantized if f.endswith("4")})  # (4-bit codes: 2 a byte)
 
     def flat(d: dict[str, torch.Tensor], sl: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Flat views of ``d``'s tensors, elements ``sl`` (the blocks' scales of them, the
-        bytes of their 4-bit codes)."""
+        """Flat views of ``d``'s tensors, elements ``sl`` (a quantized buffer's: their blocks)."""
         return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
                 for k, v in d.items()}
 
@@ -350,16 +299,12 @@ def eager_step(
     offset: int = 0,
     shards: Sequence[Any] = (),
 ) -> None:
-    """The eager step of ``p`` (one parameter, or a bucket's piece of several stepped as one
-    where the rule is elementwise and no random key differs). Flat (1-d) and longer than
-    ``update._eager_chunk``, with flat gradient and buffers (``per``: elements of ``p`` per
-    element of a buffer, for the codes' scales and 4-bit codes), it goes in chunks: the
-    temporaries stay in cache (full-size ones are fresh allocations that page-fault on every
-    step) and the step's peak memory a few MB over what it keeps; otherwise in one pass on the
-    tensors as given, nothing sliced. Elementwise rules and index-offset random bits (``offset``: the
-    index of ``p``'s first element, for its random bits) make this bit-identical to one pass;
-    a rule with norms takes its whole-tensor sums (FP64) in a first, read-only pass, added over
-    ``shards``' ranks."""
+    """The eager step of ``p`` (a parameter, or a bucket's piece). Flat and longer than
+    ``update._eager_chunk``, it goes in chunks (their temporaries stay in cache, the peak memory a
+    few MB over what the step keeps): bit-identical to one pass, since the rules are elementwise and
+    the random bits keyed by index (``offset``: ``p``'s first element's). ``per``: elements of ``p``
+    per element of a buffer (codes' scales, 4-bit codes). A rule with norms first takes its
+    whole-tensor sums (FP64) in a read-only pass, added over ``shards``' ranks."""
     per = per or {}
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     n, chunk = p.numel(), update._eager_chunk(p.device)
@@ -367,8 +312,7 @@ def eager_step(
                   int]
 
     def at(sl: slice) -> Piece:
-        """Elements ``sl``, their state (the blocks' scales of them, the bytes of their 4-bit
-        codes) and the first one's index."""
+        """Elements ``sl``, their state and the first one's index."""
         def cut(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: v[_block_slice(sl, per[k]) if k in per else sl] for k, v in d.items()}
         return p[sl], grad[sl], cut(sbufs), cut(mbufs), offset + sl.start
@@ -403,13 +347,10 @@ def _step_whole_fused(
     scaling: _Scaling | None,
     memo: Memo,
 ) -> bool:
-    """A whole-tensor rule's step compiled as one graph in the parameter's shape (one
-    kernel per optimizer variant and number of dimensions, sizes dynamic); False, having
-    written nothing, where it failed to compile (the eager call then takes it)."""
+    """A whole-tensor rule's step compiled as one graph in the parameter's shape; False, having
+    written nothing, where it does not compile (the eager step then takes it)."""
     if storage.name == "kahan" and compiled._round_trips_dropped(p):
         return False  # (this torch's C++ code would drop Kahan's round trip: eager)
-    # (a host step number's are the group's, shared; a step counted on the device has its
-    # numbers as FP32 tensors already: scaled_numbers)
     c32 = step_coefficients(opt, group, step, memo)[1] if isinstance(step, int) else coeffs
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
@@ -419,8 +360,7 @@ def _step_whole_fused(
             signature=compiled._signature(p, grad, sbufs, mbufs),
             fullgraph=not rule.graph_breaks,
         )
-        # (a new view, detached: handed the leaf itself, Inductor fails to compile, and a view
-        # of a BF16 parameter with an FP32 gradient, Dynamo refuses the gradient)
+        # (a new view, detached: see compiled._step_view)
         kernel(p.detach().view(p.shape), grad.view(p.shape), sbufs, mbufs, c32,
                *compiled._key_tensors(lo, hi), storage=storage, math=rule.math,
                flags=rule.flags, **extra)

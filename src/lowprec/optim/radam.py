@@ -1,12 +1,10 @@
 """RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning Rate and Beyond") over any
 master storage.
 
-Adam's moments, with the adaptive step rectified by the variance of its early estimates: while the
-approximated SMA length ``rho_t`` is at most 5 (the first steps), the step is the un-adapted
-``lr * m_hat``; after it, ``lr * rect * m_hat * sqrt(1 - beta2**step) / (sqrt(v) + eps)``. Which
-one depends on the step number alone, so ``radam_coefficients`` decides it on the host (or on the
-device, for a step counted there) and ``radam_math`` is one formula for both, with no branch on
-a tensor's value: the eager and the compiled step run the same function and agree bit for bit.
+Adam's moments; while the approximated SMA length ``rho_t`` is at most 5 the step is the
+un-adapted ``lr * m_hat``, after it ``lr * rect * m_hat * sqrt(1 - beta2**step) / (sqrt(v) + eps)``.
+The step number alone decides which, so ``radam_coefficients`` picks it (on the host, or on the
+device for a step counted there) and ``radam_math`` is one branch-free formula for both.
 """
 
 from __future__ import annotations
@@ -31,14 +29,12 @@ def radam_coefficients(
     step: Any, decoupled: bool = False,
 ) -> dict[str, Any]:
     """The per-step scalars of ``radam_math``: host floats, or 0-d tensors for a tensor step.
-    The decay is ``decay`` (``decoupled``: ``1 - lr * weight_decay``, else 1) and ``l2`` (the
-    L2 penalty, torch.optim.RAdam's default: ``weight_decay``, else 0), as ``adamw_coefficients``.
+    ``decay`` and ``l2`` as ``adamw_coefficients`` (L2 is torch.optim.RAdam's default).
 
-    ``radam_math`` steps by ``step_size * m / (sqrt(min(v, v_max)) + eps)``. Rectified,
-    ``step_size`` is ``lr * rect * sqrt(bc2) / bc1``, ``v_max`` is +inf (``v`` unchanged) and
-    ``eps`` is ``eps``: torch.optim.RAdam's step, its ``eps`` added before the bias correction
-    ``sqrt(bc2)``. Un-adapted, ``step_size`` is ``lr / bc1``, ``v_max`` 0 and ``eps`` 1, which
-    leaves ``lr * m / bc1`` whatever ``v`` is (0, or +inf after an overflow).
+    ``radam_math`` steps by ``step_size * m / (sqrt(min(v, v_max)) + eps)``. Rectified:
+    ``step_size = lr * rect * sqrt(bc2) / bc1``, ``v_max = inf``, ``eps`` itself (torch adds it
+    before the bias correction ``sqrt(bc2)``). Un-adapted: ``step_size = lr / bc1``, ``v_max = 0``,
+    ``eps = 1``: ``lr * m / bc1`` whatever ``v`` is (0, or +inf after an overflow).
     """
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
@@ -77,13 +73,12 @@ def radam_math(
     l2: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One RAdam update in FP32, per element, from precomputed coefficients ``c`` (pure); the
-    static flag ``l2``: the L2 term ``c["l2"]`` is in the code (``numerics.plus_l2``)."""
+    static flag ``l2`` adds the L2 term ``c["l2"] * w``."""
     if l2:
         g = plus_l2(g, w, c["l2"])
     w = w * c["decay"]  # (1 without decoupled decay: w itself)
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
-    # The rectified or the un-adapted step, as c says (see radam_coefficients).
     denom = sqrt_rn(v.clamp(max=c["v_max"])) + c["eps"]
     return w - (m * c["step_size"]) / denom, {"exp_avg": m, "exp_avg_sq": v}
 

@@ -1,9 +1,8 @@
 """SGD with momentum, dampening, Nesterov, weight decay and maximize, over any master storage.
 
-``sgd_math`` is the whole update rule, written once in FP32 with plain elementwise operations and
-coefficients computed on the host (``sgd_coefficients``), so the eager and the compiled step run
-the same function and agree bit for bit. ``sgd_update`` is the functional form. ``SGD`` drives it
-over parameters stored as ``master=`` says.
+``sgd_math`` is the FP32 rule (plain elementwise ops, host coefficients from ``sgd_coefficients``):
+the eager and the compiled step both run it and agree bit for bit. ``sgd_update`` is its
+functional form.
 """
 
 from __future__ import annotations
@@ -26,11 +25,8 @@ def sgd_coefficients(
     *, lr: float | torch.Tensor, momentum: float, dampening: float, weight_decay: float,
     first_step: bool | torch.Tensor,
 ) -> dict[str, Any]:
-    """The per-step scalars of ``sgd_math``: host floats, or 0-d tensors for a tensor step.
-
-    ``first_step`` may be a 0-d bool tensor (a step count kept on the device, under a loss
-    scaler), in which case the step-dependent entries are 0-d float64 tensors.
-    """
+    """The per-step scalars of ``sgd_math``: host floats, or 0-d float64 tensors where
+    ``first_step`` is a 0-d bool tensor (a step count kept on the device)."""
     # The buffer starts as the first step's direction: buf * 0 + d * 1 (buffers start at 0).
     later = ~first_step if isinstance(first_step, torch.Tensor) else not first_step
     later = later.double() if isinstance(later, torch.Tensor) else float(later)
@@ -55,10 +51,7 @@ def sgd_math(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One SGD update in FP32, per element, from precomputed coefficients ``c`` (pure).
 
-    The keyword flags are static (they choose the code: a buffer, Nesterov's direction, the L2
-    term, which ``numerics.plus_l2`` leaves out where ``c["weight_decay"]`` is the number 0);
-    ``c`` holds numbers or 0-d tensors.
-    """
+    The keyword flags are static (they choose the code); ``c`` holds numbers or 0-d tensors."""
     d = plus_l2(g, w, c["weight_decay"]) if l2 else g
     out = {}
     if momentum:
@@ -103,7 +96,6 @@ def sgd_update(
         lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
         first_step=first_step,
     )
-    # (cast: a momentum needs its buffer)
     bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
     new_w, out = sgd_math(w, -g if maximize else g, bufs, c, momentum=momentum != 0,
                           nesterov=nesterov)
@@ -198,8 +190,8 @@ class SGD(LowPrecisionOptimizer):
     def _first_use_coefficients(
         self, group: dict[str, Any], step: int | torch.Tensor
     ) -> dict[str, Any]:
-        # A momentum buffer created after the parameter's first step (momentum turned on
-        # mid-run) starts as that step's direction, as torch.optim.SGD's does.
+        # A buffer created mid-run (momentum turned on later) starts as the step's direction,
+        # as torch.optim.SGD's does.
         return self._coefficients(group, 1)
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:

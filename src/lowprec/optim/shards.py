@@ -1,31 +1,11 @@
 """DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism): the step runs on local shards.
 
-lowprec's update rules and storage strategies work element by element on plain tensors: bit
-operations on the stored words, views as pairs, compiled kernels over flat memory. A DTensor's
-operators are dispatched shard by shard, and several of those (``view`` to another dtype, a plain
-tensor of random bits beside a DTensor, ``_foreach`` copies) either fail or, for a split master,
-gave wrong values. So a step over DTensor parameters runs on each rank's local shards instead:
-``local_shards`` hands the step the local tensor of every DTensor parameter (with its local
-gradient) and local views of its state, and afterwards keeps the state as DTensors of the
-parameter's placements, as ``torch.optim`` keeps it, so that ``state_dict`` and distributed
-checkpointing see sharded state. Under a loss scaler, the check of the gradients for inf/NaN is
-combined over the ranks holding a parameter's shards, so that every rank skips the same steps;
-a rule with whole-tensor norms (LAMB's trust ratio) adds every shard's sums of squares over those
-ranks (``all_reduce_sums``) before it updates.
-
-What a shard cannot do alone is refused before anything is written: stochastic rounding on a
-shard that is not one block of the parameter's flattened elements (e.g. sharded along a dimension
-other than the first), since its random bits are keyed by the element's index in the whole
-parameter, so that a sharded run rounds as an unsharded one; and stochastic rounding with seeds
-that differ between the ranks of a mesh (``_check_seeds``).
-
-8-bit state (``state_dtype="8bit"``, ``lowprec.optim.qstate``) is decided from the whole
-parameter (``mark_blocks``): a parameter sharded along its first dimension only, whose rows are
-whole blocks, keeps each rank's shard as 8-bit codes with one scale per block, so that a shard's
-blocks are the whole parameter's and a sharded step gives an unsharded one's bits. The scales
-are kept as a DTensor of one row per row of the parameter, placed as the parameter, so that
-distributed checkpointing reshards them with the codes. Other DTensor parameters keep FP32
-state, as small ones do.
+DTensor dispatch breaks the step's elementwise bit work (``view`` to another dtype, random bits
+beside a DTensor and ``_foreach`` copies fail, or give a split master wrong values), so
+``local_shards`` hands the step each DTensor's local tensor, gradient and state, and keeps the
+state as DTensors placed as the parameter. A loss scaler's inf/NaN finding and LAMB's sums are
+combined over the ranks holding a parameter's shards. What a shard cannot do alone is refused
+before anything is written (``_refusal``, ``_check_seeds``).
 """
 
 from __future__ import annotations
@@ -51,11 +31,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.storage import MasterStorage
 
 class _Shard:
-    """What a step needs of a DTensor parameter beyond its gradient, kept while the parameter,
-    its local tensor and placements stay the same: its local state dict (kept from step to step,
-    so that its buckets, ``buckets``, hold as a plain parameter's do), the index of its first
-    element in the whole parameter (keying stochastic rounding's random bits), and the process
-    groups its shards span."""
+    """A DTensor parameter's step data, kept while it, its local tensor and placements stay: its
+    local state dict (kept so its bucket holds), its first element's flat index (stochastic
+    rounding's key) and the process groups its shards span."""
 
     __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
 
@@ -117,11 +95,9 @@ def _check_grad(where: str, p: DTensor) -> None:
 
 
 def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None:
-    """Every rank of a mesh must round its DTensors stochastically with the same seed: replicas
-    would drift apart otherwise, and shards would not round as the unsharded parameter. With
-    ``seed=None`` a group takes ``torch.initial_seed()``, which differs between ranks that were
-    not seeded alike. Checked (a collective over each mesh) on the first step of each set of seeds,
-    which every rank takes alike."""
+    """Refuse stochastic rounding with seeds that differ between a mesh's ranks (``seed=None`` is
+    each rank's ``torch.initial_seed()``). A collective per mesh, on the first step of each set
+    of seeds, which every rank takes alike."""
     seeds: dict[DeviceMesh, dict[int, int]] = {}
     for gi, shard in rounding:
         seeds.setdefault(shard.p.device_mesh, {})[gi] = opt.param_groups[gi]["seed"]
@@ -153,14 +129,9 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
 
 @contextlib.contextmanager
 def local_shards(opt: OptimizerCore) -> Iterator[None]:
-    """For the length of a step: every DTensor parameter replaced, in ``opt.param_groups``, by its
-    local tensor carrying its local gradient, and ``opt.state`` by a map whose entries for those
-    tensors hold local views of the DTensor state (the other entries are the optimizer's own dicts).
-    The state dicts of the local tensors are kept from step to step, and so are their tensors
-    while they hold the DTensor state's memory (a DTensor made from a local tensor holds a new
-    view of it), so that the buckets (``buckets``) hold as for plain parameters. Afterwards every
-    parameter-shaped state tensor is a DTensor of the parameter's placements. Nothing is changed
-    if a check fails."""
+    """For a step: each DTensor parameter in ``opt.param_groups`` as its local tensor with its
+    local gradient, ``opt.state`` holding local views of its state (kept across steps, so buckets
+    hold); afterwards the state is DTensors again. Nothing changes if a check fails."""
     groups = opt.param_groups
     old: dict[int, _Shard] = core.stages(opt).shards
     shards: dict[int, _Shard] = {}  # (only the current parameters: dropped ones are let go)
@@ -249,7 +220,8 @@ def local_shards(opt: OptimizerCore) -> Iterator[None]:
 
 
 def _aliases(a: Any, b: torch.Tensor) -> bool:
-    """Whether ``a`` is ``b``, or a tensor viewing the same elements of the same memory."""
+    """Whether ``a`` is ``b``, or a tensor viewing the same elements of the same memory (as the
+    new view ``DTensor.from_local`` wraps does)."""
     return a is b or (
         isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
         and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
@@ -289,8 +261,8 @@ def check_loaded_state(state: dict[str, Any], p: DTensor, where: str) -> None:
 
 
 def warn_fp32_shards(group: dict[str, Any], index: int) -> None:
-    """Under ``state_dtype="8bit"``, say which large DTensor parameters keep FP32 state (their
-    shards are not whole rows of whole blocks: ``shards.mark_blocks``), 4x the moments' bytes."""
+    """Under ``state_dtype="8bit"``, warn which large DTensor parameters keep FP32 state (their
+    shards are not whole rows of whole blocks)."""
     if group["state_dtype"] != qstate.EIGHT_BIT:
         return
     big = [tuple(p.shape) for p in group["params"]

@@ -1,22 +1,16 @@
 """StableAdamW (Wortsman et al. 2023, "Stable and low-precision training for large-scale
 vision-language models"): AdamW with per-tensor update clipping.
 
-AdamW whose learning rate is divided, per tensor, by the root mean square of ``g / sqrt(v)``
-when it exceeds 1 (Adafactor's update clipping), so that a gradient far larger than the second
-moment has seen (a loss spike) moves the weights no more than a usual step; no gradient
-clipping is needed. The formulas, defaults and options are optimi's ``StableAdamW``'s::
+The learning rate is divided, per tensor, by the RMS of ``g / sqrt(v)`` where it exceeds 1
+(Adafactor's update clipping), so a loss spike moves the weights no more than a usual step.
+Formulas, defaults and options are optimi's ``StableAdamW``'s::
 
-    beta_hat = beta * (1 - beta**(t - 1)) / (1 - beta**t)     (for beta1 and for beta2)
-    m = beta1_hat * m + (1 - beta1_hat) * g
-    v = beta2_hat * v + (1 - beta2_hat) * g**2
-    rms = sqrt(mean(g**2 / max(v, eps**2)))                   (over the tensor)
-    lr_t = lr / max(1, rms)
+    m, v = Adam's moments with debiased betas, beta_hat = beta * (1 - beta**(t-1)) / (1 - beta**t)
+    lr_t = lr / max(1, sqrt(mean(g**2 / max(v, eps**2))))      (over the tensor, the new v)
     w = w * (1 - lr_t * weight_decay) - lr_t * m / (sqrt(v) + eps)
 
-The debiased betas replace Adam's bias corrections (``m`` and ``v`` are weighted means of the
-gradients seen, ``m = g`` at the first step); the RMS takes the new ``v``; the decay takes the
-clipped ``lr_t``. ``decouple_lr``: ``w *= 1 - (lr_t / max_lr) * weight_decay``. The RMS stays a
-0-d tensor (no host synchronisation), from sums of squares accumulated in FP64 as LAMB's norms.
+The debiased betas replace Adam's bias corrections (``m = g`` at the first step). The RMS stays a
+0-d tensor (no host sync), from FP64 sums of squares as LAMB's norms.
 """
 
 from __future__ import annotations
@@ -67,7 +61,7 @@ def stable_adamw_coefficients(
 def _moments(
     g: torch.Tensor, bufs: dict[str, torch.Tensor], c: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new moments."""
+    """The new moments ``(m, v)``."""
     m = bufs["exp_avg"] * c["beta1"] + g * c["one_minus_beta1"]
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     return m, v
@@ -109,8 +103,7 @@ def stable_adamw_math(
         sums = c["sums"]
     else:
         sums = torch.stack([sum_squares(t) for t in _rms_terms(w, g, v, c)])
-    # 1 / max(1, rms) from the FP64 sums, rounded once (the eager, chunked and compiled sums
-    # agree there), then FP32 with the coefficients, as the compiled step has them.
+    # 1 / max(1, rms) in FP64 (where eager, chunked and compiled sums agree), rounded to FP32 once.
     scale = torch.clamp_min((sums[0] / sums[1]).sqrt(), 1.0).reciprocal().float()
     lr = scale * c["lr"]
     w = w * (1 - lr * c["weight_decay"])  # (1 without decay: w, bit for bit)

@@ -1,18 +1,10 @@
-"""Master-weight storage strategies: how the FP32 value an optimizer updates is kept between steps.
+"""Master-weight strategies: how the FP32 value an optimizer updates is kept between steps.
 
-An update rule (SGD, AdamW, ...) sees only FP32 tensors: it receives the master value ``w`` and
-returns the new one. A storage strategy owns the other half of the contract:
-
-* ``buffers(param)`` names the extra state tensors it keeps for ``param`` and their dtypes;
-* ``init(param)`` creates them from the parameter's current value;
-* ``load(param, bufs)`` rebuilds the FP32 master value;
-* ``store(w, param, bufs, bits)`` turns a new FP32 value into the parameter's new stored value and
-  new buffer values.
-
-``load`` and ``store`` are pure tensor functions (they return new tensors and write nothing), so an
-eager driver can copy their results into place and a compiled driver can fuse them with the update
-rule into one pass. To add a strategy, subclass ``MasterStorage``, implement those four methods and
-register it in ``STORAGES``; no optimizer changes.
+An update rule sees only FP32 tensors; a strategy names its extra buffers (``buffers``), creates
+them (``init``), rebuilds the FP32 master (``load``) and stores a new one (``store``). ``load``
+and ``store`` are pure (they return new tensors and write nothing), so the eager step copies
+their results into place and the compiled step fuses them with the rule. A new strategy is a
+``MasterStorage`` subclass registered in ``STORAGES``; no optimizer changes.
 """
 
 from __future__ import annotations
@@ -42,8 +34,7 @@ class MasterStorage:
     """Base class of the master-weight strategies (see the module docstring).
 
     A subclass sets ``name``, implements ``buffers``, ``init``, ``load`` and ``store`` (and
-    ``check`` where a dtype is refused), and is registered in ``STORAGES``; ``load`` and
-    ``store`` are pure tensor functions that the eager and the compiled step both run.
+    ``check`` where a dtype is refused), and is registered in ``STORAGES``.
     """
 
     name: ClassVar[str]
@@ -65,17 +56,14 @@ class MasterStorage:
         """
         return {}
 
-    #: Whether the master holds more than the parameter's own bits (an FP32 copy, a trail, a
-    #: compensation), so that ``init`` can start it from the FP32 value the parameter was
-    #: rounded from (``lowprec.optim.kept``).
+    #: Whether the master holds more than the parameter's bits, so that ``init`` can start it
+    #: from the FP32 value the parameter was rounded from (``lowprec.optim.kept``).
     takes_value: ClassVar[bool] = False
 
     def init(self, param: torch.Tensor,
              value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The buffers of ``buffers(param)``, made from the parameter's current value, or where
-        the strategy ``takes_value`` and ``value`` is given, from that FP32 value (what
-        ``param`` was rounded from), so that the master is ``value`` as nearly as the
-        strategy holds it.
+        the strategy ``takes_value`` and ``value`` is given, from that FP32 value.
 
         Args:
             param: The parameter.
@@ -113,14 +101,10 @@ class MasterStorage:
         """
         raise NotImplementedError
 
-    # The same two operations on pairs of elements (see "Pairs" in ``lowprec.numerics``), for
-    # the compiled CPU step of the strategies that work on the bits (split's trail, stochastic
-    # rounding's random bits), where int16 tensors would keep it from vectorizing, and of Kahan
-    # on a torch whose Inductor drops its round trip elsewhere (``compiled._pairs_pay``; "none"
-    # and "fp32" have none: their elementwise kernel is the faster). Only bfloat16 parameters;
-    # every 16-bit tensor (param, buffers) is an int32 view holding elements 2j (low half) and
-    # 2j+1 (high half), every 32-bit buffer an int64 view. They must give the bits
-    # ``load``/``store`` give, element for element; the fused-vs-eager tests check it.
+    # load/store on pairs of bfloat16 elements ("Pairs" in ``lowprec.numerics``), for the compiled
+    # CPU step where int16 keeps it scalar or Inductor drops Kahan's round trip (``compiled.
+    # _pairs_pay``): 16-bit tensors are int32 views holding elements 2j (low half) and 2j+1 (high),
+    # 32-bit buffers int64 views. They must give ``load``/``store``'s bits (the fused tests check).
 
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``.
@@ -163,10 +147,8 @@ class MasterStorage:
 
 
 class NoMaster(MasterStorage):
-    """The parameter is its own master: updates are rounded to nearest in the parameter's dtype.
-
-    Exact for FP32 parameters; the naive baseline for BF16/FP16 ones (small updates are lost).
-    """
+    """The parameter is its own master: updates are rounded to nearest in the parameter's dtype
+    (exact for FP32; the baseline for BF16/FP16, which loses small updates)."""
 
     name = "none"
 
@@ -211,10 +193,8 @@ class FP32Copy(MasterStorage):
 
 
 class Split(MasterStorage):
-    """Split SGD: the BF16 parameter is the rounded top half of the FP32 master, the trail its low half.
-
-    See ``lowprec.numerics.split`` for the exact encoding (round to nearest, ties away from zero).
-    """
+    """Split SGD: the BF16 parameter is the rounded top half of the FP32 master, the int16 trail
+    its low half (``lowprec.numerics.split``: nearest, ties away from zero)."""
 
     name = "split"
 
@@ -237,10 +217,9 @@ class Split(MasterStorage):
 
     def init(self, param: torch.Tensor,
              value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        if value is None:  # (the master starts as the parameter's exact value: a zero trail)
+        if value is None:
             return {"trail": torch.zeros_like(param, dtype=torch.int16)}
-        # (the exact FP32 value: its top half is its rounding to nearest, ties away from zero,
-        # which differs from a cast's ties to even at exact ties only, written there)
+        # (split's top differs from the cast's ties-to-even at exact ties: written back)
         top, trail = split(value.float())
         param.copy_(top)
         return {"trail": trail}
@@ -291,11 +270,8 @@ class Split(MasterStorage):
 
 
 class Kahan(MasterStorage):
-    """Kahan-compensated summation: a buffer in the parameter's dtype holds what rounding dropped.
-
-    The master value is ``param + compensation``; after an update the parameter is the new value
-    rounded to nearest and the compensation is the remainder, rounded to the parameter's dtype.
-    """
+    """Kahan-compensated summation: master = ``param + compensation``, the compensation (in the
+    parameter's dtype) holding what rounding to nearest dropped."""
 
     name = "kahan"
 
@@ -308,7 +284,6 @@ class Kahan(MasterStorage):
              value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         if value is None:
             return {"compensation": torch.zeros_like(param)}
-        # (the rounding's residual, rounded to the parameter's dtype: what the cast dropped)
         return {"compensation": (value.float() - param.float()).to(param.dtype)}
 
     def load(self, param: torch.Tensor, bufs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -351,11 +326,8 @@ class Kahan(MasterStorage):
 
 
 class Stochastic(MasterStorage):
-    """Stochastic rounding of the new value into the parameter's dtype; no extra buffer.
-
-    The random bits come from a counter-based hash of (seed, step, parameter index, element), so a
-    run is reproducible, identical on every rank and resumes bit for bit from a checkpoint.
-    """
+    """Stochastic rounding into the parameter's dtype, no buffer; the bits hash (seed, step,
+    parameter index, element), so a run is reproducible on every rank and across a resume."""
 
     name = "stochastic"
     needs_random_bits = True
@@ -392,11 +364,9 @@ class Stochastic(MasterStorage):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if bits is None:
             raise ValueError("master='stochastic' needs random bits for its store step.")
-        # The pair's 32 bits: the low 16 are the even element's noise, the high 16 the odd's,
-        # as element_random_bits gives them to the elementwise store. Each half is
-        # _sr_bf16_bits's carry of the noise into the kept half, except that a NaN becomes the
-        # quiet NaN 0x7FC0 (as in the nearest stores): its own upper half would be inf where
-        # its payload lies in the lower half.
+        # The low 16 bits are the even element's noise, the high 16 the odd's (as
+        # element_random_bits gives the elementwise store). Each half is _sr_bf16_bits's carry,
+        # but a NaN becomes the quiet NaN 0x7FC0: its upper half alone could read as inf.
         return _pack_rounded_bf16_pairs(w_even, w_odd, bits & 0xFFFF, (bits >> 16) & 0xFFFF), {}
 
 
@@ -412,13 +382,9 @@ MASTER_CHOICES = ("auto", *STORAGES)
 def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
     """The storage strategy used for a parameter of ``dtype`` under the ``master=`` option.
 
-    ``"auto"`` is ``"none"`` for FP32/FP64 parameters and ``"kahan"`` for BF16/FP16 ones. The
-    strategies that exist to recover bits a low-precision parameter loses (``"fp32"``, ``"kahan"``,
-    ``"stochastic"``) leave FP32/FP64 parameters plain: those are already their own master. This
-    lets a model keep some layers in FP32 under one optimizer, in the same parameter groups as
-    its BF16 layers (as frameworks build them: Hugging Face Trainer's decay and no-decay groups).
-    ``"split"`` does the same for FP32/FP64 parameters and raises for float16, since its memory
-    layout (the parameter is the top half of an FP32 value) holds for bfloat16 alone.
+    ``"auto"`` is ``"none"`` for FP32/FP64 parameters and ``"kahan"`` for BF16/FP16 ones. Every
+    strategy leaves FP32/FP64 parameters plain (their own master), so FP32 layers can share a
+    parameter group with BF16 ones; ``"split"`` raises for float16 (its layout is bfloat16's).
 
     Args:
         master: One of ``MASTER_CHOICES``.
@@ -452,12 +418,8 @@ def convert(
     old: MasterStorage, new: MasterStorage, param: torch.Tensor, bufs: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The FP32 master that ``old`` keeps in ``param`` and ``bufs``, stored ``new``'s way: the new
-    parameter value and ``new``'s buffers (pure, as ``load``/``store``).
-
-    Exact where ``new`` holds an FP32 value (``"fp32"``, ``"split"``); ``"kahan"`` keeps it to
-    its compensation's precision (the parameter's significant bits twice); ``"none"`` and
-    ``"stochastic"`` round it to the parameter's dtype, to nearest (one rounding, so the
-    conversion itself needs no random bits).
+    parameter value and ``new``'s buffers (pure). Exact into ``"fp32"`` and ``"split"``; into
+    ``"stochastic"`` it rounds to nearest (a conversion takes no random bits).
     """
     w = old.load(param, bufs)
     store = STORAGES["none"] if new.needs_random_bits else new

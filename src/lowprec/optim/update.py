@@ -1,13 +1,11 @@
-"""One parameter's update, as the eager and the compiled steps both run it: load the FP32 master,
+"""One parameter's update as the eager and the compiled steps both run it: load the FP32 master,
 apply the rule, store, write.
 
-``_param_update`` is the whole step of one tensor (or a chunk of one): the eager step calls it,
-the compiled step (``compiled``) runs it under ``torch.compile``. ``_param_update_pairs`` is the
-same on words of two elements (the compiled CPU step of 16-bit strategies), ``_param_sums`` and
-``_param_sums_pairs`` the read-only pass of a rule with whole-tensor norms (``_norm_terms``).
-They take plain tensors and the rule's pure ``_math``, never the optimizer, and are pure but for
-their writes, all done after everything is computed. ``_random_bits`` keys stochastic rounding by
-the element's index. Imports nothing from ``lowprec.optim`` but ``storage``.
+``_param_update`` is the whole step of a tensor (or a chunk, or a bucket's piece); the compiled step
+runs it under ``torch.compile``. ``_param_update_pairs`` is the same on words of two elements (the
+compiled CPU step of split and stochastic rounding), ``_param_sums`` and ``_param_sums_pairs`` the
+read-only pass of a rule with whole-tensor norms. They take plain tensors and the rule's pure math,
+and write only after everything is computed.
 """
 
 from __future__ import annotations
@@ -32,20 +30,9 @@ from lowprec.optim.storage import MasterStorage
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import QFormats
 
-# Elements per piece of the eager step on large tensors (a parameter's, or a bucket's:
-# ``buckets``), per device type (the choices side by
-# side; a device not named takes CUDA's).
-# CPU: big enough to amortise Python overhead, small enough that the temporaries (40-60 bytes
-# per element at their peak, 3-4 MB here) stay in cache and keep a step's peak memory within 5%
-# of the resident params, grads and state of a 25M-parameter BF16 model. Measured with
-# benchmarks/optimizer_step.py (peak/res of the BF16 eager rows, 25M parameters): 2**17 gives
-# 1.03-1.09 (the allocator's fragmentation roughly doubles the live temporaries), 2**16
-# 1.01-1.05 row by row (up to 1.08 after earlier rows have fragmented the heap), at 5-25% more
-# time per eager step than 2**17.
-# CUDA: no cache to stay in, and each piece costs its ~20 kernel launches, so 2**16 would be
-# ~8000 launches per 25M parameters; 2**22 is ~120, with at most ~250 MB of temporaries per
-# piece (a whole 1B-element embedding at once would need 60 GB). Not yet measured on a GPU:
-# benchmarks/device_choices.py times 2**16, 2**22 and whole tensors (run by gpu_check.sh).
+# Elements per piece of the eager step on large tensors, per device type (another takes
+# CUDA's): the temporaries stay in cache on the CPU, and the step's peak memory within 5% of
+# what it keeps (docs/architecture.md, "Device choices").
 _EAGER_CHUNKS = {"cpu": 1 << 16, "cuda": 1 << 22}
 
 
@@ -54,17 +41,15 @@ def _eager_chunk(device: torch.device) -> int:
     return _EAGER_CHUNKS.get(device.type, _EAGER_CHUNKS["cuda"])
 
 
-# Indices up to here are int32 (the random bits' hash is cheaper so), past it int64; read here
-# and by the driver's check of a shard's first index (tests lower it).
+# Indices up to here are int32 (a cheaper hash), past it int64 (tests lower it).
 _INT32_MAX = 2**31 - 1
 
 
 def _descent(
     g: torch.Tensor, flags: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The gradient the rule descends along, negated where the group maximizes (the flag
-    ``maximize``, which ``core.step_flags`` gives every rule), and the flags the rule itself
-    takes (all but ``maximize``)."""
+    """The gradient the rule descends along (negated where the flag ``maximize`` is on) and the
+    rule's own flags."""
     rest = {k: v for k, v in flags.items() if k != "maximize"}
     return (-g if flags.get("maximize") else g), rest
 
@@ -78,8 +63,7 @@ def _inputs(
     inv_scale: torch.Tensor | None,
     qstate: tuple[tuple[str, str], ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The update rule's FP32 inputs: the master weight, the (unscaled) gradient, the buffers
-    (those in ``qstate`` decoded from their 8-bit or 4-bit codes and scales)."""
+    """The rule's FP32 inputs: the master, the (unscaled) gradient, the buffers (codes decoded)."""
     g = grad.float() if inv_scale is None else grad.float() * inv_scale
     fmts = dict(qstate)
     scales = set(map(qstate_mod.scale_key, fmts))
@@ -95,14 +79,12 @@ def _blocks(
     mbufs: dict[str, torch.Tensor],
     qstate: QFormats,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A parameter's (or a chunk's) flat tensors as rows of ``qstate_mod.BLOCK`` elements (4-bit
-    codes: a block's two halves, ``qstate.rows``), the scales of its quantized buffers as a
-    column: the shapes the encoders and decoders take."""
+    """Flat tensors as rows of ``qstate.BLOCK`` elements (4-bit codes: a block's two halves), the
+    quantized buffers' scales as a column: the shapes the encoders and decoders take."""
     four = qstate_mod.four_bit(qstate)
     role = {k: "codes" for k, _ in qstate}
     role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
-    # (Told that the size is a multiple of the block, the compiler indexes the rows without a
-    # modulo.)
+    # (told that the size is a multiple of the block, the compiler indexes rows without a modulo)
     torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = qstate_mod.rows
     return (rows(p, four), rows(grad, four), {k: rows(v, four) for k, v in sbufs.items()},
@@ -123,11 +105,8 @@ def _param_sums(
     qstate: tuple[tuple[str, str], ...] = (),
     rows: bool = False,
 ) -> torch.Tensor:
-    """The sums of squares of a rule's ``_norm_terms`` over ``p`` (read-only; FP64, one each).
-
-    ``rows``: every tensor is rows of one parameter each (a bucket's parameters of one size,
-    ``buckets``), and the sums are each row's, shaped (terms, rows, 1) for the update's ``math``
-    to broadcast a row's norms over its elements."""
+    """The sums of squares of the rule's ``norm_terms`` over ``p`` (read-only; FP64). ``rows``: each
+    row a parameter, the sums per row, shaped (terms, rows, 1) to broadcast over its elements."""
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
@@ -136,7 +115,7 @@ def _param_sums(
 
 
 def _stacked_sums(terms: tuple[torch.Tensor, ...], rows: bool) -> torch.Tensor:
-    """``sum_squares`` of each of ``terms``, stacked; ``rows``: of each row (``_param_sums``)."""
+    """``sum_squares`` of each of ``terms``, stacked; ``rows``: per row."""
     if rows:  # (FP64 as sum_squares: each square exact, the row's order of adding unseen)
         return torch.stack([t.double().square().sum(-1, keepdim=True) for t in terms])
     return torch.stack([sum_squares(t) for t in terms])
@@ -190,28 +169,13 @@ def _param_update(
 ) -> None:
     """The whole step of one parameter: load the master, update in FP32, store, then write.
 
-    ``qstate`` names the buffers kept as codes, each with its format (``qstate.fmt``: signed or
-    not, 8 or 4 bits); their scales are ``mbufs["<name>_scale"]`` and every tensor is taken as
-    rows of ``qstate.BLOCK`` elements (``qstate.rows``; ``p.numel()`` a multiple of it: a whole
-    parameter, or a chunk of one that starts on a block). They are decoded before the rule and
-    encoded after it, each block with its new largest magnitude.
-
-    ``shape``: the parameter's own shape, which ``math`` takes where ``qstate`` has made
-    every tensor rows of a block (a rule that needs the shape: ``_whole``).
-
-    ``offset`` is the index of ``p``'s first element when ``p`` is a chunk of a larger parameter
-    (it keys the random bits of stochastic rounding); ``base`` (a 0-d int64 tensor, for compiled
-    steps of a DTensor's shard) moves every index by as much: ``_random_bits``; ``idx`` and
-    ``owner`` key a gathered piece of BF16 parameters per word, as ``_param_update_pairs``
-    describes (off the CPU, which has no pairs kernel). Under a loss
-    scaler, ``inv_scale`` (0-d FP32) multiplies the gradient, which is written back unscaled (as
-    ``torch.amp.GradScaler`` leaves gradients: for code that reads them after the step), and
-    ``skip`` (0-d bool) selects the old values for every write but the gradient's.
-
-    The eager path calls this directly; the fused path runs it under ``torch.compile``, which turns
-    it into one pass over the elements with the writes done in place. Everything is computed
-    before the first write.
-    """
+    ``qstate``: the buffers kept as codes, each with its format; every tensor is then taken as rows
+    of ``qstate.BLOCK`` elements, and ``shape`` is the parameter's own, for a rule that needs it.
+    ``offset``: the index of ``p``'s first element in its parameter, and ``base`` (0-d int64) moves
+    every index (a DTensor's shard): both key the random bits; ``idx`` and ``owner`` key a gathered
+    piece per word (``_random_bits``). Under a loss scaler ``inv_scale`` multiplies the gradient,
+    which is written back unscaled (as GradScaler leaves it), and ``skip`` (0-d bool) writes back
+    the old values."""
     if qstate:
         p, grad, sbufs, mbufs = _blocks(p, grad, sbufs, mbufs, qstate)
     w, g, m = _inputs(p, grad, sbufs, mbufs, storage, inv_scale, qstate)
@@ -250,23 +214,14 @@ def _random_bits(
     base: torch.Tensor | None = None, idx: torch.Tensor | None = None,
     owner: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stochastic rounding's random bits for elements ``offset .. offset + numel - 1`` of a parameter.
+    """Stochastic rounding's random bits for elements ``offset`` to ``offset + numel - 1``.
 
-    ``base``: a 0-d int64 tensor added to every hashed index (a compiled step of a DTensor's shard
-    passes its first element's index in the whole parameter there, so that one compilation serves
-    every shard): for bfloat16 the index of the first pair (half that element's index, which must
-    be even, with ``offset`` 0), otherwise the first element's index.
-
-    Element ``i`` of a bfloat16 parameter takes 16 bits of the 32-bit hash of ``i // 2``: the low
-    half for even ``i``, the high half for odd ``i``, so one hash serves a pair of elements: it is
-    computed once per pair here as in the fused step on pairs (hashing it per element made an
-    eager BF16 stochastic AdamW step ~13% longer). Other dtypes (float16 takes 24 bits) get the
-    hash of ``i`` itself. ``idx`` and ``owner`` (a gathered piece of bfloat16 parameters,
-    ``offset`` 0): each word's index within its parameter and that parameter's place in the
-    piece, whose key halves ``key_lo`` and ``key_hi`` hold, one per parameter.
-    """
-    # int32 indices where they fit (the hash is then int32 throughout, much cheaper than int64 on
-    # CPUs without 64-bit vector multiplies); the same bits either way.
+    BF16 element ``i`` takes a 16-bit half of the 32-bit hash of ``i // 2`` (low for even ``i``),
+    one hash per pair, as the pairs kernel; other dtypes the hash of ``i``. ``base`` (0-d int64) is
+    added to every hashed index (a compiled shard's first element's, or for BF16 first pair's).
+    ``idx`` and ``owner``: a gathered piece's words' indices within their parameters and their
+    parameters' places, whose key halves ``key_lo`` and ``key_hi`` hold."""
+    # (int32 indices where they fit: much cheaper without 64-bit vector multiplies; same bits)
     wide = offset + numel > _INT32_MAX
     itype = torch.int64 if wide else torch.int32
     if dtype != torch.bfloat16:
@@ -275,7 +230,7 @@ def _random_bits(
     if numel == 0:
         return torch.empty(0, device=device, dtype=torch.int32)
     # Each pair's hash once: its low half for the even element, its high half (shifted down)
-    # for the odd one, interleaved; elements offset .. offset + numel - 1 are a slice of them.
+    # for the odd one, interleaved; the elements asked for are a slice of them.
     first = offset // 2
     if owner is not None and idx is not None:
         words, key_lo, key_hi = idx, key_lo[owner], key_hi[owner]
@@ -303,8 +258,8 @@ def _pair_inputs(
     kinds: dict[str, torch.dtype],
     inv_scale: torch.Tensor | None,
 ) -> tuple[_RuleInputs, _RuleInputs]:
-    """``_inputs`` on words: the rule's FP32 (master, gradient, buffers) of the even elements
-    and of the odd ones; ``kinds`` gives the grad's and each math buffer's real dtype."""
+    """``_inputs`` on words: the rule's FP32 inputs of the even elements and of the odd ones;
+    ``kinds`` gives the gradient's and each buffer's dtype."""
     g_even, g_odd = _unpack_pairs(grad, kinds["grad"])
     if inv_scale is not None:
         g_even, g_odd = g_even * inv_scale, g_odd * inv_scale
@@ -317,7 +272,7 @@ def _pair_inputs(
 
 
 def _pack_pairs(even: torch.Tensor, odd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` would round them."""
+    """Words holding ``even`` and ``odd`` (FP32) rounded to ``dtype`` as ``copy_`` rounds."""
     if dtype == torch.bfloat16:
         return _pack_nearest_bf16_pairs(even, odd)
     return _pack_f32_pairs(even, odd)
@@ -342,21 +297,15 @@ def _param_update_pairs(
     owner: torch.Tensor | None = None,
     base: torch.Tensor | None = None,
 ) -> None:
-    """``_param_update`` on pairs of elements, for the compiled step of a 16-bit strategy.
+    """``_param_update`` on pairs of elements, for the compiled CPU step of split and stochastic
+    rounding.
 
-    Every tensor is a view of one parameter's first ``2 * len(p)`` elements as words holding
-    two elements each (see "Pairs" in ``lowprec.numerics``): int32 for 16-bit tensors, int64 for
-    32-bit ones. ``dtypes`` gives the grad's and each math buffer's real dtype. The update rule
-    runs unchanged on the even and on the odd elements, so each element gets the operations
-    ``_param_update`` gives it; the words are unpacked and packed with exact bit operations.
-    Compiled CPU code vectorizes this where it cannot vectorize a loop over int16 elements.
-
-    ``idx`` and ``owner`` (int32, one per word) key a batch of small parameters: ``key_lo`` and
-    ``key_hi`` then hold one key half per parameter (int64), ``owner`` gives each word's parameter
-    and ``idx`` its index within that parameter, which replaces the word's own index in the random
-    bits' hash (``buckets._word_owners``). ``base`` (0-d int64) is added to every word's index: a
-    DTensor shard's first word's index in the whole parameter (``_random_bits``).
-    """
+    Every tensor is the words of a parameter's first ``2 * len(p)`` elements (int32 for 16-bit
+    tensors, int64 for 32-bit ones; "Pairs" in ``lowprec.numerics``); ``dtypes`` gives the
+    gradient's and each buffer's dtype. The rule runs unchanged on the even and on the odd elements,
+    unpacked and packed with exact bit operations, so each element gets ``_param_update``'s bits;
+    Inductor's C++ code vectorizes the words where it cannot vectorize int16 elements. ``idx``,
+    ``owner`` and ``base``: as ``_random_bits``."""
     kinds = dict(dtypes)
     even, odd = _pair_inputs(p, grad, sbufs, mbufs, storage, kinds, inv_scale)
     unscaled = None if inv_scale is None else _pack_pairs(even[1], odd[1], kinds["grad"])

@@ -1,28 +1,11 @@
 """Bit casts in Inductor's vectorized C++ loops, while lowprec's kernels compile.
 
-``Tensor.view(dtype)`` between dtypes of one size (an ``int32`` word read as ``float32``, and
-back) is Inductor's ``to_dtype_bitcast``. Its C++ backend has no vector form of it: inside a
-vectorized loop it stores the vector to an array on the stack, casts element by element with
-``c10::bit_cast``, and loads the result back (``CppVecOverrides._scalarize``). That is the same
-on every vector ISA. The step on pairs of BF16 elements (``update._param_update_pairs``) needs
-20 to 40 such casts per loop iteration (unpacking words into two FP32 values, rounding on the
-FP32 bits, packing them back). gcc removes the stack round trips in a small kernel, but not in
-these: the loop body of BF16 AdamW with ``master="none"`` compiled to 3128 instructions, 761 of
-them loads and stores on the stack (AVX-512; 890 under AVX2), and to 896 instructions with 13
-stack accesses once the casts are vector casts. A vector load of what several narrower stores
-have just written cannot be forwarded from the store buffer, so on CPUs where that stall is
-long each cast waits for its stores to reach the cache (issue 29 measured a kernel of such casts
-1.8x slower under AVX-512 than under AVX2 on a Sapphire Rapids machine).
-
-``vector_casts()`` is a context in which Inductor writes a cast between 32-bit (or 64-bit)
-integers and floats as ``at::vec::cast``, ATen's reinterpretation of a vector's bits (one
-register move, or none), for each of the vectors the loop holds. Other casts keep Inductor's own
-code. It changes how the C++ is written, never what it computes: the fused steps still equal
-the eager ones bit for bit (``tests/test_fused.py``), and ``tests/test_vector_casts.py`` checks
-the generated code. Where this version of torch has no such class or method, the context
-changes nothing. It is entered around every call of a compiled kernel (``compiled._Kernel``),
-since a later call can recompile, and leaves Inductor as it was afterwards, so the user's own
-``torch.compile`` calls are not touched.
+Inductor's C++ backend has no vector form of ``to_dtype_bitcast`` (``Tensor.view(dtype)``): in a
+vectorized loop it casts element by element through a stack array, which stalls on store
+forwarding (the pairs step has 20-40 casts an iteration). ``vector_casts()`` makes it write
+``at::vec::cast`` for same-size integer/float casts: the C++ changes, never the results. It is
+entered around every compiled kernel call (a call may recompile) and restores Inductor after, so
+users' ``torch.compile`` is untouched. Measurements: docs/architecture.md, "Bit casts".
 """
 
 from __future__ import annotations
