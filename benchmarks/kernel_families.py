@@ -5,8 +5,8 @@ few steps under a learning-rate schedule.
 
 A scaled configuration is counted twice: as the CPU takes it (the gradients unscaled in place on
 the host, then the plain step: ``loss_scale.skipped_on_host``, so the plain step's kernels) and
-with its counts on the device, as a GPU or ``capturable=True`` takes it (the scaler's inputs in
-the kernels: kernels of their own).
+as a GPU or ``capturable=True`` takes it (the scaler's inputs in the kernels: kernels of their
+own).
 
 Each distinct ``compiled._compiled_kernel`` key is a graph Inductor compiles (its shapes are
 dynamic: one graph serves every size, but for Inductor's specialisation on a length that is a
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))
 import lowprec
-from lowprec.optim import compiled, loss_scale
+from lowprec.optim import compiled
 
 #: (class, keywords): every optimizer; Muon's vectors take AdamW's rule (a group of their own).
 OPTIMIZERS = {
@@ -54,13 +54,15 @@ STATES = (None, "8bit")
 SHAPES = [(64, 32)] * 6 + [(128,)] * 6 + [(256, 256)] * 2 + [(2048, 1024), (7,), (33, 3)]
 
 
-def _optimizer(name: str, params: list[torch.Tensor], master: str, state: str | None):
+def _optimizer(name: str, params: list[torch.Tensor], master: str, state: str | None,
+               capturable: bool = False):
     cls, options = OPTIMIZERS[name]
     groups: object = params
     if name == "muon":
         groups = [{"params": [p for p in params if p.dim() == 2]},
                   {"params": [p for p in params if p.dim() != 2], "use_muon": False}]
-    return cls(groups, master=master, state_dtype=state, fused=True, seed=1, **options)
+    return cls(groups, master=master, state_dtype=state, fused=True, seed=1,
+               capturable=capturable, **options)
 
 
 def expected(name: str, master: str, state: str | None) -> int:
@@ -82,23 +84,14 @@ def expected(name: str, master: str, state: str | None) -> int:
 
 
 def census(name: str, master: str, state: str | None, scaled: bool, steps: int = 3,
-           host: bool = True):
+           capturable: bool = False):
     """The kernels' names one configuration asks for in ``steps`` steps (``torch.compile``
-    replaced by the function itself: see ``main``); ``host`` False: the step counts kept on the
-    device, as off the CPU (``loss_scale._host_counts``)."""
-    real = loss_scale._host_counts
-    loss_scale._host_counts = lambda device: host and real(device)  # type: ignore[assignment]
-    try:
-        return _census(name, master, state, scaled, steps)
-    finally:
-        loss_scale._host_counts = real  # type: ignore[assignment]
-
-
-def _census(name: str, master: str, state: str | None, scaled: bool, steps: int):
+    replaced by the function itself: see ``main``); ``capturable``: a scaled step's inputs in the
+    kernels, as on a GPU."""
     compiled._KERNELS.clear()
     gen = torch.Generator().manual_seed(0)
     params = [(torch.randn(s, generator=gen) * 0.1).bfloat16().requires_grad_() for s in SHAPES]
-    opt = _optimizer(name, params, master, state)
+    opt = _optimizer(name, params, master, state, capturable)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for _ in range(steps):
         for p in params:
@@ -111,8 +104,8 @@ def _census(name: str, master: str, state: str | None, scaled: bool, steps: int)
     return sorted(k.name for k in compiled._KERNELS.values())
 
 
-#: (scaled, counts on the host, the table's label): plain; scaled on the CPU; scaled as on a GPU.
-MODES = ((False, True, "no"), (True, True, "host"), (True, False, "device"))
+#: (scaled, capturable, the table's label): plain; scaled on the CPU; scaled as on a GPU.
+MODES = ((False, False, "no"), (True, False, "host"), (True, True, "device"))
 
 
 def main() -> int:
@@ -129,8 +122,8 @@ def main() -> int:
     for name in args.optimizers.split(","):
         for master in MASTERS:
             for state in STATES:
-                for scaled, host, mode in MODES:
-                    names = census(name, master, state, scaled, host=host)
+                for scaled, capturable, mode in MODES:
+                    names = census(name, master, state, scaled, capturable=capturable)
                     short = [n.split(f"_{master}", 1)[-1].lstrip("_") for n in names]
                     families.update(short)
                     print(f"{name:<13} {master:<11} {state or '-':<5} {mode:<6} "

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lowprec.numerics import split
-from lowprec.optim import AdamW, core, loss_scale
+from lowprec.optim import AdamW, core
 from lowprec.optim.adam import Adam
 from lowprec.optim.radam import RAdam
 from tests._host import no_host_reads
@@ -224,13 +224,14 @@ def test_torch_checkpoint_with_l2_decay_resumes_as_torch(ours, ref, kw):
     ids=["eager", "fused"],
 )
 @pytest.mark.parametrize(("cls", "kw"), CASES)
-def test_step_counted_on_the_device_steps_as_on_the_host(cls, kw, fused, monkeypatch, device):
-    # Under a loss scaler on a GPU the step count stays on the device, and the coefficients
-    # (RAdam's choice of the rectified step included) are made there, with no host read.
+def test_a_capturable_scaled_step_reads_nothing_and_steps_as_the_plain_one(cls, kw, fused,
+                                                                          device):
+    # The step count stays on the device, and the coefficients (RAdam's choice of the rectified
+    # step included) are made there: a capturable step under a loss scaler reads nothing on the
+    # host, and steps as the plain step on the unscaled gradients.
     pa, pb = _twins(device)
     host = cls(pa, master="none", fused=fused, **kw)
-    on_device = cls(pb, master="none", fused=fused, **kw)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    on_device = cls(pb, master="none", fused=fused, capturable=True, **kw)
     for i, grads in enumerate(grad_sequence(SHAPES, 12)):
         feed(pa, grads)
         host.step()

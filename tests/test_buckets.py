@@ -31,7 +31,6 @@ from lowprec.optim import (
     compiled,
     core,
     driver,
-    loss_scale,
 )
 from tests import _steps
 from tests._same import assert_same, bits
@@ -291,14 +290,14 @@ def test_buckets_under_a_loss_scaler_equal_the_step_without_them(name, scaled, m
                          ids=["every-step", "even-steps"])
 def test_buckets_with_counts_on_the_device_equal_the_step_without_them(name, scaled,
                                                                         monkeypatch):
-    """A GPU's way under a loss scaler, run on the CPU (``loss_scale._host_counts`` patched off):
-    the counts stay on the device and the step's numbers are made there from the bucket's one
-    count. Bit for bit the full step's (which makes them per parameter), across the changes a
+    """A GPU's way under a loss scaler, run on the CPU (``driver.skipped_on_host`` patched off: the
+    kernels take the scaler's inputs): the step's numbers are made from the bucket's one count.
+    Bit for bit the full step's (which makes them per parameter), across the changes a
     step must notice; a count written in place is seen through the counts' version counter. A
     bucket with a parameter missing its gradient, or counts that differ, steps its parameters in
     runs of equal counts, each with its first count's numbers (``_Bucket.runs``), still laid
     out."""
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    monkeypatch.setattr(driver, "skipped_on_host", lambda *args, **kwargs: None)
     pa, oa, _ = _run(_adamw_kahan, CHANGES[name], use_buckets=False, monkeypatch=monkeypatch,
                      scaled=scaled)
     pb, ob, taken = _run(_adamw_kahan, CHANGES[name], use_buckets=True, monkeypatch=monkeypatch,

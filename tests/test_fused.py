@@ -750,7 +750,7 @@ def test_a_configuration_asks_for_its_kernels_whatever_its_shapes(name, master, 
     assert len(plain) == families.expected(name, master, state), plain
     # On the CPU a scaled step is the plain one on gradients unscaled in place (power-of-two
     # scale, BF16 gradients: loss_scale.skipped_on_host): the same kernels. With its counts on
-    # the device (a GPU's step, or capturable) the kernels take the scaler's inputs themselves.
+    # capturable (as on a GPU) the kernels take the scaler's inputs themselves.
     assert families.census(name, master, state, True) == plain
-    device = families.census(name, master, state, True, host=False)
+    device = families.census(name, master, state, True, capturable=True)
     assert len(device) == len(plain) and all("_unscale_" in n for n in device), device

@@ -1,7 +1,7 @@
-"""The step as a GPU takes it, shown on the CPU: the step counts on the device (every step off
-the CPU makes its numbers there: ``loss_scale._host_counts`` patched off) and no pairs kernel
-(the CPU's alone: ``compiled.pairs_device`` patched off), so that what only a GPU would run is
-run here, against the eager step bit for bit. No GPU has run the step since buckets: on one, a
+"""The step as a GPU takes it, shown on the CPU (``_as_a_gpu``: the CPU's two shortcuts off, the
+pairs kernel and the loss scaler's check read on the host; every step already makes its numbers
+on the device), so that what only a GPU would run is run here, against the eager step bit for
+bit. No GPU has run the step since buckets: on one, a
 group of small BF16 parameters with stochastic rounding raised "per-word random keys need the
 fused step on pairs" at its first step, which ``test_every_configuration_steps_as_a_gpu_would``
 showed on the CPU at once.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowprec import step_in_backward
-from lowprec.optim import AdamW, Lamb, buckets, compiled, core, driver, loss_scale
+from lowprec.optim import AdamW, Lamb, buckets, compiled, core, driver
 from tests._cases import kernel_families
 from tests._host import no_host_reads
 from tests._same import assert_same
@@ -25,8 +25,13 @@ from tests._steps import full_steps
 pytestmark = pytest.mark.fused
 
 
-def _adamw_kahan(params):
-    return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3)
+def _as_a_gpu(monkeypatch):
+    monkeypatch.setattr(compiled, "pairs_device", lambda device: False)
+    monkeypatch.setattr(driver, "skipped_on_host", lambda *args, **kwargs: None)
+
+
+def _adamw_kahan(params, **kw):
+    return AdamW(params, lr=1e-2, weight_decay=0.1, master="kahan", fused=True, seed=3, **kw)
 
 
 FAMILIES = kernel_families()
@@ -43,8 +48,7 @@ def test_every_configuration_steps_as_a_gpu_would(name, monkeypatch):
     equals the eager step bit for bit. ``torch.compile`` is replaced by the function it
     compiles (the compiled kernels' own bits are ``tests/test_fused.py``'s): this is the
     step's plumbing, in seconds."""
-    monkeypatch.setattr(compiled, "pairs_device", lambda device: False)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    _as_a_gpu(monkeypatch)
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
     monkeypatch.setattr(compiled, "_KERNELS", {})
     monkeypatch.setitem(buckets._GATHERED, "cpu", 4096)
@@ -87,8 +91,7 @@ def test_the_update_inside_backward_steps_as_a_gpu_would(master, monkeypatch):
     the end of backward, bit for bit the normal step (``torch.compile`` replaced as above)."""
     from tests.test_in_backward import OPTIMIZERS, _train
 
-    monkeypatch.setattr(compiled, "pairs_device", lambda device: False)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    _as_a_gpu(monkeypatch)
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
     monkeypatch.setattr(compiled, "_KERNELS", {})
     for name in sorted(OPTIMIZERS):
@@ -105,9 +108,8 @@ def test_the_update_inside_backward_gathers_the_small_parameters_on_the_device(m
     the same. No value is read on the host after the first step."""
     from tests.test_in_backward import _model, _optimizer
 
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     model = _model()
-    opt = _optimizer("adamw", model, master="kahan", fused=True)
+    opt = _optimizer("adamw", model, master="kahan", fused=True, capturable=True)
     step_in_backward(model, opt)
     pieces = []
     real = buckets._Bucket._run
@@ -125,13 +127,12 @@ def test_the_update_inside_backward_gathers_the_small_parameters_on_the_device(m
 
 
 def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeypatch):
-    """With the counts on the device (``loss_scale._host_counts`` patched off, as on a GPU), a
-    step where a parameter has no gradient and the steps after it, whose counts differ, go
+    """The GPU's way under a loss scaler (``_as_a_gpu``), a step where a parameter has no gradient and the steps after it, whose counts differ, go
     through the bucket as it was laid out, each run of equal counts with its first count's
     numbers: no full step and no layout again, the counts read on the host only at the first
     step (which counts are equal is then kept from the steps: ``_Bucket.count_marks``), skipped steps
     included, and the bits of the full step."""
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    _as_a_gpu(monkeypatch)
     calls = {"flatten": 0, "full_step": 0}
     for name in calls:
         real = getattr(driver, name)
@@ -142,7 +143,7 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
         gen = torch.Generator().manual_seed(0)
         params = [torch.randn(s, generator=gen).bfloat16().requires_grad_()
                   for s in [(32, 4), (64,), (16, 6)]]
-        opt = _adamw_kahan(params)
+        opt = _adamw_kahan(params, capturable=True)
         for step in range(6):
             for k, p in enumerate(params):
                 p.grad = (None if step == 1 and k == 1
@@ -170,13 +171,11 @@ def test_a_bucket_on_the_device_steps_each_parameter_where_counts_differ(monkeyp
     lambda ps, fused: Lamb(ps, lr=1e-2, master="stochastic", fused=fused, seed=5),
 ], ids=["adamw", "lamb"])
 def test_stochastic_rounding_off_the_cpu_gathers_small_parameters(make, monkeypatch):
-    """Off the CPU there is no pairs kernel (``compiled.pairs_device``, patched off here, with
-    the counts on the device as there): a gathered piece's per-word random keys go into the
+    """Off the CPU there is no pairs kernel (``compiled.pairs_device``, patched off here): a gathered piece's per-word random keys go into the
     elementwise kernel (``update._random_bits``' ``owner`` and ``idx``; such a piece raised a
     ValueError before), bit for bit the eager step, and the step's calls stay a few per
     bucket (LAMB's as rows of one size)."""
-    monkeypatch.setattr(compiled, "pairs_device", lambda device: False)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    _as_a_gpu(monkeypatch)
     runs = []
     for fused in (False, True):
         gen = torch.Generator().manual_seed(0)

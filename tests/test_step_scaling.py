@@ -5,10 +5,8 @@ are powers of two, so unscaling is exact), a step with an inf/NaN anywhere must 
 parameter and state tensor bit-identical, and none of it may read a value on the host.
 
 Tests that take ``device`` run there (the CPU, and CUDA where present: the ``device`` fixture),
-with the scaler's tensors on that device too. On the CPU a scaled step reads its step counts on
-the host (``loss_scale._host_counts``); the tests that patch it off run the GPU's way on the CPU,
-which is what CUDA does anyway. Small parameters share compiled calls on the CPU only
-(``batches``), so the test of those stays on the CPU.
+with the scaler's tensors on that device too. Every step keeps its counts on the device and makes
+its numbers there, as a GPU's does.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from lowprec.optim import SGD, Adagrad, AdamW, Lamb, core, loss_scale
+from lowprec.optim import SGD, Adagrad, AdamW, Lamb, core
 from tests._cases import axes
 from tests._host import no_host_reads
 from tests._steps import full_steps
@@ -100,16 +98,9 @@ def _run(name, master, *, fused, scaled, steps=8, bad_steps=(), as_kwargs=True, 
     return params, opt, found_log
 
 
-@pytest.mark.parametrize("counts", ["host", "device"])
 @pytest.mark.parametrize("master", MASTERS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, counts, monkeypatch,
-                                                               device):
-    # "device": step counts and the numbers made from them stay on the device, as on a GPU.
-    if counts == "host" and not loss_scale._host_counts(torch.device(device)):
-        pytest.skip(f"a step on {device} reads its counts on the device: the 'device' case")
-    if counts == "device":
-        monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, device):
     ref_params, ref_opt, _ = _run(name, master, fused=False, scaled=False, device=device)
     params, opt, found = _run(name, master, fused=False, scaled=True, bad_steps=(2, 5),
                               device=device)
@@ -119,24 +110,10 @@ def test_scaled_step_equals_unscaled_bitwise_and_skips_cleanly(name, master, cou
 
 @pytest.mark.slow
 @pytest.mark.parametrize("master", ["split", "kahan", "stochastic"])
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb"])
 def test_fused_scaled_step_equals_eager(name, master, device):
     eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,),
                                        device=device)
-    params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,), device=device)
-    assert f1 == f2
-    _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
-
-
-@pytest.mark.parametrize("master", ["kahan", "stochastic"])
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
-def test_fused_scaled_step_with_counts_on_the_device_equals_eager(name, master, monkeypatch,
-                                                                 device):
-    # The GPU's way (numbers made on the device from the count there), compiled: on the CPU by
-    # patching _host_counts, on CUDA as it is.
-    eager_params, eager_opt, f1 = _run(name, master, fused=False, scaled=True, bad_steps=(3,),
-                                       device=device)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     params, opt, f2 = _run(name, master, fused=True, scaled=True, bad_steps=(3,), device=device)
     assert f1 == f2
     _assert_same(_snapshot(params, opt), _snapshot(eager_params, eager_opt))
@@ -259,11 +236,10 @@ def test_torch_grad_scaler_with_fp16_weights_and_fp32_master(device):
 @pytest.mark.parametrize("master", ["kahan", "stochastic", "split"])
 def test_scaled_step_never_reads_a_value_on_the_host(master, fused, monkeypatch, device):
     # What a GPU step does: step counts read and used on the device, the buckets' numbers made
-    # there from their one count. (On the CPU, where a host read is no synchronisation, counts
-    # are read on the host: the tests around this one check they step the same.)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
+    # there from their one count. (On the CPU, where a host read is no synchronisation, the
+    # default step reads the counts and the inf/NaN finding there; capturable reads neither.)
     params = _params(torch.bfloat16, device)
-    opt = AdamW(params, master=master, fused=fused)
+    opt = AdamW(params, master=master, fused=fused, capturable=True)
     for step in range(3):
         for p, g in zip(params, _grads(step, torch.bfloat16, device), strict=True):
             p.grad = g * 64
@@ -343,7 +319,6 @@ def test_family_scaled_step_with_counts_on_the_device_equals_unscaled(name, mast
     if name == "muon":  # (matrices only)
         monkeypatch.setattr(sys.modules[__name__], "SHAPES", [(33, 17), (6, 5)])
     ref_params, ref_opt, _ = _run(name, master, fused=True, scaled=False, device=device)
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     params, opt, found = _run(name, master, fused=True, scaled=True, bad_steps=(2, 5),
                               device=device)
     assert found == [1.0 if s in (2, 5) else 0.0 for s in range(8)]
@@ -357,7 +332,6 @@ def test_scaled_step_makes_each_groups_numbers_once(fused, monkeypatch, device):
     # operations is a kernel launch, and per parameter they were most of the step. Through
     # buckets: from each bucket's one count, per group: the first group's bucket of three
     # parameters, the second group's two buckets of one (an odd size, and a size alone).
-    monkeypatch.setattr(loss_scale, "_host_counts", lambda device: False)
     torch.manual_seed(0)
     params = [torch.randn(s, device=device, dtype=torch.bfloat16, requires_grad=True)
               for s in [(16, 8), (8,), (4, 4), (3,), (300,)]]

@@ -7,8 +7,8 @@ the weight is stored) with a master-weight storage (``storage``), per group. It 
 ``load_state_dict`` (``checkpoint``: every state tensor keeps its dtype) and ``master_weight``. A
 step validates everything before it writes anything, so a step that raises leaves parameters and
 state as they were. Module-level names that tests replace (``driver.step_buckets``,
-``loss_scale._host_counts``, ``compiled._compiled_kernel``, ``update._INT32_MAX``) are read through
-their modules, so that one ``monkeypatch.setattr`` reaches every caller.
+``compiled._compiled_kernel``, ``update._INT32_MAX``) are read through their modules, so that one
+``monkeypatch.setattr`` reaches every caller.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class LowPrecisionOptimizer(OptimizerCore):
                 "changes between runs, and checkpoints map state to parameters by position."
             )
         _check_torch_options(type(self).__name__, foreach, capturable, differentiable)
-        # (read by core.host_counts: set before the groups, whose state it places)
+        # (set before the groups: read by their checks)
         stages(self).capturable = bool(capturable)
         super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
 

@@ -71,9 +71,9 @@ class _Bucket:
     __slots__ = (
         "counts", "device_index", "entries", "flat_params", "flat_state", "flats", "gather_state",
         "group", "index_tensors", "indices", "keyed", "kind", "layouts", "made", "marks", "names",
-        "norms", "offsets", "params", "per", "prepared", "ptrs", "qstate", "sbufs", "scratch",
-        "shapes", "shards", "sizes", "split_views", "start", "states", "steps", "storage",
-        "version", "views"
+        "norms", "offsets", "params", "per", "prepared", "ptrs", "qstate", "run", "run_keys",
+        "sbufs", "scratch", "shapes", "shards", "sizes", "split_views", "start", "states", "steps",
+        "storage", "version", "views"
     )
 
     #: The counts' version when ``marks`` was last made (None: not yet)
@@ -150,6 +150,9 @@ class _Bucket:
         self.prepared: dict[Any, _Fused] = {}
         self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (the run being stepped, and its parameters' random keys: _keys)
+        self.run: tuple[int, int] = (0, 0)
+        self.run_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
@@ -196,16 +199,15 @@ class _Bucket:
         alone: bool = False,
     ) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones with one count
-        (``runs``), a compiled call per piece (one per parameter where ``alone``) and one write of
-        the counts (by ``1 - skip`` under a loss scaler, decided on the device). Where the counts
-        live on the device (``on_device``) the numbers are made there, and nothing is read on the
-        host."""
-        on = self.on_device(opt)
-        counts = self.count_marks() if on else self.counts.tolist()
+        (``runs``: which counts are equal, ``count_marks`` knows without reading them), the numbers
+        made on the device from the run's first count, a compiled call per piece (one per
+        parameter where ``alone``) and one write of the counts (by ``1 - skip`` under a loss
+        scaler, decided on the device)."""
         moved: list[tuple[int, int]] = []
         try:
-            for i, j in self.runs(grads, counts):
-                step = self._device_numbers(opt, memo, i) if on else int(counts[i]) + 1
+            for i, j in self.runs(grads, self.count_marks()):
+                step = self._device_numbers(opt, memo, i)
+                self.run, self.run_keys = (i, j), {}
                 done = i
                 try:
                     for a, b in ([(k, k + 1) for k in range(i, j)] if alone
@@ -214,15 +216,11 @@ class _Bucket:
                         done = b
                 finally:  # (one write per run, over the pieces stepped)
                     if done > i:
-                        if isinstance(step, int) and scaling is None:
-                            self.counts[i:done].fill_(step)
-                        else:
-                            self.counts[i:done].add_(1 if scaling is None
-                                                     else scaling.taken_on(self.counts.device))
+                        self.counts[i:done].add_(1 if scaling is None
+                                                 else scaling.taken_on(self.counts.device))
                         moved.append((i, done))
         finally:
-            if on:
-                self._moved(moved)
+            self._moved(moved)
 
     @staticmethod
     def runs(grads: list[torch.Tensor | None], counts: list[Any]) -> list[tuple[int, int]]:
@@ -265,15 +263,12 @@ class _Bucket:
         return [t for ts in zip(self.steps, *(self.views[k] for k in self.names), strict=True)
                 for t in ts]
 
-    def on_device(self, opt: OptimizerCore) -> bool:
-        """Whether a step makes its numbers on the device (``core.host_counts`` False)."""
-        return not core.host_counts(opt, self.params[0].device)
-
-    def count_marks(self) -> list[int]:
-        """The counts as marks, equal where the counts are: read on the host only after something
-        else wrote them (their version counter; a write through ``.data`` is not seen), else kept
-        from this bucket's own steps (``_moved``)."""
-        if self.version != self.counts._version:
+    def count_marks(self, read: bool = False) -> list[int]:
+        """The counts as marks, equal where the counts are: read on the host where ``read`` (the
+        CPU, where it is free) or after something else wrote them (their version counter; a
+        write through ``.data`` is not seen), else kept from this bucket's own steps
+        (``_moved``)."""
+        if read or self.version != self.counts._version:
             values = self.counts.tolist()
             ids = {v: k for k, v in enumerate(dict.fromkeys(values))}
             self.marks = [ids[v] for v in values]
@@ -282,11 +277,12 @@ class _Bucket:
 
     def _moved(self, spans: list[tuple[int, int]]) -> None:
         """The marks of the parameters in ``spans``, advanced alike, part from the others'."""
-        top = max(self.marks) + 1
-        fresh: dict[int, int] = {}
-        for a, b in spans:
-            for k in range(a, b):
-                self.marks[k] = fresh.setdefault(self.marks[k], top + len(fresh))
+        if sum(b - a for a, b in spans) < len(self.marks):  # (all moved alike: the same marks)
+            top = max(self.marks) + 1
+            fresh: dict[int, int] = {}
+            for a, b in spans:
+                for k in range(a, b):
+                    self.marks[k] = fresh.setdefault(self.marks[k], top + len(fresh))
         self.version = self.counts._version
 
     def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
@@ -318,7 +314,7 @@ class _Bucket:
         return pieces
 
     def _run(self, opt: OptimizerCore, a: int, b: int, grads: list[torch.Tensor | None],
-             step: int | dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
+             step: dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers (parameters and gradients gathered
         where several): one compiled call where the step is fused, else eagerly in chunks."""
         group, storage = self.group, self.storage
@@ -340,16 +336,13 @@ class _Bucket:
         rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
         keys: tuple[Any, Any] = (0, 0)
         if self.keyed:
-            keys, owner = self._keys(a, b, step)
+            keys, owner = self._keys(a, b)
             extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
         start = self.start  # (a shard's, alone: fused where its words' indices allow)
         if _fused_enabled(opt, group, self.params[0]) and (not start or (
                 start + hi - lo <= update._INT32_MAX
                 and (start % 2 == 0 or p.dtype != torch.bfloat16))):
-            # (``step``: the count on the host, or the numbers made on the device from it)
-            coeffs, c32 = (param_step.step_coefficients(opt, group, step, memo)
-                           if isinstance(step, int) else (step, step))
             try:
                 key = (a, b, g.dtype, mode)
                 if self.gather_state:  # (where the gathered state lies: the scratch, or new)
@@ -362,13 +355,11 @@ class _Bucket:
                         start=start, shards=self.shards,
                     )
                 fused.p = p  # (this step's parameters: the scratch, a new buffer or the parameter)
-                compiled.run_fused(fused, g, coeffs, c32, *keys, extra)
+                compiled.run_fused(fused, g, step, step, *keys, extra)
                 done = True
             except _COMPILE_ERRORS as e:  # (compilation failed before anything was written)
                 _disable_fused(opt, e)
         if not done:  # (eager: the piece, or each parameter with random bits or sums)
-            coeffs = (param_step.step_coefficients(opt, group, step, memo, tensors=False)[0]
-                      if isinstance(step, int) else step)
             extra = {k: v for k, v in extra.items() if k not in ("owner", "idx")}
             spans = ([(self.offsets[k] - lo, self.offsets[k + 1] - lo, k) for k in range(a, b)]
                      if self.keyed or self.norms else [(0, hi - lo, -1)])
@@ -376,8 +367,8 @@ class _Bucket:
                 sl = slice(first, last)
                 sb, mb = ({n: state[n][param_step._block_slice(sl, per[n])] for n in ns}
                           for ns in names)
-                key_lo, key_hi = self._keys(k, k + 1, step)[0] if self.keyed else (0, 0)
-                param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, coeffs, key_lo, key_hi,
+                key_lo, key_hi = self._keys(k, k + 1)[0] if self.keyed else (0, 0)
+                param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, step, key_lo, key_hi,
                                       extra, self.qstate, per, offset=start,
                                       shards=self.shards)
         if not one:
@@ -390,29 +381,36 @@ class _Bucket:
             views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
             torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
 
-    def _keys(
-        self, a: int, b: int, step: int | dict[str, torch.Tensor]
-    ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
-        """Stochastic rounding's keys for parameters ``a`` to ``b`` at ``step`` (a host count, or
-        numbers made on the device): one parameter's key halves; for a gathered piece, a key half
-        per parameter and each word's parameter and index within it (``owner``, ``idx``), so that
-        every element gets the bits of a step of its own."""
-        count = step if isinstance(step, int) else self.counts[a].long() + 1
+    def _keys(self, a: int, b: int) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
+        """Stochastic rounding's keys for parameters ``a`` to ``b`` of the run being stepped,
+        made once per run on the device from its count: one parameter's key halves (0-d views);
+        for a gathered piece, a key half per parameter and each word's parameter and index within
+        it (``owner``, ``idx``), so that every element gets the bits of a step of its own."""
+        i, j = self.run
+        if not self.run_keys:
+            lo, hi = stream_key_halves(self.group["seed"], self.counts[i].long() + 1,
+                                       self._index(i, j))
+            self.run_keys = {-1: (lo, hi)}
         if b - a == 1:
-            if isinstance(count, int):
-                return param_step.random_keys(self.group, self.storage, count, self.indices[a]), {}
-            return stream_key_halves(self.group["seed"], count, self.indices[a]), {}
-        index = self.index_tensors.get((a, b))
+            if a not in self.run_keys:
+                lo, hi = map(param_step._aligned_views, self.run_keys[-1])
+                self.run_keys.update((k, (lo[k - i], hi[k - i])) for k in range(i, j))
+            return self.run_keys[a], {}
+        lo, hi = self.run_keys[-1]
         device = self.counts.device
-        if index is None:
-            index = self.index_tensors[a, b] = torch.tensor(self.indices[a:b], dtype=torch.int64,
-                                                            device=device)
-        keys = stream_key_halves(self.group["seed"], count, index)
         layout = self.layouts.get((a, b))
         if layout is None:
             owner, idx = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
             layout = self.layouts[a, b] = (owner.to(device), idx.to(device))
-        return keys, {"owner": layout[0], "idx": layout[1]}
+        return (lo[a - i:b - i], hi[a - i:b - i]), {"owner": layout[0], "idx": layout[1]}
+
+    def _index(self, a: int, b: int) -> torch.Tensor:
+        """The indices of parameters ``a`` to ``b`` as a tensor on the counts' device (kept)."""
+        index = self.index_tensors.get((a, b))
+        if index is None:
+            index = self.index_tensors[a, b] = torch.tensor(
+                self.indices[a:b], dtype=torch.int64, device=self.counts.device)
+        return index
 
     def _state(self, a: int, b: int) -> dict[str, torch.Tensor]:
         """The state of parameters ``a`` to ``b``, one flat tensor per buffer: views of the flat

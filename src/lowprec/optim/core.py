@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.optim import Optimizer
 
-from lowprec.optim import kept, loss_scale, qstate
+from lowprec.optim import kept, qstate
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_state
 from lowprec.optim.options import _check_state_dtype, _default_mode, _state_dtype_value
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
 
 __all__ = ["OptimizerCore", "Rule", "Stages", "check_grad", "check_param", "check_state",
-           "collect", "group_of", "host_counts", "init_state", "math_state", "new_buffer",
+           "collect", "group_of", "init_state", "math_state", "new_buffer",
            "qformats", "stages", "state_dtype", "state_tensors", "step_flags", "step_options",
            "validate_group", "validate_options"]
 
@@ -70,7 +70,7 @@ class Rule:
 class Stages:
     """What the step's modules keep on an optimizer from one step to the next (``stages``)."""
 
-    #: ``capturable=True`` (``base``): every step makes its numbers on the device.
+    #: ``capturable=True`` (``base``): no step reads a value on the host, on the CPU either.
     capturable: bool = False
     #: A group holds DTensor parameters (``base.add_param_group``): steps run on local shards.
     has_dtensors: bool = False
@@ -90,9 +90,9 @@ class Stages:
     shard_offsets: dict[int, int] | None = None
     shard_reduce: list[ProcessGroup] | None = None
     shard_groups: dict[int, list[ProcessGroup]] | None = None
-    #: ``param_step``'s tensors kept from step to step: each group's coefficients as 0-d
-    #: tensors, and the index tensors of stochastic rounding's keys.
-    coefficients: dict[int, Any] = field(default_factory=dict)
+    #: The groups' constant coefficients as tensors and the index tensors of stochastic
+    #: rounding's keys, kept from step to step (``param_step.scaled_numbers_many``).
+    constants: dict[Any, dict[str, tuple[float, torch.Tensor]]] = field(default_factory=dict)
     index_tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
@@ -102,13 +102,6 @@ def stages(opt: OptimizerCore) -> Stages:
     if got is None:  # (an optimizer unpickled from before it had one)
         got = opt.__dict__["_stages"] = Stages()
     return cast(Stages, got)
-
-
-def host_counts(opt: OptimizerCore, device: torch.device) -> bool:
-    """Whether a step reads the counts of ``opt``'s parameters on ``device`` on the host and takes
-    the group's host numbers: on the CPU (``loss_scale._host_counts``), unless ``capturable``.
-    Elsewhere every step makes its numbers on the device, reading nothing on the host."""
-    return not stages(opt).capturable and loss_scale._host_counts(device)
 
 
 class OptimizerCore(Optimizer):
@@ -481,11 +474,8 @@ def init_state(
         st = init_state(opt, group, lp, storage, preview=preview)
         return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
     sd = state_dtype(group, p, storage)
-    # (the count on the host where the step reads it there, else on the parameter's device,
-    # where the step's numbers are made from it: core.host_counts)
-    device = None if host_counts(opt, p.device) else p.device
-    state: dict[str, Any] = {
-        "step": torch.tensor(0.0, dtype=torch.float32, device=device),
+    state: dict[str, Any] = {  # (the count on p's device, where the step's numbers are made)
+        "step": torch.tensor(0.0, dtype=torch.float32, device=p.device),
         "master": storage.name,
     }
     # (the master from the FP32 value p was cast from, where one was kept and the master

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-# (called through their modules: tests replace these functions and loss_scale._host_counts)
+# (called through their modules: tests replace these functions)
 from lowprec.optim import core, param_step, qstate
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
@@ -130,7 +130,7 @@ def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Sca
     if not ctx.scaled:
         return False
     reduce = core.stages(opt).shard_reduce
-    if core.host_counts(opt, torch.device("cpu")):
+    if not core.stages(opt).capturable:  # (reads the finding on the host, on the CPU alone)
         skipped = skipped_on_host(work, ctx.grad_scale, ctx.found_inf, reduce)
         if skipped is not None:
             return skipped
@@ -268,8 +268,8 @@ def laid_out(opt: OptimizerCore) -> bool:
 
 def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     """A step through the buckets: validate as the full step does, check the loss scaler's gradients
-    first (``_scaling``), make the numbers of every run's first count at once where the counts live
-    on the device, then step each bucket and each parameter stepped on its own. False, having
+    first (``_scaling``), make the numbers of every run's first count at once, per group, on the
+    device, then step each bucket and each parameter stepped on its own. False, having
     written nothing, where anything the buckets rely on changed. Buckets whose whole-tensor sums add
     every rank's (``_Bucket.shards``) and the parameters on their own go last, in the parameters'
     order, so that every rank makes its all-reduces in one order."""
@@ -300,7 +300,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
     scaling: _Scaling | None = None
     memo = Memo()
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
-               if "step" in opt.state[p] and not core.host_counts(opt, p.device)]
+               if "step" in opt.state[p]]
     firsts: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]] = []
     if ctx.scaled:
         work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
@@ -310,10 +310,12 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
             return True
         scaling = got or None
     for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
-        if bucket.on_device(opt) and any(g is not None for g in gs):  # (each run's first count)
+        if any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
+            # (read on the CPU, where it is free, so that a count written through .data is seen)
+            read = bucket.counts.device.type == "cpu" and not core.stages(opt).capturable
             firsts += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
-                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket.count_marks())]
+                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket.count_marks(read))]
     for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
         if items:  # a bucket makes its pieces' random keys itself)
             param_step.scaled_numbers_many(opt, items, scaling, memo, keys)

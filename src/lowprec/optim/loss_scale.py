@@ -4,7 +4,6 @@
 ``found_inf`` and takes ``1 / grad_scale`` as GradScaler does; the kernels take ``kernel_args``
 (the inverse scale, applied inside the update, and the skip flag, which selects every write's old
 value). On the CPU ``skipped_on_host`` takes most scaled steps as GradScaler takes torch.optim's.
-Tests replace ``_host_counts``, so other modules read it through this module.
 """
 
 from __future__ import annotations
@@ -192,10 +191,3 @@ def _one(device: torch.device) -> torch.Tensor:
 def _mode(scaling: _Scaling | None) -> str | bool:
     """How a step's kernels take a loss scaler's inputs (``_Scaling.mode``); False: none."""
     return False if scaling is None else scaling.mode
-
-
-def _host_counts(device: torch.device) -> bool:
-    """Whether a scaled step reads the counts of ``device``'s parameters on the host (the CPU: no
-    synchronisation, a dozen fewer tensor operations a parameter); else its numbers are made on
-    the device."""
-    return device.type == "cpu"

@@ -196,11 +196,12 @@ ARG_DOCS = {
         "implementation (``fused``) (default: None)."
     ),
     "capturable": (
-        "Keep the step counts on the parameters' device and make every step's numbers there, "
-        "reading no tensor value on the host, so that a CUDA graph can hold the step; ``lr`` "
-        "may then be a one-element tensor (on that device), which a scheduler changes in place "
-        "without a recompile. Off the CPU every step already works so; on the CPU it steps bit "
-        "for bit as without it (default: False)."
+        "Read no tensor value on the host in any step, so that a CUDA graph can hold it: every "
+        "step keeps its counts on the parameters' device and makes its numbers there anyway, "
+        "and this also keeps a loss-scaled CPU step from reading its inf/NaN finding on the "
+        "host; ``lr`` may then be a one-element tensor (on that device), which a scheduler "
+        "changes in place without a recompile. The steps are the same bits either way "
+        "(default: False)."
     ),
     "differentiable": (
         "Must be False: the step writes the weights in place, outside autograd (default: False)."

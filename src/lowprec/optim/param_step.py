@@ -3,9 +3,10 @@
 ``step_param`` steps a parameter no bucket takes: a whole-tensor rule compiled in its shape
 (``_step_whole_fused``) where it can, else eagerly (``eager_step``, which the buckets' eager pieces
 run too: in chunks, a rule's whole-tensor sums first). ``step_late`` creates the buffers an option
-turned on and takes their first step. A ``Memo`` shares one ``step()``'s numbers: the groups' rules
-and coefficients (host numbers and 0-d FP32 tensors) and, where the counts live on the device, the
-numbers made there from them (``scaled_numbers_many``).
+turned on and takes their first step. Every step makes its numbers (coefficients, random keys, the
+loss scaler's inputs) on the parameters' device from the step counts kept there, for many
+parameters at once (``scaled_numbers_many``), and reads no value on the host; a ``Memo`` shares
+them within one ``step()``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lowprec.numerics import stream_key, stream_key_halves
+from lowprec.numerics import stream_key_halves
 
-# (tests replace loss_scale._host_counts and update._INT32_MAX: read through their modules)
+# (tests replace update._INT32_MAX: read through its module)
 from lowprec.optim import compiled, core, qstate, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
@@ -38,19 +39,11 @@ _ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
 class Memo:
     """What one ``step()`` makes once and shares between its parameters."""
 
-    __slots__ = ("coeffs", "constants", "numbers", "rules")
+    __slots__ = ("numbers", "rules")
 
     def __init__(self) -> None:
         self.rules: dict[int, Rule] = {}
-        self.coeffs: dict[tuple[int, int],
-                          tuple[dict[str, Any], dict[str, torch.Tensor] | None]] = {}
         self.numbers: dict[int, _ScaledNumbers] = {}
-        self.constants: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
-
-    def group_constants(self, group: dict[str, Any], device: torch.device
-                        ) -> dict[str, torch.Tensor]:
-        """The group's step-independent coefficients on ``device`` (filled by the caller)."""
-        return self.constants.setdefault((id(group), device), {})
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
@@ -62,16 +55,23 @@ def _block_slice(sl: slice, per: int | None = None) -> slice:
     return slice(sl.start // per, -(-sl.stop // per))
 
 
-def _same_number(a: Any, b: Any) -> bool:
-    """Whether host numbers ``a`` and ``b`` are the same value, bit for bit (-0.0 is not 0.0)."""
-    if type(a) is not type(b) or not isinstance(a, (int, float)):
-        return False
-    same: bool = a.hex() == b.hex() if isinstance(a, float) else a == b
-    return same
+def _constant(opt: OptimizerCore, group: dict[str, Any], device: torch.device, name: str,
+              value: float) -> torch.Tensor:
+    """A coefficient that does not depend on the count as a 0-d FP32 tensor on ``device``, the
+    same tensor from step to step while its value stays (no tensor made from a host number in a
+    step a CUDA graph captures, and none of their host cost)."""
+    kept = core.stages(opt).constants.setdefault((id(group), device), {})
+    old = kept.get(name)
+    if old is None or type(old[0]) is not type(value) or old[0] != value:
+        old = kept[name] = (value, torch.tensor(value, dtype=torch.float32, device=device))
+    return old[1]
 
 
 def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a padded copy)."""
+    """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a padded copy; one element: its
+    own tensor, aligned as any)."""
+    if t.numel() == 1:
+        return (t.view(()),)
     per = max(1, 16 // t.element_size())
     padded = t.new_zeros((t.numel(), per))
     padded[:, 0] = t
@@ -96,41 +96,6 @@ def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
     if rule is None:
         rule = memo.rules[id(group)] = opt.rule(group)
     return rule
-
-
-def step_coefficients(
-    opt: OptimizerCore,
-    group: dict[str, Any],
-    step: int,
-    memo: Memo,
-    tensors: bool = True,
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The group's coefficients at ``step`` on the host and (``tensors``, else empty) as 0-d
-    FP32 tensors for the kernels, made once per group and step number in a ``step()``."""
-    host, c32 = memo.coeffs.get((id(group), step), (None, None))
-    if host is None:
-        host = group_rule(opt, group, memo).coefficients(step)
-    if tensors and c32 is None:
-        c32 = _coefficient_tensors(opt, group, host)
-    memo.coeffs[id(group), step] = (host, c32)
-    return host, c32 or {}
-
-
-def _coefficient_tensors(
-    opt: OptimizerCore, group: dict[str, Any], host: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """``host`` as 0-d FP32 tensors, reusing the group's tensor from the previous step for every
-    value that did not change (each new tensor costs microseconds of host time)."""
-    cache = core.stages(opt).coefficients
-    prev = cache.get(id(group))
-    old_host, old = (prev[1], prev[2]) if prev is not None and prev[0] is group else ({}, {})
-    c32 = {
-        k: old[k] if k in old_host and _same_number(v, old_host[k])
-        else torch.as_tensor(v, dtype=torch.float32)
-        for k, v in host.items()
-    }
-    cache[id(group)] = (group, host, c32)
-    return c32
 
 
 def scaled_numbers(
@@ -182,31 +147,18 @@ def scaled_numbers_many(
                                                               device=device)
             los, his = map(_aligned_views,
                            stream_key_halves(group["seed"], step.long(), index))
-        shared = memo.group_constants(group, device)
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
         for k, v in group_rule(opt, group, memo).coefficients(step).items():
             if isinstance(v, torch.Tensor):  # (of the counts, or a tensor lr's: one for all)
                 t = torch.as_tensor(v, dtype=torch.float32, device=device)
                 per[k] = _aligned_views(t.expand(step.shape) if t.dim() == 0 else t)
             else:
-                if k not in shared:
-                    shared[k] = torch.as_tensor(v, dtype=torch.float32, device=device)
-                per[k] = None
+                per[k] = [_constant(opt, group, device, k, v)] * len(members)
         extra = {} if scaling is None else scaling.kernel_args(device)
         for i, (p, _, storage) in enumerate(members):
-            coeffs = {k: shared[k] if v is None else v[i] for k, v in per.items()}
+            coeffs = {k: v[i] for k, v in per.items()}
             lo_i, hi_i = (los[i], his[i]) if keyed and storage.needs_random_bits else (0, 0)
             memo.numbers[id(p)] = (steps[i], lo_i, hi_i, coeffs, extra)
-
-
-def random_keys(
-    group: dict[str, Any], storage: MasterStorage, step: int, index: int
-) -> tuple[int, int]:
-    """The halves of a parameter's random key at ``step`` (zeros where none is needed)."""
-    if not storage.needs_random_bits:
-        return 0, 0
-    key = stream_key(group["seed"], step, index)
-    return key & 0xFFFFFFFF, key >> 32
 
 
 def step_param(
@@ -232,15 +184,9 @@ def step_param(
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     rule = group_rule(opt, group, memo)
     flags = rule.flags
-    if core.host_counts(opt, p.device):
-        step = int(state["step"].item()) + 1
-        lo, hi = random_keys(group, storage, step, index)
-        coeffs, _ = step_coefficients(opt, group, step, memo, tensors=False)
-        extra: dict[str, Any] = {} if scaling is None else scaling.kernel_args(p.device)
-    else:
-        step, lo, hi, coeffs, extra = scaled_numbers(
-            opt, group, p, index, storage, state, scaling, memo
-        )
+    step, lo, hi, coeffs, numbers_extra = scaled_numbers(opt, group, p, index, storage, state,
+                                                         scaling, memo)
+    extra: dict[str, Any] = numbers_extra
     if first_use:
         coeffs = rule.first_use(step)
     # (a DTensor's shard: its whole-tensor sums add every rank's; its random bits are keyed
@@ -264,8 +210,8 @@ def step_param(
     if rule.whole:  # (one call in the parameter's shape: Muon, Adafactor)
         if not (rule.compiles and not quantized and not first_use and contiguous
                 and p.numel() > 1 and _fused_enabled(opt, group, p)
-                and _step_whole_fused(opt, rule, group, p, storage, sbufs, mbufs, step,
-                                      coeffs, lo, hi, extra, scaling, memo)):
+                and _step_whole_fused(opt, rule, p, storage, sbufs, mbufs, coeffs, lo, hi,
+                                      extra, scaling)):
             shape: dict[str, Any] = {"shape": p.shape} if quantized else {}
             _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
                           math=rule.math, flags=flags, offset=start, **extra, **qkw,
@@ -334,24 +280,20 @@ def eager_step(
 def _step_whole_fused(
     opt: OptimizerCore,
     rule: Rule,
-    group: dict[str, Any],
     p: torch.Tensor,
     storage: MasterStorage,
     sbufs: dict[str, torch.Tensor],
     mbufs: dict[str, torch.Tensor],
-    step: int | torch.Tensor,
-    coeffs: dict[str, Any],
+    coeffs: dict[str, torch.Tensor],
     lo: int | torch.Tensor,
     hi: int | torch.Tensor,
     extra: dict[str, Any],
     scaling: _Scaling | None,
-    memo: Memo,
 ) -> bool:
     """A whole-tensor rule's step compiled as one graph in the parameter's shape; False, having
     written nothing, where it does not compile (the eager step then takes it)."""
     if storage.name == "kahan" and compiled._round_trips_dropped(p):
         return False  # (this torch's C++ code would drop Kahan's round trip: eager)
-    c32 = step_coefficients(opt, group, step, memo)[1] if isinstance(step, int) else coeffs
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     try:
         kernel = compiled._compiled_kernel(
@@ -361,7 +303,7 @@ def _step_whole_fused(
             fullgraph=not rule.graph_breaks,
         )
         # (a new view, detached: see compiled._step_view)
-        kernel(p.detach().view(p.shape), grad.view(p.shape), sbufs, mbufs, c32,
+        kernel(p.detach().view(p.shape), grad.view(p.shape), sbufs, mbufs, coeffs,
                *compiled._key_tensors(lo, hi), storage=storage, math=rule.math,
                flags=rule.flags, **extra)
     except _COMPILE_ERRORS as e:  # compilation failed before anything was written
