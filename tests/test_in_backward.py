@@ -182,16 +182,19 @@ def test_second_backward_before_step_is_refused_and_writes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(after_first, model.parameters(), strict=True))
 
 
-def test_bad_state_raises_before_any_parameter_moves():
+@pytest.mark.parametrize(("name", "buffer"), [("adamw", "exp_avg"), ("adafactor", "row_var")])
+def test_bad_state_raises_before_any_parameter_moves(name, buffer):
+    """A state tensor replaced by one that does not fit: the first hook of the next backward
+    raises, whether the parameter is in a bucket (AdamW) or stepped on its own (Adafactor)."""
     model = _model()
-    opt = _optimizer("adamw", model, master="kahan")
+    opt = _optimizer(name, model, master="kahan")
     lowprec.step_in_backward(model, opt)
     model(torch.randn(2, 32).bfloat16()).float().sum().backward()
     opt.step()
     first = next(iter(model.parameters()))  # (its hook runs last: backward goes from the end)
-    opt.state[first]["exp_avg"] = torch.zeros(3)
+    opt.state[first][buffer] = torch.zeros(3)
     before = _snapshot(model)
-    with pytest.raises(ValueError, match="exp_avg"):
+    with pytest.raises(ValueError, match=buffer):
         model(torch.randn(2, 32).bfloat16()).float().sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 

@@ -10,7 +10,6 @@ update inside backward", tells the rest.
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -72,10 +71,7 @@ class StepInBackward:
         self.params = _check(model, optimizer)
         self._stepped: set[int] = set()  # (stepped since the last optimizer.step())
         self._memo: Memo | None = None  # (this step's numbers; None between steps)
-        self._items: dict[int, _Item] | None = None
-        self._groups: list[tuple[Any, ...]] = []  # (what _items was made from)
-        # (state tensors last found valid, per parameter)
-        self._checked: dict[int, tuple[int, ...]] = {}
+        self._items: dict[int, _Item] | None = None  # (by _begin's last full look)
         self._small_waiting = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         for p in self.params:
@@ -85,49 +81,40 @@ class StepInBackward:
     # ------------------------------------------------------------------ the hooks
 
     def _begin(self) -> Memo:
-        """The first hook of a step: check every group's options and every parameter's state, as
-        ``step()`` does before writing anything, create and lay out the missing state; returns the
-        step's memo."""
+        """The first hook of a step: check what ``step()`` checks before writing anything, and
+        create and lay out the missing state; returns the step's memo. Where the buckets still
+        hold (``driver.laid_out``), the bucketed state is theirs: only the groups' options and
+        the state of the parameters outside buckets are checked again."""
         opt = self.optimizer
         for name in ("grad_scale", "found_inf"):
             if getattr(opt, name, None) is not None:  # (GradScaler's, set on the optimizer)
                 raise _scaler_error()
-        groups = opt.param_groups
-        same = self._items is not None and len(groups) == len(self._groups)
-        for gi, group in enumerate(groups):
-            if same:
-                ref, params, options = self._groups[gi]
-                same = (group is ref and len(group["params"]) == len(params)
-                        and all(map(operator.is_, group["params"], params)))
+        for gi, group in enumerate(opt.param_groups):
             core.validate_options(opt, group, gi)  # (raises as step() would)
-            same = same and core.step_options(opt, group) == options
-        if same:  # (_items made: same says so)
-            same = all(it.p.dtype == it.dtype
-                       for it in cast("dict[int, _Item]", self._items).values())
-        if not same:  # (what step() checks of the groups: each parameter's strategy, devices)
-            self._items, self._groups = {}, []
+        items = self._items
+        fresh = (items is None or not driver.laid_out(opt)
+                 or any(it.p.dtype != it.dtype for it in items.values()))
+        if fresh:  # (each parameter's strategy and device, as step() checks them)
+            items = self._items = {}
             index = -1
-            for gi, group in enumerate(groups):
+            for gi, group in enumerate(opt.param_groups):
                 storages = core.validate_group(opt, group, gi)
-                self._groups.append((group, tuple(group["params"]),
-                                     core.step_options(opt, group)))
                 for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
                     index += 1
-                    self._items[id(p)] = _Item(group, p, index, storage, (gi, pi))
+                    items[id(p)] = _Item(group, p, index, storage, (gi, pi))
+        items = cast("dict[int, _Item]", items)  # (made: fresh where there were none)
+        layout = driver.buckets_of(opt)
+        check = (list(items.values()) if fresh or layout is None
+                 else [items[id(opt.param_groups[gi]["params"][pi])] for gi, pi, _ in layout.rest])
         new = []
-        for it in cast("dict[int, _Item]", self._items).values():  # (made above)
+        for it in check:
             state = opt.state.get(it.p)
-            if state:  # (state tensors as at the last check: not checked again)
-                key = tuple(map(id, state.values()))
-                if self._checked.get(id(it.p)) != key:
-                    core.check_state(opt, state, it.group, it.p, it.storage, it.where)
-                    self._checked[id(it.p)] = key
+            if state:
+                core.check_state(opt, state, it.group, it.p, it.storage, it.where)
             elif it.p.requires_grad:
-                new.append(it)
-        # (the missing state created and laid out before any parameter is stepped)
-        if new or not driver.laid_out(opt):
-            driver.flatten(opt, driver.new_state(
-                opt, [(it.group, it.p, it.index, it.storage) for it in new]))
+                new.append((it.group, it.p, it.index, it.storage))
+        if new or fresh:  # (created and laid out before any parameter is stepped)
+            driver.flatten(opt, driver.new_state(opt, new))
         return Memo()
 
     @torch.no_grad()
@@ -172,7 +159,6 @@ class StepInBackward:
         work = (it.group, it.p, it.index, it.storage)
         if state and core.check_state(opt, state, it.group, it.p, it.storage, it.where):
             param_step.step_late(opt, [work], None)  # (buffers an option turned on since)
-            self._checked.pop(id(it.p), None)
             return
         param_step.step_param(opt, *work, None, memo)
 
