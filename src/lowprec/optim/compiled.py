@@ -171,7 +171,8 @@ def inductor_options() -> dict[str, bool]:
 _NO_OPTION = object()
 #: The first torch whose Inductor C++ code keeps a value's round trip through BF16/FP16: in
 #: 2.11 and 2.12 ``to_dtype`` caches the inverse cast, so Kahan's remainder compiles to zero
-#: off the pairs path (tests/test_floor.py). Triton has no such cache.
+#: and a compiled CPU Kahan step falls back to eager there (tests/test_floor.py). Triton has no
+#: such cache.
 _CPU_ROUND_TRIPS_KEPT = (2, 13)
 
 
@@ -190,7 +191,7 @@ def _cpu_drops_round_trips() -> bool:
 
 
 def _round_trips_dropped(p: torch.Tensor) -> bool:
-    """Whether a compiled CPU step of 16-bit ``p``, off pairs, would drop it."""
+    """Whether a compiled CPU step of 16-bit ``p`` would drop it."""
     return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
             and _cpu_drops_round_trips())
 
@@ -366,11 +367,10 @@ def prepare_fused(
     f.bases = f.row_cuts = None
     f.rows = rows
     f.pairs = pairs = None if qstate else pairs_plan(rule, storage, p, grad, sbufs, mbufs)
-    if storage.name == "kahan" and pairs is None and _round_trips_dropped(p):
+    if storage.name == "kahan" and _round_trips_dropped(p):
         raise RoundTripsDropped(
             f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
-            "into x, which zeroes master='kahan''s compensation in this kernel (FP16, or "
-            "BF16 off the pairs path or with 8-bit state); fixed in torch "
+            "into x, which zeroes master='kahan''s compensation in this kernel; fixed in torch "
             f"{'.'.join(map(str, _CPU_ROUND_TRIPS_KEPT))}")
     f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
     f.base, f.start, f.shards = None, start, tuple(shards)
@@ -514,13 +514,6 @@ def _run_fused_rows(
 _PAIRS_FASTER = ("split", "stochastic")
 
 
-def _pairs_pay(storage: MasterStorage) -> bool:
-    """Whether a BF16 CPU step under ``storage`` takes the pairs kernel: where it is the faster
-    (``_PAIRS_FASTER``), and for Kahan where this torch drops the round trip elsewhere."""
-    return storage.name in _PAIRS_FASTER or (storage.name == "kahan"
-                                             and _cpu_drops_round_trips())
-
-
 def pairs_device(device: torch.device) -> bool:
     """Whether a step on ``device`` may take the pairs kernel: the CPU's."""
     return device.type == "cpu"
@@ -535,10 +528,10 @@ def pairs_plan(
     mbufs: dict[str, torch.Tensor],
 ) -> PairDtypes | None:
     """The ``dtypes`` of a fused step on pairs of elements, or None: a CPU step of a strategy with
-    pairs (``pairs_ok``) where they pay (``_pairs_pay``), a rule that is not whole-tensor, and
+    pairs (``pairs_ok``) where they pay (``_PAIRS_FASTER``), a rule that is not whole-tensor, and
     gradient and buffers in BF16 or FP32 starting on a pair boundary."""
     if (
-        not storage.pairs_ok(p.dtype) or not _pairs_pay(storage)
+        not storage.pairs_ok(p.dtype) or storage.name not in _PAIRS_FASTER
         or p.numel() < 2 or p.storage_offset() % 2
         or rule.whole
         or not pairs_device(p.device)

@@ -14,9 +14,7 @@ from typing import ClassVar
 import torch
 
 from lowprec.numerics import (
-    _nearest_bf16_upper,
     _pack_16_pairs,
-    _pack_nearest_bf16_pairs,
     _pack_rounded_bf16_pairs,
     _unpack_bf16_pairs,
     join,
@@ -102,9 +100,9 @@ class MasterStorage:
         raise NotImplementedError
 
     # load/store on pairs of bfloat16 elements ("Pairs" in ``lowprec.numerics``), for the compiled
-    # CPU step where int16 keeps it scalar or Inductor drops Kahan's round trip (``compiled.
-    # _pairs_pay``): 16-bit tensors are int32 views holding elements 2j (low half) and 2j+1 (high),
-    # 32-bit buffers int64 views. They must give ``load``/``store``'s bits (the fused tests check).
+    # CPU step of the strategies that work on the bits, where int16 would keep it scalar: 16-bit
+    # tensors are int32 views holding elements 2j (low half) and 2j+1 (high), 32-bit buffers
+    # int64 views. They must give ``load``/``store``'s bits (the fused tests check).
 
     def pairs_ok(self, dtype: torch.dtype) -> bool:
         """Whether ``load_pairs``/``store_pairs`` exist for parameters of ``dtype``.
@@ -298,31 +296,6 @@ class Kahan(MasterStorage):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         new = w.to(param.dtype)
         return new, {"compensation": (w - new.float()).to(param.dtype)}
-
-    def pairs_ok(self, dtype: torch.dtype) -> bool:
-        return dtype == torch.bfloat16
-
-    def load_pairs(
-        self, param: torch.Tensor, bufs: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        (pe, po), (ce, co) = _unpack_bf16_pairs(param), _unpack_bf16_pairs(bufs["compensation"])
-        return pe + ce, po + co
-
-    def store_pairs(
-        self,
-        w_even: torch.Tensor,
-        w_odd: torch.Tensor,
-        param: torch.Tensor,
-        bufs: dict[str, torch.Tensor],
-        bits: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # store()'s operations on each half: round to nearest, then the remainder rounded.
-        be, bo = _nearest_bf16_upper(w_even), _nearest_bf16_upper(w_odd)
-        ne, no = be.view(torch.float32), bo.view(torch.float32)
-        # _pack_bf16_upper_pairs(be, bo), less its mask of bo's lower half, already zero.
-        return ((be >> 16) & 0xFFFF) | bo, {
-            "compensation": _pack_nearest_bf16_pairs(w_even - ne, w_odd - no)
-        }
 
 
 class Stochastic(MasterStorage):
