@@ -311,7 +311,7 @@ FAMILY = {  # the optimizers beside the four above, under the loss-scaler contra
 def test_family_scaled_step_with_counts_on_the_device_equals_unscaled(name, master, monkeypatch,
                                                                       device):
     # The GPU's way for the six: each group's numbers made at once from its parameters' counts
-    # on the device (param_step.scaled_numbers_many), on the default (compiled) path. The numbers
+    # on the device (param_step.step_numbers_many), on the default (compiled) path. The numbers
     # are the rule's, whatever the master: each optimizer takes one of the two, in turn.
     import lowprec.optim as lo
 

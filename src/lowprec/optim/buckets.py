@@ -289,7 +289,7 @@ class _Bucket:
                         ) -> dict[str, torch.Tensor]:
         """The step's numbers made on the counts' device from parameter ``k``'s count."""
         p = self.params[k]
-        return param_step.scaled_numbers(opt, self.group, p, self.indices[k], self.storage,
+        return param_step.step_numbers(opt, self.group, p, self.indices[k], self.storage,
                                          self.states[k], None, memo)[3]
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:

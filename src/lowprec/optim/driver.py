@@ -318,7 +318,7 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
                         bucket.states[i]) for i, _ in bucket.runs(gs, bucket.count_marks(read))]
     for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
         if items:  # a bucket makes its pieces' random keys itself)
-            param_step.scaled_numbers_many(opt, items, scaling, memo, keys)
+            param_step.step_numbers_many(opt, items, scaling, memo, keys)
     last: list[tuple[int, _Bucket | WorkItem, Any]] = []
     for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
         if bucket.shards:

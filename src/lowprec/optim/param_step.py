@@ -5,7 +5,7 @@
 run too: in chunks, a rule's whole-tensor sums first). ``step_late`` creates the buffers an option
 turned on and takes their first step. Every step makes its numbers (coefficients, random keys, the
 loss scaler's inputs) on the parameters' device from the step counts kept there, for many
-parameters at once (``scaled_numbers_many``), and reads no value on the host; a ``Memo`` shares
+parameters at once (``step_numbers_many``), and reads no value on the host; a ``Memo`` shares
 them within one ``step()``.
 """
 
@@ -30,10 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
     from lowprec.optim.core import OptimizerCore, Rule
 
-#: A parameter's numbers for a step counted on its device (``scaled_numbers``):
-#: its step number, random key halves, coefficients and the kernels' loss-scaler arguments.
-_ScaledNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
-                       dict[str, torch.Tensor], dict[str, torch.Tensor]]
+#: A parameter's numbers for a step, made on its device (``step_numbers``): its step number,
+#: random key halves, coefficients and the kernels' loss-scaler arguments.
+_StepNumbers = tuple[torch.Tensor, "int | torch.Tensor", "int | torch.Tensor",
+                     dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 class Memo:
@@ -43,7 +43,7 @@ class Memo:
 
     def __init__(self) -> None:
         self.rules: dict[int, Rule] = {}
-        self.numbers: dict[int, _ScaledNumbers] = {}
+        self.numbers: dict[int, _StepNumbers] = {}
 
 
 def _block_slice(sl: slice, per: int | None = None) -> slice:
@@ -98,7 +98,7 @@ def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
     return rule
 
 
-def scaled_numbers(
+def step_numbers(
     opt: OptimizerCore,
     group: dict[str, Any],
     p: torch.Tensor,
@@ -107,24 +107,24 @@ def scaled_numbers(
     state: dict[str, Any],
     scaling: _Scaling | None,
     memo: Memo,
-) -> _ScaledNumbers:
-    """A parameter's numbers for a step counted on its device: its step number (FP64), random key
-    halves, FP32 coefficients and the loss scaler's tensors, all on its device."""
+) -> _StepNumbers:
+    """A parameter's numbers for a step, made on its device from its count: its step number
+    (FP64), random key halves, FP32 coefficients and the loss scaler's tensors."""
     done = memo.numbers.get(id(p))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
-        scaled_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
+        step_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
         done = memo.numbers[id(p)]
     return done
 
 
-def scaled_numbers_many(
+def step_numbers_many(
     opt: OptimizerCore,
     items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
     scaling: _Scaling | None,
     memo: Memo,
     keys: bool = True,
 ) -> None:
-    """``scaled_numbers`` for many parameters at once, kept in ``memo``: per group and device the
+    """``step_numbers`` for many parameters at once, kept in ``memo``: per group and device the
     counts are stacked and each number made by one vector operation for all of them, each
     parameter's share a view 16 bytes apart (a compiled kernel may copy a misaligned input).
     ``keys`` False: zeros for the random keys (a bucket makes its pieces' own)."""
@@ -184,7 +184,7 @@ def step_param(
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     rule = group_rule(opt, group, memo)
     flags = rule.flags
-    step, lo, hi, coeffs, numbers_extra = scaled_numbers(opt, group, p, index, storage, state,
+    step, lo, hi, coeffs, numbers_extra = step_numbers(opt, group, p, index, storage, state,
                                                          scaling, memo)
     extra: dict[str, Any] = numbers_extra
     if first_use:
