@@ -197,15 +197,16 @@ class _Bucket:
         memo: Memo,
         scaling: _Scaling | None,
         alone: bool = False,
+        runs: list[tuple[int, int]] | None = None,
     ) -> None:
         """Step the parameters that have a gradient: per run of consecutive ones with one count
-        (``runs``: which counts are equal, ``count_marks`` knows without reading them), the numbers
-        made on the device from the run's first count, a compiled call per piece (one per
-        parameter where ``alone``) and one write of the counts (by ``1 - skip`` under a loss
-        scaler, decided on the device)."""
+        (``runs``, as the driver made them, or made here: which counts are equal, ``count_marks``
+        knows without reading them), the numbers made on the device from the run's first count,
+        a compiled call per piece (one per parameter where ``alone``) and one write of the counts
+        (by ``1 - skip`` under a loss scaler, decided on the device)."""
         moved: list[tuple[int, int]] = []
         try:
-            for i, j in self.runs(grads, self.count_marks()):
+            for i, j in self.runs(grads, self.count_marks()) if runs is None else runs:
                 step = self._device_numbers(opt, memo, i)
                 self.run, self.run_keys = (i, j), {}
                 done = i

@@ -309,27 +309,30 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         if got is True:
             return True
         scaling = got or None
+    runs: list[list[tuple[int, int]]] = []  # (per bucket: its runs of equal counts)
     for bucket, (gs, _) in zip(layout.buckets, grads, strict=True):
+        runs.append([])
         if any(g is not None for g in gs):  # (each run's first count)
             bucket.place_counts()
             # (read on the CPU, where it is free, so that a count written through .data is seen)
             read = bucket.counts.device.type == "cpu" and not core.stages(opt).capturable
+            runs[-1] = bucket.runs(gs, bucket.count_marks(read))
             firsts += [(bucket.group, bucket.params[i], bucket.indices[i], bucket.storage,
-                        bucket.states[i]) for i, _ in bucket.runs(gs, bucket.count_marks(read))]
+                        bucket.states[i]) for i, _ in runs[-1]]
     for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
         if items:  # a bucket makes its pieces' random keys itself)
             param_step.step_numbers_many(opt, items, scaling, memo, keys)
     last: list[tuple[int, _Bucket | WorkItem, Any]] = []
-    for bucket, (gs, alone) in zip(layout.buckets, grads, strict=True):
+    for bucket, (gs, alone), rs in zip(layout.buckets, grads, runs, strict=True):
         if bucket.shards:
-            last.append((bucket.indices[0], bucket, (gs, alone)))
+            last.append((bucket.indices[0], bucket, (gs, alone, rs)))
         else:
-            bucket.step(opt, gs, memo, scaling, alone)
+            bucket.step(opt, gs, memo, scaling, alone, rs)
     last += [(item[2], item, None) for item in rest]
     last.sort(key=operator.itemgetter(0))
     for _, what, got in last:
         if isinstance(what, _Bucket):
-            what.step(opt, got[0], memo, scaling, got[1])
+            what.step(opt, got[0], memo, scaling, got[1], got[2])
         else:
             param_step.step_param(opt, *what, scaling, memo)
     return True
