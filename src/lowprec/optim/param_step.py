@@ -69,13 +69,14 @@ def _constant(opt: OptimizerCore, group: dict[str, Any], device: torch.device, n
 
 def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The elements of 1-d ``t`` as 0-d views 16 bytes apart (a padded copy; one element: its
-    own tensor, aligned as any)."""
+    own tensor, aligned as any), detached: no view, so that the kernels need not detach them
+    at each call (``compiled._unviewed``)."""
     if t.numel() == 1:
-        return (t.view(()),)
+        return (t.view(()).detach(),)
     per = max(1, 16 // t.element_size())
     padded = t.new_zeros((t.numel(), per))
     padded[:, 0] = t
-    return padded[:, 0].unbind()
+    return tuple(v.detach() for v in padded[:, 0].unbind())
 
 
 def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None) -> None:
