@@ -219,3 +219,19 @@ def test_a_step_captured_in_a_cuda_graph_replays_the_default_steps_bits(name, ma
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert_same(params, opt, ref_params, ref)
+
+
+def test_a_constant_coefficient_is_made_anew_where_its_bits_change():
+    """The constants kept from step to step (``param_step._constant``) are kept by their bits:
+    the same value gives the same tensor (nothing made in a captured step), and -0.0 after 0.0
+    a tensor of its own, as a value that changed does."""
+    from lowprec.optim import param_step
+
+    p = torch.zeros(4, requires_grad=True)
+    opt = lowprec.SGD([p], lr=0.5)
+    group, cpu = opt.param_groups[0], torch.device("cpu")
+    first = param_step._constant(opt, group, cpu, "weight_decay", 0.0)
+    assert param_step._constant(opt, group, cpu, "weight_decay", 0.0) is first
+    negative = param_step._constant(opt, group, cpu, "weight_decay", -0.0)
+    assert negative is not first and torch.signbit(negative)
+    assert param_step._constant(opt, group, cpu, "weight_decay", 0.25).item() == 0.25

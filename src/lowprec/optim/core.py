@@ -92,7 +92,7 @@ class Stages:
     shard_groups: dict[int, list[ProcessGroup]] | None = None
     #: The groups' constant coefficients as tensors and the index tensors of stochastic
     #: rounding's keys, kept from step to step (``param_step.step_numbers_many``).
-    constants: dict[Any, dict[str, tuple[float, torch.Tensor]]] = field(default_factory=dict)
+    constants: dict[Any, dict[str, tuple[Any, torch.Tensor]]] = field(default_factory=dict)
     index_tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 

@@ -61,9 +61,11 @@ def _constant(opt: OptimizerCore, group: dict[str, Any], device: torch.device, n
     same tensor from step to step while its value stays (no tensor made from a host number in a
     step a CUDA graph captures, and none of their host cost)."""
     kept = core.stages(opt).constants.setdefault((id(group), device), {})
+    # (the value's bits: -0.0 is not 0.0, and a NaN is its own)
+    bits = value.hex() if isinstance(value, float) else (type(value), value)
     old = kept.get(name)
-    if old is None or type(old[0]) is not type(value) or old[0] != value:
-        old = kept[name] = (value, torch.tensor(value, dtype=torch.float32, device=device))
+    if old is None or old[0] != bits:
+        old = kept[name] = (bits, torch.tensor(value, dtype=torch.float32, device=device))
     return old[1]
 
 
