@@ -22,7 +22,7 @@ import torch
 from lowprec.numerics import join
 from lowprec.optim import update
 from lowprec.optim.lion import Lion
-from lowprec.optim.stable_adamw import StableAdamW, stable_adamw_update
+from lowprec.optim.stable_adamw import StableAdamW
 from tests._same import assert_same
 from tests.reference.lion import ReferenceLion
 from tests.reference.stable_adamw import ReferenceStableAdamW
@@ -193,20 +193,20 @@ def test_stable_adamw_none_on_fp32_matches_the_reference(kw, fused, device):
 
 
 def test_stable_adamw_chunked_equals_one_pass(monkeypatch):
-    """The eager step sums the RMS over chunks (here 4096 elements): bit for bit the functional
-    form, which takes the whole tensor in one pass."""
-    monkeypatch.setitem(update._EAGER_CHUNKS, "cpu", 4096)
+    """The eager step sums the RMS over chunks (here 4096 elements of 12,300): bit for bit the
+    step that takes the whole tensor in one pass."""
     w = torch.randn(100, 123, requires_grad=True)
-    m, v = torch.zeros_like(w), torch.zeros_like(w)
-    master = w.detach().clone()
-    opt = StableAdamW([w], lr=1e-2, weight_decay=0.1, master="none", fused=False)
-    for t, (g,) in enumerate(_grads(6, [(100, 123)], spikes={3: 50.0}), start=1):
-        w.grad = g
-        opt.step()
-        master, m, v = stable_adamw_update(master, g, m, v, lr=1e-2, beta1=0.9, beta2=0.99,
-                                           eps=1e-6, weight_decay=0.1, step=t)
-        assert torch.equal(w.detach(), master)
-        assert torch.equal(opt.state[w]["exp_avg_sq"], v)
+    ref = w.detach().clone().requires_grad_()
+    runs = [(4096, w, StableAdamW([w], lr=1e-2, weight_decay=0.1, master="none", fused=False)),
+            (1 << 20, ref, StableAdamW([ref], lr=1e-2, weight_decay=0.1, master="none",
+                                       fused=False))]
+    for (g,) in _grads(6, [(100, 123)], spikes={3: 50.0}):
+        for chunk, t, opt in runs:
+            monkeypatch.setitem(update._EAGER_CHUNKS, "cpu", chunk)
+            t.grad = g.clone()
+            opt.step()
+        assert torch.equal(w.detach(), ref.detach())
+        assert torch.equal(runs[0][2].state[w]["exp_avg_sq"], runs[1][2].state[ref]["exp_avg_sq"])
 
 
 def test_decouple_lr_takes_the_groups_own_lr_as_max_lr():

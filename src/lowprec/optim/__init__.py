@@ -23,20 +23,20 @@ The environment variable ``LOWPREC_FUSED`` sets what ``fused=None`` means: ``aut
 default), ``1`` (always compile) or ``0`` (eager).
 """
 
-from lowprec.optim.adafactor import Adafactor, adafactor_update
-from lowprec.optim.adagrad import Adagrad, adagrad_update
-from lowprec.optim.adam import Adam, adam_update
-from lowprec.optim.adamw import AdamW, adamw_update
+from lowprec.optim.adafactor import Adafactor
+from lowprec.optim.adagrad import Adagrad
+from lowprec.optim.adam import Adam
+from lowprec.optim.adamw import AdamW
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.export import master_state_dict
 from lowprec.optim.in_backward import StepInBackward, step_in_backward
 from lowprec.optim.kept import keep_fp32_values
-from lowprec.optim.lamb import Lamb, lamb_update
-from lowprec.optim.lion import Lion, lion_update
+from lowprec.optim.lamb import Lamb
+from lowprec.optim.lion import Lion
 from lowprec.optim.muon import Muon, muon_param_groups
-from lowprec.optim.radam import RAdam, radam_update
-from lowprec.optim.sgd import SGD, sgd_update
-from lowprec.optim.stable_adamw import StableAdamW, stable_adamw_update
+from lowprec.optim.radam import RAdam
+from lowprec.optim.sgd import SGD
+from lowprec.optim.stable_adamw import StableAdamW
 from lowprec.optim.storage import MASTER_CHOICES, STORAGES, MasterStorage, resolve_master
 
 __all__ = [
@@ -55,18 +55,9 @@ __all__ = [
     "RAdam",
     "StableAdamW",
     "StepInBackward",
-    "adafactor_update",
-    "adagrad_update",
-    "adam_update",
-    "adamw_update",
     "keep_fp32_values",
-    "lamb_update",
-    "lion_update",
     "master_state_dict",
     "muon_param_groups",
-    "radam_update",
     "resolve_master",
-    "sgd_update",
-    "stable_adamw_update",
     "step_in_backward",
 ]

@@ -32,7 +32,7 @@ from lowprec.optim.options import _check_nonnegative, _lr
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Adafactor", "adafactor_coefficients", "adafactor_math", "adafactor_update"]
+__all__ = ["Adafactor", "adafactor_coefficients", "adafactor_math"]
 
 _FP32_EPS = torch.finfo(torch.float32).eps
 
@@ -99,44 +99,6 @@ def adafactor_math(
     u = g / sqrt_rn(var.clamp(min=c["eps1_sq"]))
     denom = torch.clamp(_rms(u) / c["d"], min=1.0)
     return w - u * (alpha / denom), out
-
-
-def adafactor_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    *,
-    lr: float = 1e-2,
-    beta2_decay: float = -0.8,
-    eps: tuple[float | None, float] = (None, 1e-3),
-    d: float = 1.0,
-    weight_decay: float = 0.0,
-    step: int,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One Adafactor update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        state: ``row_var`` and ``col_var`` for a tensor of 2 or more dimensions, else
-            ``variance`` (zeros before the first step).
-        lr: The cap of the relative step size (default: 1e-2).
-        beta2_decay: The second moment's new squares weigh ``step ** beta2_decay``
-            (default: -0.8).
-        eps: ``(eps1, eps2)``, as ``Adafactor``'s; ``eps1=None`` is FP32's machine epsilon
-            (default: (None, 1e-3)).
-        d: The update's RMS is clipped to ``d`` (default: 1.0).
-        weight_decay: Decoupled weight decay (default: 0.0).
-        step: The step number, from 1.
-        maximize: Maximize the objective (default: False).
-
-    Returns:
-        ``(new_w, new_state)``.
-    """
-    c = adafactor_coefficients(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
-                               weight_decay=weight_decay, step=step)
-    return adafactor_math(w, -g if maximize else g, state, c)
 
 
 class Adafactor(LowPrecisionOptimizer):

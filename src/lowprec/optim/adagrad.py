@@ -17,7 +17,7 @@ from lowprec.optim.options import _check_nonnegative, _l2, _lr
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math", "adagrad_update"]
+__all__ = ["Adagrad", "adagrad_coefficients", "adagrad_math"]
 
 
 def adagrad_coefficients(
@@ -41,41 +41,6 @@ def adagrad_math(
         g = plus_l2(g, w, c["weight_decay"])
     s = bufs["sum"] + g * g
     return w - (g * c["clr"]) / (sqrt_rn(s) + c["eps"]), {"sum": s}
-
-
-def adagrad_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    state_sum: torch.Tensor,
-    *,
-    lr: float,
-    lr_decay: float,
-    weight_decay: float,
-    eps: float,
-    step: int,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adagrad update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        state_sum: The running sum of squared gradients.
-        lr: Learning rate.
-        lr_decay: The step size is ``lr / (1 + (step - 1) * lr_decay)``.
-        weight_decay: L2 penalty added to the gradient.
-        eps: Added to the denominator.
-        step: The step number, from 1.
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_state_sum)``.
-    """
-    c = adagrad_coefficients(
-        lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, step=step
-    )
-    new_w, out = adagrad_math(w, -g if maximize else g, {"sum": state_sum}, c)
-    return new_w, out["sum"]
 
 
 class Adagrad(LowPrecisionOptimizer):

@@ -18,54 +18,7 @@ from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Adam", "adam_update"]
-
-
-def adam_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    max_exp_avg_sq: torch.Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    decoupled_weight_decay: bool = False,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One Adam update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        exp_avg: First moment.
-        exp_avg_sq: Second moment.
-        max_exp_avg_sq: Running maximum of the second moment (AMSGrad), or None.
-        lr: Learning rate.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        weight_decay: L2 penalty added to the gradient, or with ``decoupled_weight_decay``
-            ``w *= 1 - lr * weight_decay``.
-        step: The step number, from 1, for bias correction.
-        decoupled_weight_decay: Decay the weight as AdamW does (default: False).
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_exp_avg, new_exp_avg_sq, new_max_exp_avg_sq)``.
-    """
-    c = adamw_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                           step=step, decoupled=decoupled_weight_decay)
-    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if max_exp_avg_sq is not None:
-        bufs["max_exp_avg_sq"] = max_exp_avg_sq
-    new_w, out = adamw_math(w, -g if maximize else g, bufs, c,
-                            amsgrad=max_exp_avg_sq is not None)
-    return new_w, out["exp_avg"], out["exp_avg_sq"], out.get("max_exp_avg_sq")
+__all__ = ["Adam"]
 
 
 class Adam(LowPrecisionOptimizer):

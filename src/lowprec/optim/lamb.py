@@ -23,7 +23,7 @@ from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms", "lamb_update"]
+__all__ = ["Lamb", "lamb_coefficients", "lamb_math", "lamb_norm_terms"]
 
 
 def lamb_coefficients(
@@ -100,46 +100,6 @@ def lamb_math(
     w_norm, u_norm = sums.sqrt().float().unbind()
     ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
     return w - u * (ratio * c["lr"]), out
-
-
-def lamb_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One LAMB update of one tensor in FP32 (pure); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        exp_avg: First moment.
-        exp_avg_sq: Second moment.
-        lr: Learning rate.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        weight_decay: Decoupled weight decay inside the trust-ratio update.
-        step: The step number, from 1, for bias correction.
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
-    """
-    c = lamb_coefficients(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
-    )
-    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    new_w, out = lamb_math(w, -g if maximize else g, bufs, c)
-    return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
 class Lamb(LowPrecisionOptimizer):

@@ -25,7 +25,7 @@ from lowprec.optim.options import _as_float, _check_nonnegative, _lr, _validate_
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["Lion", "lion_coefficients", "lion_math", "lion_update"]
+__all__ = ["Lion", "lion_coefficients", "lion_math"]
 
 
 def lion_coefficients(
@@ -58,41 +58,6 @@ def lion_math(
     # (direction - direction) is 0, or NaN for a NaN or an infinity: such an update is NaN.
     update = torch.sign(direction) + (direction - direction)
     return w - update * c["lr"], {"exp_avg": m * c["beta2"] + g * c["one_minus_beta2"]}
-
-
-def lion_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    max_lr: float | None = None,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Lion update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        exp_avg: The momentum.
-        lr: Learning rate.
-        beta1: Interpolation of the update direction between momentum and gradient.
-        beta2: Momentum decay.
-        weight_decay: Decoupled weight decay: ``w *= 1 - lr * weight_decay``.
-        max_lr: Fully decoupled weight decay, ``w *= 1 - (lr / max_lr) * weight_decay``
-            (default: None, meaning decoupled).
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_exp_avg)``.
-    """
-    c = lion_coefficients(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                          max_lr=max_lr)
-    new_w, out = lion_math(w, -g if maximize else g, {"exp_avg": exp_avg}, c)
-    return new_w, out["exp_avg"]
 
 
 def _resolve_max_lr(group: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["RAdam", "radam_coefficients", "radam_math", "radam_update"]
+__all__ = ["RAdam", "radam_coefficients", "radam_math"]
 
 
 def radam_coefficients(
@@ -81,48 +81,6 @@ def radam_math(
     v = bufs["exp_avg_sq"] * c["beta2"] + (g * g) * c["one_minus_beta2"]
     denom = sqrt_rn(v.clamp(max=c["v_max"])) + c["eps"]
     return w - (m * c["step_size"]) / denom, {"exp_avg": m, "exp_avg_sq": v}
-
-
-def radam_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    decoupled_weight_decay: bool = False,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One RAdam update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        exp_avg: First moment.
-        exp_avg_sq: Second moment.
-        lr: Learning rate.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        weight_decay: L2 penalty added to the gradient, or with ``decoupled_weight_decay``
-            ``w *= 1 - lr * weight_decay``.
-        step: The step number, from 1, for bias correction and rectification.
-        decoupled_weight_decay: Decay the weight as AdamW does (default: False).
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
-    """
-    c = radam_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                           step=step, decoupled=decoupled_weight_decay)
-    bufs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    new_w, out = radam_math(w, -g if maximize else g, bufs, c)
-    return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
 class RAdam(LowPrecisionOptimizer):

@@ -1,13 +1,12 @@
 """SGD with momentum, dampening, Nesterov, weight decay and maximize, over any master storage.
 
 ``sgd_math`` is the FP32 rule (plain elementwise ops, host coefficients from ``sgd_coefficients``):
-the eager and the compiled step both run it and agree bit for bit. ``sgd_update`` is its
-functional form.
+the eager and the compiled step both run it and agree bit for bit.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +17,7 @@ from lowprec.optim.options import _check_nonnegative, _l2, _lr
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
 
-__all__ = ["SGD", "sgd_coefficients", "sgd_math", "sgd_update"]
+__all__ = ["SGD", "sgd_coefficients", "sgd_math"]
 
 
 def sgd_coefficients(
@@ -59,47 +58,6 @@ def sgd_math(
         out["momentum_buffer"] = buf
         d = d + buf * c["momentum"] if nesterov else buf
     return w - d * c["lr"], out
-
-
-def sgd_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    momentum_buffer: torch.Tensor | None,
-    *,
-    lr: float,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    maximize: bool = False,
-    first_step: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One SGD update in FP32 (pure: the inputs are not modified); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        momentum_buffer: The FP32 momentum buffer (zeros before the first step), or None when
-            ``momentum == 0``.
-        lr: Learning rate.
-        momentum: Momentum factor (default: 0).
-        dampening: Dampening of the momentum (default: 0).
-        nesterov: Nesterov momentum (default: False).
-        weight_decay: L2 penalty added to the gradient (default: 0).
-        maximize: Ascend instead of descend (default: False).
-        first_step: The buffer is initialised to the gradient on the first step (default: False).
-
-    Returns:
-        ``(new_w, new_momentum_buffer)``.
-    """
-    c = sgd_coefficients(
-        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-        first_step=first_step,
-    )
-    bufs = {"momentum_buffer": cast(torch.Tensor, momentum_buffer)} if momentum != 0 else {}
-    new_w, out = sgd_math(w, -g if maximize else g, bufs, c, momentum=momentum != 0,
-                          nesterov=nesterov)
-    return new_w, out.get("momentum_buffer")
 
 
 class SGD(LowPrecisionOptimizer):

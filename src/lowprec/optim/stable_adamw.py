@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "StableAdamW", "stable_adamw_coefficients", "stable_adamw_math", "stable_adamw_norm_terms",
-    "stable_adamw_update",
 ]
 
 
@@ -108,48 +107,6 @@ def stable_adamw_math(
     lr = scale * c["lr"]
     w = w * (1 - lr * c["weight_decay"])  # (1 without decay: w, bit for bit)
     return w - (m * lr) / (sqrt_rn(v) + c["eps"]), {"exp_avg": m, "exp_avg_sq": v}
-
-
-def stable_adamw_update(
-    w: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    max_lr: float | None = None,
-    maximize: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One StableAdamW update of one tensor in FP32 (pure); the functional form.
-
-    Args:
-        w: The FP32 master weight.
-        g: The FP32 gradient.
-        exp_avg: First moment.
-        exp_avg_sq: Second moment.
-        lr: Learning rate, before the tensor's update clipping.
-        beta1: First-moment decay (debiased: see the module).
-        beta2: Second-moment decay (debiased).
-        eps: Added to the denominator; ``eps**2`` floors the second moment in the RMS.
-        weight_decay: Decoupled weight decay: ``w *= 1 - lr_t * weight_decay``.
-        step: The step number, from 1, for the debiased betas.
-        max_lr: Fully decoupled weight decay, ``w *= 1 - (lr_t / max_lr) * weight_decay``
-            (default: None, meaning decoupled).
-        maximize: Ascend instead of descend (default: False).
-
-    Returns:
-        ``(new_w, new_exp_avg, new_exp_avg_sq)``.
-    """
-    c = stable_adamw_coefficients(lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, step=step, max_lr=max_lr)
-    new_w, out = stable_adamw_math(
-        w, -g if maximize else g, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, c)
-    return new_w, out["exp_avg"], out["exp_avg_sq"]
 
 
 class StableAdamW(LowPrecisionOptimizer):
