@@ -11,6 +11,7 @@ one that calls it, and a reader follows them the same way.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,15 +113,22 @@ def test_no_import_circles():
     assert not found, f"modules that import each other, directly or around a circle: {found}"
 
 
-def test_the_step_takes_the_optimizer_core_not_the_optimizer():
-    # The step's modules see the optimizer as an OptimizerCore (lowprec.optim.core, which imports
-    # none of them): only the update rules, the package and the exports build on base.
-    on_base = sorted(name for name, targets in import_graph().items()
-                     if "lowprec.optim.base" in targets)
-    step = {"driver", "buckets", "param_step", "compiled", "in_backward", "shards", "checkpoint",
-            "core", "dtensor", "update", "loss_scale", "storage", "qstate", "options"}
+def test_the_step_needs_no_optimizer_type():
+    # The step's modules take an optimizer as a core.Stepped (its groups, its state and each
+    # group's core.Rule): none imports base or names an optimizer class, and core imports none
+    # of them. (The checkpoint runs torch's load hooks, and step_in_backward checks what a user
+    # hands it: both take the OptimizerCore.)
+    graph = import_graph()
+    on_base = sorted(name for name, targets in graph.items() if "lowprec.optim.base" in targets)
+    step = {"driver", "buckets", "param_step", "compiled", "shards", "core", "dtensor", "update",
+            "loss_scale", "storage", "qstate", "options"}
     assert on_base and not {n for n in on_base if n.removeprefix("lowprec.optim.") in step}
-    assert not {t for t in import_graph()["lowprec.optim.core"]
+    modules = _modules()
+    named = {name for name in step - {"core"}
+             if re.search(r"\b(OptimizerCore|LowPrecisionOptimizer)\b",
+                          modules[f"lowprec.optim.{name}"][0].read_text())}
+    assert not named, f"step modules that name an optimizer type: {sorted(named)}"
+    assert not {t for t in graph["lowprec.optim.core"]
                 if t.removeprefix("lowprec.optim.") in step - {"dtensor", "loss_scale",
                                                                "storage", "qstate", "options"}}
 
@@ -174,6 +182,14 @@ def test_only_core_reads_the_optimizers_private_members():
              if name not in rules | {"lowprec.optim.core"}
              and (got := private_reads(path.read_text(), private))}
     assert not found, f"reads of the optimizer's private members outside core: {found}"
+    # (in core, only OptimizerCore itself, whose rule() hands the step each group's Rule, and
+    # stages(), which keeps the step's record in the optimizer's __dict__)
+    tree = ast.parse(_modules()["lowprec.optim.core"][0].read_text())
+    outside = [node for node in tree.body
+               if not (isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                       and node.name in ("OptimizerCore", "stages"))]
+    got = private_reads(ast.unparse(ast.Module(body=outside, type_ignores=[])), private)
+    assert not got, f"core's functions read the optimizer's private members: {got}"
     # (the check sees each kind of read, and leaves self's own and a class's __dict__ alone)
     seen = private_reads("opt._math_buffers(g, p)\ngetattr(opt, '_flags')\nopt.__dict__\n"
                          "self._flags(g)\nCppVecOverrides.__dict__\n", private)

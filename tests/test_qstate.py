@@ -24,6 +24,12 @@ pytestmark = [pytest.mark.fused]
 B = qstate.BLOCK
 SHAPES = [(40, 128), (300,), (64, 96)]  # 8-bit state, FP32 state (small), 8-bit state
 
+def _decoded(opt, p):
+    """``p``'s rule buffers (its group the first) as FP32 values, codes decoded."""
+    group = opt.param_groups[0]
+    return core.math_state(opt.rule(group), group, p, opt.state[p])
+
+
 
 def _values(signed: bool) -> torch.Tensor:
     """The values of the 256 codes at scale 1 (index: the code)."""
@@ -125,7 +131,7 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
         feed(ref_params, grads)
         if opt.state:
             for p, q in zip(params, ref_params, strict=True):
-                decoded = core.math_state(opt, opt.param_groups[0], p, opt.state[p])
+                decoded = _decoded(opt, p)
                 ref.state[q].update({k: v.clone() for k, v in decoded.items()})
         opt.step()
         ref.step()
@@ -235,7 +241,7 @@ def test_moments_convert_between_8bit_and_full_precision_on_load(device):
     assert eight.state[params[1]]["exp_avg"].dtype == torch.float32  # (too small: FP32)
     full = AdamW(params, lr=1e-2, master="kahan", state_dtype=torch.float32)
     full.load_state_dict(copy.deepcopy(eight.state_dict()))
-    decoded = core.math_state(eight, eight.param_groups[0], p, eight.state[p])
+    decoded = _decoded(eight, p)
     assert torch.equal(full.state[p]["exp_avg_sq"], decoded["exp_avg_sq"])
     assert "exp_avg_sq_scale" not in full.state[p]
 

@@ -43,6 +43,12 @@ B, H = qstate.BLOCK, qstate.HALF
 SHAPES = [(40, 128), (300,), (64, 96)]
 BIG = [(260, 256), (300,), (64, 96)]
 
+def _decoded(opt, p):
+    """``p``'s rule buffers (its group the first) as FP32 values, codes decoded."""
+    group = opt.param_groups[0]
+    return core.math_state(opt.rule(group), group, p, opt.state[p])
+
+
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:
     """The 4-bit codes (0..15) of packed ``codes`` ``[blocks, 1, H]`` as ``[blocks, 2, H]``."""
@@ -177,7 +183,7 @@ def test_each_step_is_the_fp32_step_of_the_decoded_state_then_encoded(cls, kw, m
         feed(ref_params, grads)
         if opt.state:
             for p, q in zip(params, ref_params, strict=True):
-                decoded = core.math_state(opt, opt.param_groups[0], p, opt.state[p])
+                decoded = _decoded(opt, p)
                 ref.state[q].update({k: v.clone() for k, v in decoded.items()})
         opt.step()
         ref.step()
@@ -357,7 +363,7 @@ def test_moments_convert_to_and_from_4bit_on_load(source, device):
     four = AdamW(params, lr=1e-2, master="kahan", state_dtype="4bit")
     four.load_state_dict(copy.deepcopy(src.state_dict()))
     p = params[0]
-    values = core.math_state(src, src.param_groups[0], p, src.state[p])
+    values = _decoded(src, p)
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         codes, scale = qstate.to_codes(values[name], signed, 4)
         assert torch.equal(four.state[p][name], codes), name
@@ -366,7 +372,7 @@ def test_moments_convert_to_and_from_4bit_on_load(source, device):
 
     back = AdamW(params, lr=1e-2, master="kahan", state_dtype=source)
     back.load_state_dict(copy.deepcopy(four.state_dict()))
-    decoded = core.math_state(four, four.param_groups[0], p, four.state[p])
+    decoded = _decoded(four, p)
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         got = back.state[p][name]
         if source == "8bit":

@@ -408,26 +408,26 @@ class UpdateMonitor:
         inv: torch.Tensor | None,
     ) -> dict[str, Any]:
         state = opt.state.get(p)
+        rule = opt.rule(group)
         if not state:
             # What the step's lazy initialisation will create (a new dict; the FP32 value a cast
             # kept for p left for the step itself to take: lowprec.optim.kept).
-            state = core.init_state(opt, group, p, storage, preview=True)
+            state = core.init_state(rule, group, p, storage, preview=True)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        rule = opt.rule(group)
         late = [k for k in rule.buffers(p) if state.get(k) is None]  # (step_late)
         if late:
             state = {**state}
             for k in late:
-                state.update(core.new_buffer(opt, group, p, k, core.state_dtype(group, p, storage)))
-        mbufs = core.math_state(opt, group, p, state)
+                state.update(core.new_buffer(rule, group, p, k, core.state_dtype(group, p, storage)))
+        mbufs = core.math_state(rule, group, p, state)
         coeffs = (rule.first_use if late else rule.coefficients)(step)
         w = storage.load(p, sbufs).clone()
         grad = cast(torch.Tensor, p.grad)  # (a parameter the step takes: present)
         g = grad.float() if inv is None else grad.float() * inv.to(p.device)
         g, flags = _descent(g, rule.flags)  # (maximize: the step's, before the rule)
         new_w, new_m = rule.math(w, g, mbufs, coeffs, **flags)
-        eight_bit = {k for k, _ in core.qformats(opt, group, state, p)}
+        eight_bit = {k for k, _ in core.qformats(rule, group, state, p)}
         return {
             "new_state": {k: v for k, v in new_m.items() if k in eight_bit},
             "old": p.detach().clone(),
@@ -513,7 +513,8 @@ class UpdateMonitor:
                 (attempted & master_unchanged).sum(), err.square().sum(),
                 master_err.square().sum(), intended.square().sum()]
         if snap["new_state"]:
-            stored = core.math_state(opt, core.group_of(opt, self._params[pid]), p, state)
+            group = core.group_of(opt, self._params[pid])
+            stored = core.math_state(opt.rule(group), group, p, state)
             sums.append(sum((stored[k].double() - v.double()).square().sum()
                             for k, v in snap["new_state"].items()))
             sums.append(sum(v.double().square().sum() for v in snap["new_state"].values()))

@@ -32,7 +32,7 @@ from lowprec.optim.shards import reduce_groups
 
 if TYPE_CHECKING:
     from lowprec.optim.compiled import _Fused
-    from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.core import Stepped
     from lowprec.optim.param_step import Memo
     from lowprec.optim.storage import MasterStorage
 
@@ -79,7 +79,7 @@ class _Bucket:
     #: The counts' version when ``marks`` was last made (None: not yet)
     version: int | None
 
-    def __init__(self, opt: OptimizerCore, group: dict[str, Any], kind: tuple[Any, ...],
+    def __init__(self, opt: Stepped, group: dict[str, Any], kind: tuple[Any, ...],
                  members: list[tuple[torch.Tensor, int]], storage: MasterStorage,
                  fresh: set[int] | None = None) -> None:
         self.group, self.kind, self.storage = group, kind, storage
@@ -92,7 +92,7 @@ class _Bucket:
         # (elements of a parameter per element of each buffer: 1, or the codes' and scales')
         self.per = {name: n for name, _, n in layout}
         self.states = [opt.state[p] for p in self.params]
-        self.qstate = core.qformats(opt, group, self.states[0], p0)
+        self.qstate = core.qformats(opt.rule(group), group, self.states[0], p0)
         self.sizes = [p.numel() for p in self.params]
         self.offsets = [0]
         for n in self.sizes:
@@ -156,7 +156,7 @@ class _Bucket:
         self.scratch: dict[Any, torch.Tensor] = {}
         self.split_views: dict[Any, list[torch.Tensor]] = {}
 
-    def current(self, opt: OptimizerCore) -> bool:
+    def current(self, opt: Stepped) -> bool:
         """Whether the parameters and state entries are still this bucket's (a list at a time)."""
         if list(map(torch.Tensor.data_ptr, self.params)) != self.ptrs:
             return False
@@ -192,7 +192,7 @@ class _Bucket:
 
     def step(
         self,
-        opt: OptimizerCore,
+        opt: Stepped,
         grads: list[torch.Tensor | None],
         memo: Memo,
         scaling: _Scaling | None,
@@ -239,7 +239,7 @@ class _Bucket:
             i = j
         return out
 
-    def step_one(self, opt: OptimizerCore, k: int, memo: Memo) -> None:
+    def step_one(self, opt: Stepped, k: int, memo: Memo) -> None:
         """Parameter ``k`` alone, its count advanced (the update inside backward)."""
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         grads[k] = self.params[k].grad
@@ -286,7 +286,7 @@ class _Bucket:
                     self.marks[k] = fresh.setdefault(self.marks[k], top + len(fresh))
         self.version = self.counts._version
 
-    def _device_numbers(self, opt: OptimizerCore, memo: Memo, k: int
+    def _device_numbers(self, opt: Stepped, memo: Memo, k: int
                         ) -> dict[str, torch.Tensor]:
         """The step's numbers made on the counts' device from parameter ``k``'s count."""
         p = self.params[k]
@@ -314,7 +314,7 @@ class _Bucket:
             pieces.append((a, j))
         return pieces
 
-    def _run(self, opt: OptimizerCore, a: int, b: int, grads: list[torch.Tensor | None],
+    def _run(self, opt: Stepped, a: int, b: int, grads: list[torch.Tensor | None],
              step: dict[str, torch.Tensor], memo: Memo, scaling: _Scaling | None) -> None:
         """Parameters ``a`` to ``b`` stepped on flat buffers (parameters and gradients gathered
         where several): one compiled call where the step is fused, else eagerly in chunks."""

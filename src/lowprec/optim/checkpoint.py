@@ -105,7 +105,7 @@ def load_state_dict(opt: OptimizerCore, state_dict: dict[str, Any]) -> None:
                 moved, value = _convert_master(opt, moved, merged, p, storage, where)
                 writes.append((p, value))
             _cast_math_buffers(opt, moved, merged, p, storage)
-            core.check_state(opt, moved, merged, p, storage, where)
+            core.check_state(opt.rule(merged), moved, merged, p, storage, where)
         new_state[p] = moved
     with torch.no_grad():  # (every check has passed: now the parameters may change)
         for p, value in writes:
@@ -231,7 +231,7 @@ def _adopt_state(
             f"with these options does not keep (it keeps {['step', *names]}); load a "
             "checkpoint of the same optimizer."
         )
-    state = core.init_state(opt, group, p, storage)
+    state = core.init_state(rule, group, p, storage)
     for name in names:
         t = st.get(name)
         if t is None:  # (torch's SGD before its first step: the fresh buffer)

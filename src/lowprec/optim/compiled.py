@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
     from lowprec.optim._typing import PairDtypes, QFormats
-    from lowprec.optim.core import OptimizerCore, Rule
+    from lowprec.optim.core import Rule, Stepped
 
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
 # unsupported op): the step falls back to eager with a warning.
@@ -125,7 +125,7 @@ def _signature(
             *((k, v.dtype) for k, v in sbufs.items()), *((k, v.dtype) for k, v in mbufs.items()))
 
 
-def _fused_enabled(opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor) -> bool:
+def _fused_enabled(opt: Stepped, group: dict[str, Any], p: torch.Tensor) -> bool:
     """Whether ``p``'s step is compiled: ``fused=True``, or ``fused=None`` where
     ``_default_compiles`` (warning once where it does not); never after a compile of ``opt`` failed.
     """
@@ -272,7 +272,7 @@ def _unviewed(x: Any) -> Any:
     return x
 
 
-def _disable_fused(opt: OptimizerCore, error: BaseException) -> None:
+def _disable_fused(opt: Stepped, error: BaseException) -> None:
     core.stages(opt).fused_broken = True
     if isinstance(error, RoundTripsDropped):
         how = "Upgrade torch for the fused step, or pass fused=False to silence this warning."

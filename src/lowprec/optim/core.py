@@ -1,17 +1,20 @@
-"""What an optimizer's step reads of it: ``OptimizerCore`` (the update rule's interface that the
-optimizers implement), a group's ``Rule``, what the step keeps between steps (``Stages``), and the
-functions the step's modules call for the groups' checks and the state's layout.
+"""What an optimizer's step reads of it: ``Stepped`` (its groups, its state and each group's
+``Rule``), ``OptimizerCore`` (the update rule's interface that the optimizers implement, handed to
+the step as ``Rule``s), what the step keeps between steps (``Stages``), and the functions the step's
+modules call for the groups' checks and the state's layout.
 
-Only this module reads the optimizer's private members (``tests/test_layout.py`` counts), and it
-imports none of the step's modules, so they and ``base`` form no import circle.
+Only ``OptimizerCore`` reads the optimizer's private members (``tests/test_layout.py`` counts); the
+step's modules take a ``Stepped`` and this module imports none of them, so they and ``base`` form
+no import circle.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch.optim import Optimizer
@@ -26,9 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lowprec.optim._typing import WorkItem
 
-__all__ = ["OptimizerCore", "Rule", "Stages", "check_grad", "check_param", "check_state",
+__all__ = ["OptimizerCore", "Rule", "Stages", "Stepped", "check_grad", "check_param", "check_state",
            "collect", "group_of", "init_state", "math_state", "new_buffer",
-           "qformats", "stages", "state_dtype", "state_tensors", "step_flags", "step_options",
+           "qformats", "stages", "state_dtype", "state_tensors", "step_options",
            "validate_group", "validate_options"]
 
 
@@ -41,6 +44,9 @@ class Rule:
     it must not trace where ``graph_breaks``). Kernels are keyed by ``math``, not the optimizer."""
 
     math: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    #: Static switches, the rule's and ``maximize`` (``update._descent``): each combination is a
+    #: kernel. Not coefficients: a select on a 0-d coefficient in every element made the compiled
+    #: step 5-15% slower (docs/architecture.md).
     flags: dict[str, Any]
     kind: str
     #: The rule's per-step scalars at a step number (host int, or the counts' tensor).
@@ -53,6 +59,10 @@ class Rule:
     buffer_shape: Callable[[str, torch.Tensor], tuple[int, ...] | None]
     #: The buffers that are never negative (their 8-bit codes unsigned).
     nonnegative: tuple[str, ...]
+    #: A buffer's first value for a parameter (0.0 but for Adagrad's ``initial_accumulator_value``).
+    initial: Callable[[str, torch.Tensor], float]
+    #: Raises ``ValueError`` or ``TypeError`` for the group's invalid hyperparameters.
+    validate: Callable[[], None]
     norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
     compiles: bool = False
     graph_breaks: bool = False
@@ -64,6 +74,16 @@ class Rule:
     @property
     def whole(self) -> bool:
         return self.kind == "whole"
+
+
+class Stepped(Protocol):
+    """What the step's modules and this module's functions take of an optimizer: its groups, its
+    state and each group's ``Rule``. ``OptimizerCore`` is one; the step needs no optimizer type."""
+
+    param_groups: list[dict[str, Any]]
+    state: defaultdict[torch.Tensor, Any]
+
+    def rule(self, group: dict[str, Any]) -> Rule: ...
 
 
 @dataclass(eq=False)
@@ -96,7 +116,7 @@ class Stages:
     index_tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
-def stages(opt: OptimizerCore) -> Stages:
+def stages(opt: Stepped) -> Stages:
     """The record of what ``opt``'s step keeps between steps."""
     got = opt.__dict__.get("_stages")
     if got is None:  # (an optimizer unpickled from before it had one)
@@ -190,12 +210,15 @@ class OptimizerCore(Optimizer):
         norms = self._norm_terms is not None
         kind = ("whole" if self._whole(group) or not (self._elementwise or norms)
                 else "norms" if norms else "elementwise")
-        return Rule(self._group_math(group), step_flags(self, group), kind,
+        flags = {**self._flags(group), "maximize": bool(group.get("maximize", False))}
+        return Rule(self._group_math(group), flags, kind,
                     functools.partial(self._coefficients, group),
                     functools.partial(self._first_use_coefficients, group),
                     functools.partial(self._math_buffers, group), self._buffer_shape,
-                    self._nonnegative_buffers, self._norm_terms, self._whole_compiles,
-                    self._whole_graph_breaks)
+                    self._nonnegative_buffers,
+                    lambda name, p: self._init_math_buffer(name, p, group),
+                    functools.partial(self._validate_hparams, group), self._norm_terms,
+                    self._whole_compiles, self._whole_graph_breaks)
 
     def _first_use_coefficients(
         self, group: dict[str, Any], step: int | torch.Tensor
@@ -209,19 +232,12 @@ class OptimizerCore(Optimizer):
         return self._math
 
 
-def step_flags(opt: OptimizerCore, group: dict[str, Any]) -> dict[str, Any]:
-    """The static switches of ``group``'s step: its rule's and ``maximize``, which the step applies
-    to the gradient (``update._descent``). Switches, not coefficients: a select on a 0-d coefficient
-    in every element made the compiled step 5-15% slower (docs/architecture.md)."""
-    return {**opt._flags(group), "maximize": bool(group.get("maximize", False))}
-
-
 # ------------------------------------------------------------------ the step's interface
 # (What the step's modules call: the groups' checks and the state's layout, over the subclass
 # interface above, which only this module reads.)
 
 
-def validate_group(opt: OptimizerCore, group: dict[str, Any], index: int) -> list[MasterStorage]:
+def validate_group(opt: Stepped, group: dict[str, Any], index: int) -> list[MasterStorage]:
     """Validate a group's options and parameters; returns each parameter's storage."""
     validate_options(opt, group, index)
     where = f"parameter group {index}"
@@ -253,7 +269,7 @@ def validate_group(opt: OptimizerCore, group: dict[str, Any], index: int) -> lis
     return out
 
 
-def validate_options(opt: OptimizerCore, group: dict[str, Any], index: int) -> None:
+def validate_options(opt: Stepped, group: dict[str, Any], index: int) -> None:
     """Validate a group's options (raises ``ValueError`` or ``TypeError`` naming the group)."""
     where = f"parameter group {index}"
     if group["master"] not in MASTER_CHOICES:
@@ -272,16 +288,17 @@ def validate_options(opt: OptimizerCore, group: dict[str, Any], index: int) -> N
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}.")
     try:
-        opt._validate_hparams(group)
+        opt.rule(group).validate()
     except (ValueError, TypeError) as e:
         raise type(e)(f"{where}: {e}") from None
 
 
-def step_options(opt: OptimizerCore, group: dict[str, Any]) -> tuple[Any, ...]:
+def step_options(opt: Stepped, group: dict[str, Any]) -> tuple[Any, ...]:
     """A group's options that shape a step beyond its coefficients: buckets and the update inside
     backward step a group only while they stay the same."""
+    rule = opt.rule(group)
     return (group["master"], group["state_dtype"], group["fused"], group["seed"],
-            opt._math_buffers(group), step_flags(opt, group))
+            rule.buffers(None), rule.flags)
 
 
 def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) -> torch.dtype:
@@ -297,7 +314,7 @@ def state_dtype(group: dict[str, Any], p: torch.Tensor, storage: MasterStorage) 
     return p.dtype
 
 
-def collect(opt: OptimizerCore, late: list[WorkItem] | None = None) -> list[WorkItem]:
+def collect(opt: Stepped, late: list[WorkItem] | None = None) -> list[WorkItem]:
     """Validate every group, gradient and state; return the work list. Writes nothing. ``late``
     collects the items whose state lacks a buffer an option turned on since their first step."""
     work: list[WorkItem] = []
@@ -305,6 +322,7 @@ def collect(opt: OptimizerCore, late: list[WorkItem] | None = None) -> list[Work
     expected: dict[Any, dict[str, torch.dtype]] = {}  # per (group, dtype, strategy)
     for gi, group in enumerate(opt.param_groups):
         storages = validate_group(opt, group, gi)
+        rule = opt.rule(group)
         for pi, (p, storage) in enumerate(zip(group["params"], storages, strict=True)):
             index += 1
             if is_dtensor(p):  # (steps swap them for their shards: add_param_group notes them)
@@ -315,14 +333,15 @@ def collect(opt: OptimizerCore, late: list[WorkItem] | None = None) -> list[Work
                 )
             if p.grad is None:
                 continue
-            if check_param(opt, group, p, storage, (gi, pi), expected) and late is not None:
+            if check_param(opt, rule, group, p, storage, (gi, pi), expected) and late is not None:
                 late.append((group, p, index, storage))
             work.append((group, p, index, storage))
     return work
 
 
 def check_param(
-    opt: OptimizerCore,
+    opt: Stepped,
+    rule: Rule,
     group: dict[str, Any],
     p: torch.Tensor,
     storage: MasterStorage,
@@ -330,15 +349,16 @@ def check_param(
     expected: dict[Any, dict[str, torch.dtype]],
 ) -> bool:
     """Raise ``ValueError`` unless ``p``'s gradient and state fit it; True where its state lacks
-    buffers the rule now keeps. ``expected`` caches ``_expected_state`` per kind of parameter."""
+    buffers ``rule`` (the group's) now keeps. ``expected`` caches ``_expected_state`` per kind of
+    parameter."""
     check_grad(p, where)
     state = opt.state.get(p)
     if not state:
         return False
     key = (where[0], p.dtype, storage.name, qstate.qualifies(p), p.dim())
     if key not in expected:
-        expected[key] = _expected_state(opt, group, p, storage)
-    return bool(check_state(opt, state, group, p, storage, where, expected[key]))
+        expected[key] = _expected_state(rule, group, p, storage)
+    return bool(check_state(rule, state, group, p, storage, where, expected[key]))
 
 
 def check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
@@ -360,11 +380,11 @@ def check_grad(p: torch.Tensor, where: tuple[int, int]) -> None:
 
 
 def _expected_state(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
+    rule: Rule, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage
 ) -> dict[str, torch.dtype]:
     sd = state_dtype(group, p, storage)
-    names = opt._math_buffers(group, p)
-    shaped = [k for k in names if opt._buffer_shape(k, p) is None]
+    names = rule.buffers(p)
+    shaped = [k for k in names if rule.buffer_shape(k, p) is None]
     scales: dict[str, torch.dtype] = {}
     if sd == torch.uint8:  # (8-bit or 4-bit codes: one FP32 scale per block beside each)
         scales = dict.fromkeys(map(qstate.scale_key, shaped), torch.float32)
@@ -373,32 +393,32 @@ def _expected_state(
 
 
 def qformats(
-    opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    rule: Rule, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
 ) -> tuple[tuple[str, str], ...]:
     """The rule's buffers that ``state`` keeps as codes, each with its format (``qstate.fmt``)."""
     bits = 4 if group["state_dtype"] == qstate.FOUR_BIT else 8
-    return tuple((k, qstate.fmt(k not in opt._nonnegative_buffers, bits))
-                 for k in opt._math_buffers(group, p) if qstate.scale_key(k) in state)
+    return tuple((k, qstate.fmt(k not in rule.nonnegative, bits))
+                 for k in rule.buffers(p) if qstate.scale_key(k) in state)
 
 
 def state_tensors(
-    opt: OptimizerCore, group: dict[str, Any], state: dict[str, Any], p: torch.Tensor | None = None
+    rule: Rule, state: dict[str, Any], p: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """The rule's state tensors of ``p``: its buffers and the codes' scales."""
-    names = opt._math_buffers(group, p)
+    names = rule.buffers(p)
     out = {k: state[k] for k in names}
     out.update({s: state[s] for s in map(qstate.scale_key, names) if s in state})
     return out
 
 
 def math_state(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
+    rule: Rule, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """The rule's buffers of ``p`` as FP32 values (codes decoded, shaped as ``p``)."""
-    fmts = dict(qformats(opt, group, state, p))
+    fmts = dict(qformats(rule, group, state, p))
     return {k: qstate.from_codes(state[k], state[qstate.scale_key(k)],
                                  qstate.is_signed(fmts[k]), p.shape)
-            if k in fmts else state[k].float() for k in opt._math_buffers(group, p)}
+            if k in fmts else state[k].float() for k in rule.buffers(p)}
 
 
 def _scales_of(expected: dict[str, torch.dtype]) -> dict[str, str]:
@@ -407,7 +427,7 @@ def _scales_of(expected: dict[str, torch.dtype]) -> dict[str, str]:
 
 
 def state_layout(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor,
+    rule: Rule, group: dict[str, Any], p: torch.Tensor,
     expected: dict[str, torch.dtype],
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The dtype and shape of each state tensor of ``p`` (``expected``: ``_expected_state``): scales
@@ -416,12 +436,12 @@ def state_layout(
     bits = qstate.BITS.get(group["state_dtype"], 8)
     return {name: (dtype, tuple(qstate.scale_shape(p) if name in scale_of
                                 else qstate.codes_shape(p, bits) if dtype == torch.uint8
-                                else opt._buffer_shape(name, p) or p.shape))
+                                else rule.buffer_shape(name, p) or p.shape))
             for name, dtype in expected.items()}
 
 
 def check_state(
-    opt: OptimizerCore,
+    rule: Rule,
     state: dict[str, Any],
     group: dict[str, Any],
     p: torch.Tensor,
@@ -440,12 +460,10 @@ def check_state(
             "group's master changed?); create a new optimizer after changing either."
         )
     if expected is None:
-        expected = _expected_state(opt, group, p, storage)
-    missing = tuple(
-        name for name in opt._math_buffers(group, p) if state.get(name) is None
-    )
+        expected = _expected_state(rule, group, p, storage)
+    missing = tuple(name for name in rule.buffers(p) if state.get(name) is None)
     scale_of = _scales_of(expected)
-    for name, (dtype, shape) in state_layout(opt, group, p, expected).items():
+    for name, (dtype, shape) in state_layout(rule, group, p, expected).items():
         t = state.get(name)
         if name in missing or scale_of.get(name) in missing:
             continue
@@ -461,7 +479,7 @@ def check_state(
 
 
 def init_state(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
+    rule: Rule, group: dict[str, Any], p: torch.Tensor, storage: MasterStorage, *,
     preview: bool = False, out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """A new state for ``p``. ``preview``: the state its first step would create
@@ -471,7 +489,7 @@ def init_state(
         # (computed on its shard, kept as DTensors placed as p)
         mark_blocks(p)
         lp = local(p)
-        st = init_state(opt, group, lp, storage, preview=preview)
+        st = init_state(rule, group, lp, storage, preview=preview)
         return {k: wrap_state(k, v, lp, p) for k, v in st.items()}
     sd = state_dtype(group, p, storage)
     state: dict[str, Any] = {  # (the count on p's device, where the step's numbers are made)
@@ -485,24 +503,24 @@ def init_state(
     target = p.detach().clone() if preview and value is not None else p
     out = out or {}
     state.update(storage.init(target, value if storage.takes_value else None))
-    for name in opt._math_buffers(group, p):
-        state.update(new_buffer(opt, group, p, name, sd, out.get(name)))
+    for name in rule.buffers(p):
+        state.update(new_buffer(rule, group, p, name, sd, out.get(name)))
     # (copy_ returns its tensor; a buffer filled with a constant was written in place)
     return {k: out[k].copy_(v) if k in out and v is not out[k] else v for k, v in state.items()}
 
 
 def new_buffer(
-    opt: OptimizerCore, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype,
+    rule: Rule, group: dict[str, Any], p: torch.Tensor, name: str, dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """A new rule buffer ``name`` as state entries: the buffer and, for codes (``dtype`` uint8), its
     scales; ``out``: the tensor a buffer of ``p``'s shape is filled in."""
-    value = opt._init_math_buffer(name, p, group)
-    shape = opt._buffer_shape(name, p)
+    value = rule.initial(name, p)
+    shape = rule.buffer_shape(name, p)
     if shape is not None:  # (FP32 statistics of their own shape: Adafactor's)
         return {name: torch.full(shape, value, dtype=torch.float32, device=p.device)}
     if dtype == torch.uint8:
-        codes, scale = qstate.new_state(value, p, name not in opt._nonnegative_buffers,
+        codes, scale = qstate.new_state(value, p, name not in rule.nonnegative,
                                         qstate.BITS.get(group["state_dtype"], 8))
         return {name: codes, qstate.scale_key(name): scale}
     if out is not None:
@@ -510,7 +528,7 @@ def new_buffer(
     return {name: torch.full_like(p, value, dtype=dtype, memory_format=torch.preserve_format)}
 
 
-def group_of(opt: OptimizerCore, p: torch.Tensor) -> dict[str, Any]:
+def group_of(opt: Stepped, p: torch.Tensor) -> dict[str, Any]:
     for group in opt.param_groups:
         if any(q is p for q in group["params"]):
             return group

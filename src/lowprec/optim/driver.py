@@ -29,7 +29,7 @@ from lowprec.optim.shards import local_shards, reduce_groups
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
-    from lowprec.optim.core import OptimizerCore, Rule
+    from lowprec.optim.core import Rule, Stepped
     from lowprec.optim.storage import MasterStorage
 
 
@@ -48,7 +48,7 @@ class StepContext:
         return "skip" if self.found_inf is not None else False
 
 
-def run(opt: OptimizerCore, ctx: StepContext) -> None:
+def run(opt: Stepped, ctx: StepContext) -> None:
     """``step()`` after its closure."""
     in_backward = core.stages(opt).in_backward
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
@@ -62,7 +62,7 @@ def run(opt: OptimizerCore, ctx: StepContext) -> None:
             stages(opt, ctx)
 
 
-def stages(opt: OptimizerCore, ctx: StepContext) -> None:
+def stages(opt: Stepped, ctx: StepContext) -> None:
     """The buckets' step; where they decline, validate, create the missing state, lay them out and
     try again; ``full_step`` only for what they still decline."""
     if step_buckets(opt, ctx):
@@ -77,7 +77,7 @@ def stages(opt: OptimizerCore, ctx: StepContext) -> None:
     flatten(opt)
 
 
-def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
+def new_state(opt: Stepped, work: list[WorkItem]) -> set[int]:
     """Create the state of ``work``'s parameters (which have none) where the buckets will keep it:
     one flat buffer per group, dtype, strategy and state tensor, each parameter's share a view, in
     ``flatten``'s order, so a bucket takes its run of views as its flat buffer. A parameter no
@@ -89,9 +89,10 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
             id(item[0]), *_order(item[1], rules[id(item[0])].norms))):
         if _own_step(rules[id(group)], p) or p.numel() % 2 or id(p) in shards:
             continue
-        expected = core._expected_state(opt, group, p, storage)
+        rule = rules[id(group)]
+        expected = core._expected_state(rule, group, p, storage)
         # (keyed as a bucket is, so that a bucket takes its run of views whole)
-        for name, (dtype, shape) in core.state_layout(opt, group, p, expected).items():
+        for name, (dtype, shape) in core.state_layout(rule, group, p, expected).items():
             need.setdefault((id(group), p.dtype, storage.name, name, dtype, p.device), []).append(
                 (id(p), name, shape))
     out: dict[int, dict[str, torch.Tensor]] = {}
@@ -101,12 +102,13 @@ def new_state(opt: OptimizerCore, work: list[WorkItem]) -> set[int]:
         for (pid, name, shape), view in zip(members, flat.split(sizes), strict=True):
             out.setdefault(pid, {})[name] = view.view(shape)
     for group, p, _, storage in work:
-        opt.state[p].update(core.init_state(opt, group, p, storage, out=out.get(id(p))))
+        opt.state[p].update(core.init_state(rules[id(group)], group, p, storage,
+                                            out=out.get(id(p))))
     return {id(t._base) for views in out.values() for t in views.values()}
 
 
 def full_step(
-    opt: OptimizerCore, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
+    opt: Stepped, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
 ) -> None:
     """Every parameter of ``work`` on its own (the reference the buckets are tested against): the
     buffers an option turned on (``late``: ``param_step.step_late``), then the others."""
@@ -123,7 +125,7 @@ def full_step(
         param_step.step_param(opt, group, p, index, storage, scaling, memo)
 
 
-def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Scaling | bool:
+def _scaling(opt: Stepped, ctx: StepContext, work: list[WorkItem]) -> _Scaling | bool:
     """How ``work``'s step takes the loss scaler, decided before anything is written: True, skipped;
     False, the plain step (no scaler, or gradients unscaled in place on the host:
     ``loss_scale.skipped_on_host``); else the kernels take its inputs (``_Scaling``)."""
@@ -138,7 +140,7 @@ def _scaling(opt: OptimizerCore, ctx: StepContext, work: list[WorkItem]) -> _Sca
 
 
 def _kind(
-    opt: OptimizerCore, rule: Rule, group: dict[str, Any], p: torch.Tensor,
+    opt: Stepped, rule: Rule, group: dict[str, Any], p: torch.Tensor,
     storage: MasterStorage,
 ) -> tuple[Any, ...] | None:
     """``p``'s bucket key (device, dtypes, strategy, its state's layout; ``id(p)`` last where it
@@ -162,7 +164,7 @@ def _kind(
     # (codes: a byte per element, or per two; scales: one per block. A parameter with codes
     # is whole blocks, so its scales' share of a flat buffer starts where its elements' would.)
     per: dict[str, int] = {}
-    for name, f in core.qformats(opt, group, state, p):
+    for name, f in core.qformats(rule, group, state, p):
         per[name], per[qstate.scale_key(name)] = 1 + f.endswith("4"), qstate.BLOCK
     alone = alone or bool(per and (keyed or rule.norms))
     maths = rule.buffers(p)
@@ -199,14 +201,14 @@ class _Layout:
 
     __slots__ = ("buckets", "groups", "rest", "where")
 
-    def __init__(self, opt: OptimizerCore) -> None:
+    def __init__(self, opt: Stepped) -> None:
         self.groups = [(g, list(g["params"]), core.step_options(opt, g))
                        for g in opt.param_groups]
         self.buckets: list[_Bucket] = []
         self.rest: list[tuple[int, int, int]] = []
         self.where: dict[int, tuple[_Bucket, int]] = {}
 
-    def same_groups(self, opt: OptimizerCore) -> bool:
+    def same_groups(self, opt: Stepped) -> bool:
         groups = opt.param_groups
         return len(groups) == len(self.groups) and all(
             group is ref and len(group["params"]) == len(params)
@@ -214,17 +216,17 @@ class _Layout:
             for group, (ref, params, _) in zip(groups, self.groups, strict=True)
         )
 
-    def same_options(self, opt: OptimizerCore) -> bool:
+    def same_options(self, opt: Stepped) -> bool:
         """Whether each group's options are those its buckets were made for."""
         return all(core.step_options(opt, g) == options for g, _, options in self.groups)
 
 
-def buckets_of(opt: OptimizerCore) -> _Layout | None:
+def buckets_of(opt: Stepped) -> _Layout | None:
     """The buckets ``flatten`` laid out last (``core.Stages.buckets``)."""
     return cast("_Layout | None", core.stages(opt).buckets)
 
 
-def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
+def flatten(opt: Stepped, fresh: set[int] | None = None) -> None:
     """Lay the buckets out (the first step, and after a change), keeping those that still hold.
     ``fresh``: the flat buffers ``new_state`` made for this step's new state."""
     old = buckets_of(opt)
@@ -259,14 +261,14 @@ def flatten(opt: OptimizerCore, fresh: set[int] | None = None) -> None:
     core.stages(opt).buckets = layout
 
 
-def laid_out(opt: OptimizerCore) -> bool:
+def laid_out(opt: Stepped) -> bool:
     """Whether the buckets still hold: the same groups, parameters, options and state."""
     layout = buckets_of(opt)
     return (layout is not None and layout.same_groups(opt) and layout.same_options(opt)
             and all(b.current(opt) for b in layout.buckets))
 
 
-def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
+def step_buckets(opt: Stepped, ctx: StepContext) -> bool:
     """A step through the buckets: validate as the full step does, check the loss scaler's gradients
     first (``_scaling``), make the numbers of every run's first count at once, per group, on the
     device, then step each bucket and each parameter stepped on its own. False, having
@@ -288,17 +290,18 @@ def step_buckets(opt: OptimizerCore, ctx: StepContext) -> bool:
         grads.append(got)
     rest: list[WorkItem] = []
     expected: dict[Any, dict[str, torch.dtype]] = {}
+    memo = Memo()
     for gi, pi, index in layout.rest:
         group = opt.param_groups[gi]
         p = group["params"][pi]
         if p.grad is None:
             continue
         storage = storages[gi][pi]
-        if core.check_param(opt, group, p, storage, (gi, pi), expected):
+        rule = param_step.group_rule(opt, group, memo)
+        if core.check_param(opt, rule, group, p, storage, (gi, pi), expected):
             return False  # (buffers to create: the full step's param_step.step_late)
         rest.append((group, p, index, storage))
     scaling: _Scaling | None = None
-    memo = Memo()
     counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
                if "step" in opt.state[p]]
     firsts: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]] = []

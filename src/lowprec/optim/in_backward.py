@@ -110,7 +110,7 @@ class StepInBackward:
         for it in check:
             state = opt.state.get(it.p)
             if state:
-                core.check_state(opt, state, it.group, it.p, it.storage, it.where)
+                core.check_state(opt.rule(it.group), state, it.group, it.p, it.storage, it.where)
             elif it.p.requires_grad:
                 new.append((it.group, it.p, it.index, it.storage))
         if new or fresh:  # (created and laid out before any parameter is stepped)
@@ -157,7 +157,8 @@ class StepInBackward:
             return
         state = opt.state.get(it.p)
         work = (it.group, it.p, it.index, it.storage)
-        if state and core.check_state(opt, state, it.group, it.p, it.storage, it.where):
+        if state and core.check_state(opt.rule(it.group), state, it.group, it.p, it.storage,
+                                      it.where):
             param_step.step_late(opt, [work], None)  # (buffers an option turned on since)
             return
         param_step.step_param(opt, *work, None, memo)

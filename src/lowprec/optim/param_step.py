@@ -28,7 +28,7 @@ from lowprec.optim.update import _param_sums, _param_update
 
 if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim._typing import WorkItem
-    from lowprec.optim.core import OptimizerCore, Rule
+    from lowprec.optim.core import Rule, Stepped
 
 #: A parameter's numbers for a step, made on its device (``step_numbers``): its step number,
 #: random key halves, coefficients and the kernels' loss-scaler arguments.
@@ -55,7 +55,7 @@ def _block_slice(sl: slice, per: int | None = None) -> slice:
     return slice(sl.start // per, -(-sl.stop // per))
 
 
-def _constant(opt: OptimizerCore, group: dict[str, Any], device: torch.device, name: str,
+def _constant(opt: Stepped, group: dict[str, Any], device: torch.device, name: str,
               value: float) -> torch.Tensor:
     """A coefficient that does not depend on the count as a 0-d FP32 tensor on ``device``, the
     same tensor from step to step while its value stays (no tensor made from a host number in a
@@ -81,20 +81,21 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(v.detach() for v in padded[:, 0].unbind())
 
 
-def step_late(opt: OptimizerCore, late: list[WorkItem], scaling: _Scaling | None) -> None:
+def step_late(opt: Stepped, late: list[WorkItem], scaling: _Scaling | None) -> None:
     """Step the parameters whose state lacks buffers the rule now keeps (``core.collect``'s
     ``late``): create them, then take an eager step with the coefficients of their first use."""
     for group, p, index, storage in late:
         state = opt.state[p]
         dtype = core.state_dtype(group, p, storage)
-        for name in opt.rule(group).buffers(p):
+        rule = opt.rule(group)
+        for name in rule.buffers(p):
             if state.get(name, None) is None:
-                state.update(core.new_buffer(opt, group, p, name, dtype))
+                state.update(core.new_buffer(rule, group, p, name, dtype))
         step_param(opt, group, p, index, storage, scaling, Memo(), first_use=True)
 
 
-def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
-    """The group's rule (``OptimizerCore.rule``), made once per ``step()``."""
+def group_rule(opt: Stepped, group: dict[str, Any], memo: Memo) -> Rule:
+    """The group's rule (``Stepped.rule``), made once per ``step()``."""
     rule = memo.rules.get(id(group))
     if rule is None:
         rule = memo.rules[id(group)] = opt.rule(group)
@@ -102,7 +103,7 @@ def group_rule(opt: OptimizerCore, group: dict[str, Any], memo: Memo) -> Rule:
 
 
 def step_numbers(
-    opt: OptimizerCore,
+    opt: Stepped,
     group: dict[str, Any],
     p: torch.Tensor,
     index: int,
@@ -121,7 +122,7 @@ def step_numbers(
 
 
 def step_numbers_many(
-    opt: OptimizerCore,
+    opt: Stepped,
     items: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]],
     scaling: _Scaling | None,
     memo: Memo,
@@ -165,7 +166,7 @@ def step_numbers_many(
 
 
 def step_param(
-    opt: OptimizerCore,
+    opt: Stepped,
     group: dict[str, Any],
     p: torch.Tensor,
     index: int,
@@ -178,14 +179,14 @@ def step_param(
     (``eager_step``). ``first_use``: the first step of buffers created late (``step_late``)."""
     memo = Memo() if memo is None else memo
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
+    rule = group_rule(opt, group, memo)
     state = opt.state[p]
     if not state:
-        state.update(core.init_state(opt, group, p, storage))
+        state.update(core.init_state(rule, group, p, storage))
     sbufs = {k: state[k] for k in storage.buffers(p)}
-    mbufs = core.state_tensors(opt, group, state, p)
-    quantized = core.qformats(opt, group, state, p)  # (codes: rows of qstate.BLOCK elements)
+    mbufs = core.state_tensors(rule, state, p)
+    quantized = core.qformats(rule, group, state, p)  # (codes: rows of qstate.BLOCK elements)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
-    rule = group_rule(opt, group, memo)
     flags = rule.flags
     step, lo, hi, coeffs, numbers_extra = step_numbers(opt, group, p, index, storage, state,
                                                          scaling, memo)
@@ -281,7 +282,7 @@ def eager_step(
 
 
 def _step_whole_fused(
-    opt: OptimizerCore,
+    opt: Stepped,
     rule: Rule,
     p: torch.Tensor,
     storage: MasterStorage,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Placement
 
-    from lowprec.optim.core import OptimizerCore
+    from lowprec.optim.core import Stepped
     from lowprec.optim.storage import MasterStorage
 
 class _Shard:
@@ -94,7 +94,7 @@ def _check_grad(where: str, p: DTensor) -> None:
         )
 
 
-def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None:
+def _check_seeds(opt: Stepped, rounding: list[tuple[int, _Shard]]) -> None:
     """Refuse stochastic rounding with seeds that differ between a mesh's ranks (``seed=None`` is
     each rank's ``torch.initial_seed()``). A collective per mesh, on the first step of each set
     of seeds, which every rank takes alike."""
@@ -128,7 +128,7 @@ def _check_seeds(opt: OptimizerCore, rounding: list[tuple[int, _Shard]]) -> None
 
 
 @contextlib.contextmanager
-def local_shards(opt: OptimizerCore) -> Iterator[None]:
+def local_shards(opt: Stepped) -> Iterator[None]:
     """For a step: each DTensor parameter in ``opt.param_groups`` as its local tensor with its
     local gradient, ``opt.state`` holding local views of its state (kept across steps, so buckets
     hold); afterwards the state is DTensors again. Nothing changes if a check fails."""
@@ -228,7 +228,7 @@ def _aliases(a: Any, b: torch.Tensor) -> bool:
     )
 
 
-def reduce_groups(opt: OptimizerCore, p: torch.Tensor) -> list[ProcessGroup]:
+def reduce_groups(opt: Stepped, p: torch.Tensor) -> list[ProcessGroup]:
     """The process groups over which a step of local tensor ``p`` (a DTensor's shard) adds its
     whole-tensor sums (LAMB's norms): the mesh dimensions the parameter is sharded along."""
     groups = core.stages(opt).shard_groups
