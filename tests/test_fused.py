@@ -140,6 +140,76 @@ def test_non_contiguous_params_use_eager():
     assert torch.equal(w.detach(), ref.param_groups[0]["params"][0].detach())
 
 
+
+def test_stochastic_keys_are_one_compiled_call_with_the_eager_bits():
+    """``compiled.step_keys``' kernel: bit for bit ``numerics.stream_key_halves`` of the counts
+    plus one and the indices, for one parameter and for many, seeds past 32 bits and counts up to
+    FP32's last exact integer."""
+    from lowprec.numerics import _seed_halves, stream_key_halves
+
+    gen = torch.Generator().manual_seed(0)
+    for seed in (0, 5, 2**40 + 7, 2**64 - 1):
+        halves = torch.tensor(_seed_halves(seed), dtype=torch.int64)
+        for n in (1, 2, 37):
+            counts = torch.randint(0, 2**24, (n,), generator=gen).float()
+            index = torch.randint(0, 2**31, (n,), generator=gen)
+            with torch.no_grad():
+                got = compiled._keys_kernel()(halves, counts, index)
+            want = stream_key_halves(seed, counts.long() + 1, index)
+            assert all(map(torch.equal, got, want)), (seed, n)
+
+
+def _top_calls(fn) -> list[str]:
+    """The operator calls and compiled-region calls ``fn`` makes from Python (as
+    benchmarks/step_calls.py counts them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def counted(e):
+        return e.name.startswith("aten::") or "Compiled" in e.name
+
+    def nested(e):
+        q = e.cpu_parent
+        while q is not None and not counted(q):
+            q = q.cpu_parent
+        return q is not None
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if counted(e) and not nested(e)]
+
+
+def test_a_stochastic_step_makes_its_keys_in_one_call():
+    """Stochastic rounding's step makes its random keys in one compiled call (the eager form's
+    integer operations were ~130 calls a step, each a launch on a GPU): it makes at most a few
+    calls more than Kahan's step of the same parameters."""
+    calls = {}
+    for master in ("kahan", "stochastic"):
+        params = [torch.randn(4096).bfloat16().requires_grad_() for _ in range(16)]
+        opt = AdamW(params, lr=1e-3, master=master, fused=True, seed=3)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        calls[master] = _top_calls(opt.step)
+    assert not {"aten::__xor__", "aten::__rshift__", "aten::bitwise_xor"} & set(
+        calls["stochastic"]), calls["stochastic"]
+    assert len(calls["stochastic"]) <= len(calls["kahan"]) + 10, calls
+
+
+@pytest.mark.fallback
+def test_a_keys_kernel_that_fails_to_compile_falls_back_with_the_same_bits(monkeypatch):
+    def failing():
+        def kernel(*a, **k):
+            raise RuntimeError("simulated compile failure")
+        return kernel
+
+    monkeypatch.setattr(compiled, "_keys_kernel", failing)
+    init = [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
+    pa, oa = _run(AdamW, {}, torch.bfloat16, "stochastic", False, 3, init)
+    with pytest.warns(RuntimeWarning, match="fused .* unavailable .* simulated compile failure"):
+        pb, ob = _run(AdamW, {}, torch.bfloat16, "stochastic", True, 3, init)
+    assert_same(pa, oa, pb, ob)
+
 @pytest.mark.fallback
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, device):
     def broken(*args, **kwargs):
@@ -458,7 +528,7 @@ def test_small_batch_advances_integer_step_counts():
     ("cls", "master"), [(SGD, "split"), (AdamW, "kahan"), (Lamb, "stochastic")],
     ids=["SGD-split", "AdamW-kahan", "Lamb-stochastic"],
 )
-def test_kernels_have_a_parallel_loop_whatever_size_compiles_them(cls, master):
+def test_kernels_have_a_parallel_loop_whatever_size_compiles_them(cls, master, monkeypatch):
     """(CPU only: Inductor's C++ code.)
 
     A variant first compiled for a tiny parameter still gets a parallel loop: the kernel
@@ -466,6 +536,8 @@ def test_kernels_have_a_parallel_loop_whatever_size_compiles_them(cls, master):
     from torch._inductor.utils import run_and_get_code
 
     fresh = type(f"Fresh{cls.__name__}", (cls,), {})  # a variant of its own: compiled here
+    # (stochastic rounding's keys, a few integers per parameter: no loop to parallelise, eager)
+    monkeypatch.setattr(compiled, "_keys_kernel", lambda: compiled._step_keys)
     p = torch.randn(8).to(torch.bfloat16).requires_grad_()
     p.grad = torch.randn(8).to(torch.bfloat16)
     _, code = run_and_get_code(fresh([p], lr=1e-3, master=master, fused=True).step)

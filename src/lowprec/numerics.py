@@ -294,12 +294,21 @@ def stream_key_halves(seed: int, *counters: Any) -> tuple[Any, Any]:
     Returns:
         ``(low, high)``: ints, or 0-d int64 tensors where a counter is a tensor.
     """
+    return _fold_counters(*_seed_halves(seed), *counters)
+
+
+def _seed_halves(seed: int) -> tuple[int, int]:
+    """The key halves of ``seed`` alone, into which ``_fold_counters`` folds the counters."""
+    return _mix32_py(seed & _M32), _mix32_py((seed >> 32) ^ _GOLDEN)
+
+
+def _fold_counters(lo: Any, hi: Any, *counters: Any) -> tuple[Any, Any]:
+    """``stream_key_halves`` from the seed's halves: ints, or int64 tensors (a compiled step's
+    keys: ``optim.compiled.step_keys``)."""
 
     def mix(x: Any) -> Any:
         return _mix32(x & _M32) if isinstance(x, torch.Tensor) else _mix32_py(x)
 
-    lo = mix(seed & _M32)
-    hi = mix((seed >> 32) ^ _GOLDEN)
     for c in counters:
         lo = mix(lo ^ mix((c & _M32) + _GOLDEN))
         hi = mix(hi + lo + (c >> 32))

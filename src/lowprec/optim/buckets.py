@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lowprec.numerics import stream_key_halves
 from lowprec.optim import compiled, core, param_step, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
 from lowprec.optim.loss_scale import _mode, _Scaling
@@ -337,7 +336,7 @@ class _Bucket:
         rows = b - a if self.norms and not one else 0  # (parameters of one size: _pieces)
         keys: tuple[Any, Any] = (0, 0)
         if self.keyed:
-            keys, owner = self._keys(a, b)
+            keys, owner = self._keys(opt, a, b)
             extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
         start = self.start  # (a shard's, alone: fused where its words' indices allow)
@@ -368,7 +367,7 @@ class _Bucket:
                 sl = slice(first, last)
                 sb, mb = ({n: state[n][param_step._block_slice(sl, per[n])] for n in ns}
                           for ns in names)
-                key_lo, key_hi = self._keys(k, k + 1)[0] if self.keyed else (0, 0)
+                key_lo, key_hi = self._keys(opt, k, k + 1)[0] if self.keyed else (0, 0)
                 param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, step, key_lo, key_hi,
                                       extra, self.qstate, per, offset=start,
                                       shards=self.shards)
@@ -382,15 +381,17 @@ class _Bucket:
             views = [g.view(self.shapes[a])] if one else self._split(g, a, b, shaped=True)
             torch._foreach_copy_(cast("list[torch.Tensor]", grads[a:b]), views)
 
-    def _keys(self, a: int, b: int) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
+    def _keys(self, opt: Stepped, a: int, b: int
+              ) -> tuple[tuple[Any, Any], dict[str, torch.Tensor]]:
         """Stochastic rounding's keys for parameters ``a`` to ``b`` of the run being stepped,
         made once per run on the device from its count: one parameter's key halves (0-d views);
         for a gathered piece, a key half per parameter and each word's parameter and index within
         it (``owner``, ``idx``), so that every element gets the bits of a step of its own."""
         i, j = self.run
         if not self.run_keys:
-            lo, hi = stream_key_halves(self.group["seed"], self.counts[i].long() + 1,
-                                       self._index(i, j))
+            # (the run's counts are equal: its own slice, the keys' kernel's shape)
+            lo, hi = compiled.step_keys(opt, self.group, self.params[i], self.counts[i:j],
+                                        self._index(i, j))
             self.run_keys = {-1: (lo, hi)}
         if b - a == 1:
             if a not in self.run_keys:

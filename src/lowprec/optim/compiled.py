@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lowprec.numerics import COMPILED_AS_EAGER
+from lowprec.numerics import COMPILED_AS_EAGER, _fold_counters, _seed_halves, stream_key_halves
 from lowprec.optim import core
 from lowprec.optim import qstate as qstate_mod
 from lowprec.optim.options import _default_mode
@@ -270,6 +270,42 @@ def _unviewed(x: Any) -> Any:
     if isinstance(x, tuple):
         return tuple(_unviewed(v) for v in x)
     return x
+
+
+def _step_keys(halves: torch.Tensor, counts: torch.Tensor, index: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``numerics.stream_key_halves(seed, count + 1, index)`` per element of ``counts`` (the counts
+    before the step) and ``index``, from the seed's halves (``numerics._seed_halves``)."""
+    return _fold_counters(halves[0], halves[1], counts.long() + 1, index)
+
+
+@functools.cache
+def _keys_kernel() -> _Kernel:
+    """``_step_keys`` compiled: one call for its ~130 integer operations (a graph for one
+    parameter, one for several: Dynamo specialises a length of 1)."""
+    return _Kernel(torch.compile(_step_keys, dynamic=True, fullgraph=True,
+                                 options=dict(COMPILED_AS_EAGER)), "lowprec_step_keys")
+
+
+def step_keys(opt: Stepped, group: dict[str, Any], p: torch.Tensor, counts: torch.Tensor,
+              index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic rounding's key halves for parameters ``index`` of ``group`` at ``counts`` (1-d,
+    the counts before this step; ``p`` one of them): one compiled call where their step is fused,
+    else the eager form's ~130 calls (each a launch on a GPU); the same bits either way."""
+    seed = group["seed"]
+    if _fused_enabled(opt, group, p):
+        kept = core.stages(opt).index_tensors
+        halves = kept.get(("seed", seed, counts.device))
+        if halves is None:
+            halves = kept["seed", seed, counts.device] = torch.tensor(
+                _seed_halves(seed), dtype=torch.int64, device=counts.device)
+        try:
+            return cast("tuple[torch.Tensor, torch.Tensor]",
+                        _keys_kernel()(halves, counts, index))
+        except _COMPILE_ERRORS as e:  # (nothing written: the eager form below)
+            _disable_fused(opt, e)
+    return cast("tuple[torch.Tensor, torch.Tensor]",
+                stream_key_halves(seed, counts.long() + 1, index))
 
 
 def _disable_fused(opt: Stepped, error: BaseException) -> None:

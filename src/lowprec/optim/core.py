@@ -110,8 +110,9 @@ class Stages:
     shard_offsets: dict[int, int] | None = None
     shard_reduce: list[ProcessGroup] | None = None
     shard_groups: dict[int, list[ProcessGroup]] | None = None
-    #: The groups' constant coefficients as tensors and the index tensors of stochastic
-    #: rounding's keys, kept from step to step (``param_step.step_numbers_many``).
+    #: The groups' constant coefficients as tensors, and the index tensors and seeds' halves of
+    #: stochastic rounding's keys, kept from step to step (``param_step.step_numbers_many``,
+    #: ``compiled.step_keys``).
     constants: dict[Any, dict[str, tuple[Any, torch.Tensor]]] = field(default_factory=dict)
     index_tensors: dict[Any, torch.Tensor] = field(default_factory=dict)
 

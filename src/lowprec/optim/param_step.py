@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lowprec.numerics import stream_key_halves
-
 # (tests replace update._INT32_MAX: read through its module)
 from lowprec.optim import compiled, core, qstate, update
 from lowprec.optim.compiled import _COMPILE_ERRORS, _disable_fused, _fused_enabled
@@ -138,7 +136,8 @@ def step_numbers_many(
             state["step"] = state["step"].to(p.device)
         sets.setdefault((id(group), p.device), (group, []))[1].append((p, index, storage))
     for (_, device), (group, members) in sets.items():
-        step = torch.stack([opt.state[p]["step"] for p, _, _ in members]).double() + 1
+        counts = torch.stack([opt.state[p]["step"] for p, _, _ in members])
+        step = counts.double() + 1
         steps = _aligned_views(step)
         keyed = keys and any(storage.needs_random_bits for _, _, storage in members)
         if keyed:
@@ -150,7 +149,7 @@ def step_numbers_many(
                 index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64,
                                                               device=device)
             los, his = map(_aligned_views,
-                           stream_key_halves(group["seed"], step.long(), index))
+                           compiled.step_keys(opt, group, members[0][0], counts, index))
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
         for k, v in group_rule(opt, group, memo).coefficients(step).items():
             if isinstance(v, torch.Tensor):  # (of the counts, or a tensor lr's: one for all)
