@@ -142,21 +142,24 @@ def test_non_contiguous_params_use_eager():
 
 
 def test_stochastic_keys_are_one_compiled_call_with_the_eager_bits():
-    """``compiled.step_keys``' kernel: bit for bit ``numerics.stream_key_halves`` of the counts
-    plus one and the indices, for one parameter and for many, seeds past 32 bits and counts up to
-    FP32's last exact integer."""
-    from lowprec.numerics import _seed_halves, stream_key_halves
+    """``compiled.step_keys``: bit for bit ``numerics.stream_key_halves`` of the counts plus one
+    and the indices, for one parameter and for many, seeds past 32 bits and counts up to FP32's
+    last exact integer, from one compiled graph."""
+    from lowprec.numerics import stream_key_halves
 
     gen = torch.Generator().manual_seed(0)
+    p = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
+    graphs = _graphs()
     for seed in (0, 5, 2**40 + 7, 2**64 - 1):
-        halves = torch.tensor(_seed_halves(seed), dtype=torch.int64)
+        opt = AdamW([p], master="stochastic", fused=True, seed=seed)
         for n in (1, 2, 37):
             counts = torch.randint(0, 2**24, (n,), generator=gen).float()
             index = torch.randint(0, 2**31, (n,), generator=gen)
             with torch.no_grad():
-                got = compiled._keys_kernel()(halves, counts, index)
+                got = compiled.step_keys(opt, opt.param_groups[0], p, counts, index)
             want = stream_key_halves(seed, counts.long() + 1, index)
             assert all(map(torch.equal, got, want)), (seed, n)
+    assert _graphs() - graphs <= 1  # (none where an earlier test compiled it)
 
 
 def _top_calls(fn) -> list[str]:

@@ -272,19 +272,21 @@ def _unviewed(x: Any) -> Any:
     return x
 
 
-def _step_keys(halves: torch.Tensor, counts: torch.Tensor, index: torch.Tensor
+def _step_keys(lo: torch.Tensor, hi: torch.Tensor, counts: torch.Tensor, index: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``numerics.stream_key_halves(seed, count + 1, index)`` per element of ``counts`` (the counts
-    before the step) and ``index``, from the seed's halves (``numerics._seed_halves``)."""
-    return _fold_counters(halves[0], halves[1], counts.long() + 1, index)
+    before the step) and ``index``, from the seed's halves (0-d: ``numerics._seed_halves``)."""
+    return _fold_counters(lo, hi, counts.long() + 1, index)
 
 
 @functools.cache
 def _keys_kernel() -> _Kernel:
-    """``_step_keys`` compiled: one call for its ~130 integer operations (a graph for one
-    parameter, one for several: Dynamo specialises a length of 1)."""
-    return _Kernel(torch.compile(_step_keys, dynamic=True, fullgraph=True,
-                                 options=dict(COMPILED_AS_EAGER)), "lowprec_step_keys")
+    """``_step_keys`` compiled: one call for its ~130 integer operations. Each mix's result is
+    kept in a buffer (``realize_opcount_threshold``), else each use writes the whole hash below it
+    anew: 17 s of compiling against 2.4 s on a Zen 4 (docs/architecture.md)."""
+    return _Kernel(torch.compile(
+        _step_keys, dynamic=True, fullgraph=True,
+        options={**COMPILED_AS_EAGER, "realize_opcount_threshold": 4}), "lowprec_step_keys")
 
 
 def step_keys(opt: Stepped, group: dict[str, Any], p: torch.Tensor, counts: torch.Tensor,
@@ -295,13 +297,17 @@ def step_keys(opt: Stepped, group: dict[str, Any], p: torch.Tensor, counts: torc
     seed = group["seed"]
     if _fused_enabled(opt, group, p):
         kept = core.stages(opt).index_tensors
-        halves = kept.get(("seed", seed, counts.device))
-        if halves is None:
-            halves = kept["seed", seed, counts.device] = torch.tensor(
-                _seed_halves(seed), dtype=torch.int64, device=counts.device)
+        # (the seed's halves as two 0-d tensors: Dynamo would guard a (2,) one's length equal to
+        # a pair of counts', and compile again for others)
+        if ("seed_hi", seed, counts.device) not in kept:
+            for name, half in zip(("seed_lo", "seed_hi"), _seed_halves(seed), strict=True):
+                kept[name, seed, counts.device] = torch.tensor(half, device=counts.device)
+        halves = (kept["seed_lo", seed, counts.device], kept["seed_hi", seed, counts.device])
+        one = index.numel() == 1  # (two elements: Dynamo would specialise a length of 1)
         try:
-            return cast("tuple[torch.Tensor, torch.Tensor]",
-                        _keys_kernel()(halves, counts, index))
+            lo, hi = _keys_kernel()(*halves, *((counts.repeat(2), index.repeat(2)) if one
+                                               else (counts, index)))
+            return (lo[:1], hi[:1]) if one else (lo, hi)
         except _COMPILE_ERRORS as e:  # (nothing written: the eager form below)
             _disable_fused(opt, e)
     return cast("tuple[torch.Tensor, torch.Tensor]",
