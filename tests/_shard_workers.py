@@ -104,10 +104,13 @@ def _prepared_calls() -> Any:
         compiled.prepare_fused = real
 
 
-def compiled_calls(made: list[Any]) -> tuple[int, int]:
+def compiled_calls(made: list[Any], layout: Any) -> tuple[int, int]:
     """How the steps ran: (compiled calls prepared, those whose random bits start past index 0
-    of a larger parameter: a shard's ``base``)."""
-    return len(made), sum(f.base is not None for f in made)
+    of a larger parameter: a shard's ``base`` where it is stepped alone, or the compiled pieces of
+    a bucket of shards whose words carry their indices in their parameters)."""
+    gathered = sum(len(b.prepared) for b in (layout.buckets if layout else ())
+                   if len(b.params) > 1 and any(b.starts))
+    return len(made), sum(f.base is not None for f in made) + gathered
 
 
 def _compiled_only(fused: Any) -> contextlib.AbstractContextManager[None]:
@@ -167,10 +170,13 @@ def run_config(mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                         g, mesh, params[n].placements
                     )
                 out.setdefault("found", []).append(opt_step(opt, cfg, scaler))
-                out["compiled"] = compiled_calls(made)
-                out.setdefault("prepared", []).append(len(made))
                 layout = lowprec.optim.core.stages(opt).buckets  # (shards in buckets: their state gathered)
+                out["compiled"] = compiled_calls(made, layout)
+                out.setdefault("prepared", []).append(len(made))
                 out["bucketed"] = sum(len(b.params) for b in layout.buckets) if layout else 0
+                out["gathered_shards"] = sum(len(b.params) for b in layout.buckets
+                                             if len(b.params) > 1 and b.gather_state
+                                             ) if layout else 0
                 if step == 1 and cfg.get("resume"):
                     # A checkpoint in the middle: copied, saved to bytes and loaded back (as each
                     # rank's torch.save and torch.load would), into a new optimizer.

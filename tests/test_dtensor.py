@@ -213,13 +213,17 @@ def check_sharded(cfg, ranks, name, unsharded):
             # whose sums add every rank's, each a bucket of one, stepped in the parameters'
             # order)
             assert got["bucketed"] >= 2, (rank, got["bucketed"])
+        if cfg["kw"].get("master") == "stochastic" and cfg["cls"] in ("AdamW", "SGD"):
+            # (stochastic rounding's shards gathered too, each word keyed by its index in its
+            # parameter: "w" and "big", whose shards start on even elements)
+            assert got["gathered_shards"] >= (1 if cfg.get("plain") else 2), (rank, got)
         if cfg["kw"].get("fused"):  # (not silently eager: the same bits would pass)
             assert calls > 0, rank
             if not cfg.get("resume"):  # (the buckets' calls kept: none prepared at the last)
                 assert got["prepared"][-1] == got["prepared"][-2], (rank, got["prepared"])
-            # A shard past the start of a stochastic parameter keys its bits in the kernel (in
-            # 4 ranks' results, the 2 x 2 mesh's or two 2-rank meshes': the second shard, odd
-            # ranks).
+            # A shard past the start of a stochastic parameter keys its bits in the kernel, by
+            # its base alone or by its words' indices in a gathered piece (in 4 ranks' results,
+            # the 2 x 2 mesh's or two 2-rank meshes': the second shard, odd ranks).
             past = rank % 2 if len(ranks) == 4 else rank
             want_based = past > 0 and cfg["kw"]["master"] == "stochastic"
             assert (based > 0) == want_based, (rank, based)

@@ -71,7 +71,7 @@ class _Bucket:
         "counts", "device_index", "entries", "flat_params", "flat_state", "flats", "gather_state",
         "group", "index_tensors", "indices", "keyed", "kind", "layouts", "made", "marks", "names",
         "norms", "offsets", "params", "per", "prepared", "ptrs", "qstate", "run", "run_keys",
-        "sbufs", "scratch", "shapes", "shards", "sizes", "split_views", "start", "states", "steps",
+        "sbufs", "scratch", "shapes", "shards", "sizes", "split_views", "starts", "states", "steps",
         "storage", "version", "views"
     )
 
@@ -133,9 +133,9 @@ class _Bucket:
         self.device_index = p0.get_device()  # (-1 on the CPU)
         self.keyed = storage.needs_random_bits  # (stochastic rounding: _keys)
         self.norms = opt.rule(group).norms  # (whole-tensor sums: pieces of one size)
-        # (a DTensor's shard: its random bits keyed from its first element's index)
-        offsets = core.stages(opt).shard_offsets or {}
-        self.start = offsets.get(id(p0), 0) if self.keyed and shard else 0
+        # (DTensor shards: their random bits keyed by their elements' indices in the parameters)
+        offsets = (core.stages(opt).shard_offsets or {}) if self.keyed and shard else {}
+        self.starts = [offsets.get(id(p), 0) for p in self.params]
         # (a DTensor's shard whose sums add every rank's: stepped in the parameters' order)
         self.shards = tuple(reduce_groups(opt, p0)) if shard and self.norms else ()
         # (current: every state entry the bucket made, per parameter in this order)
@@ -339,7 +339,8 @@ class _Bucket:
             keys, owner = self._keys(opt, a, b)
             extra.update({k: v.view(rows, -1) for k, v in owner.items()} if rows else owner)
         done = False
-        start = self.start  # (a shard's, alone: fused where its words' indices allow)
+        # (a shard's first element's index; a gathered piece's words carry theirs: _keys)
+        start = self.starts[a] if one else 0
         if _fused_enabled(opt, group, self.params[0]) and (not start or (
                 start + hi - lo <= update._INT32_MAX
                 and (start % 2 == 0 or p.dtype != torch.bfloat16))):
@@ -369,7 +370,8 @@ class _Bucket:
                           for ns in names)
                 key_lo, key_hi = self._keys(opt, k, k + 1)[0] if self.keyed else (0, 0)
                 param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, step, key_lo, key_hi,
-                                      extra, self.qstate, per, offset=start,
+                                      extra, self.qstate, per, offset=self.starts[k] if k >= 0
+                                      else 0,
                                       shards=self.shards)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
@@ -402,7 +404,8 @@ class _Bucket:
         device = self.counts.device
         layout = self.layouts.get((a, b))
         if layout is None:
-            owner, idx = _word_owners(tuple(n // 2 for n in self.sizes[a:b]))
+            owner, idx = _word_owners(tuple(n // 2 for n in self.sizes[a:b]),
+                                      tuple(s // 2 for s in self.starts[a:b]))
             layout = self.layouts[a, b] = (owner.to(device), idx.to(device))
         return (lo[a - i:b - i], hi[a - i:b - i]), {"owner": layout[0], "idx": layout[1]}
 
@@ -458,13 +461,15 @@ class _Bucket:
         return views
 
 
-def _word_owners(words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a piece of BF16 parameters of ``words`` words each: every word's parameter (its place in
-    the piece) and index within it, int32 each (per-word random keys)."""
+def _word_owners(words: tuple[int, ...], first: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a piece of BF16 parameters of ``words`` words each, whose first words are word
+    ``first`` of their whole parameters (a DTensor's shard's; else 0): every word's parameter (its
+    place in the piece) and index within its whole parameter, int32 each (per-word random keys)."""
     counts = torch.tensor(words, dtype=torch.int64)
     total = sum(words)
     owner = torch.repeat_interleave(torch.arange(len(words), dtype=torch.int64), counts,
                                     output_size=total)
-    starts = torch.cumsum(counts, 0) - counts
+    starts = torch.cumsum(counts, 0) - counts - torch.tensor(first, dtype=torch.int64)
     idx = torch.arange(total, dtype=torch.int64) - starts[owner]
     return owner.to(torch.int32), idx.to(torch.int32)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 # (called through their modules: tests replace these functions)
-from lowprec.optim import core, param_step, qstate
+from lowprec.optim import core, param_step, qstate, update
 from lowprec.optim.buckets import _Bucket, _gathered
 from lowprec.optim.compiled import _PAIR_DTYPES
 from lowprec.optim.loss_scale import _Scaling, skipped_on_host
@@ -151,11 +151,15 @@ def _kind(
     keyed = storage.needs_random_bits
     # (a DTensor's shard keeps its state in tensors of its own: torch 2.13 cannot deep-copy a
     # DTensor over a view of a flat buffer, as copy.deepcopy(opt.state_dict()) does)
-    shard = id(p) in (core.stages(opt).shard_offsets or {})
+    offsets = core.stages(opt).shard_offsets or {}
+    shard = id(p) in offsets
+    start = offsets.get(id(p), 0)
     # A bucket of one: an odd size (the next tensor's words off their pair boundary); random
-    # bits keyed per word without BF16 pairs; a shard keyed from its offset, or whose sums add
-    # every rank's; codes with random keys or norms (never on pairs, nor rows).
-    alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype)) or (shard and keyed)
+    # bits keyed per word without BF16 pairs; a shard keyed from an odd offset (its words are
+    # not its parameter's) or past int32 indices, or whose sums add every rank's; codes with
+    # random keys or norms (never on pairs, nor rows).
+    alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype))
+             or (shard and keyed and (start % 2 or start + p.numel() > update._INT32_MAX))
              or (shard and rule.norms and bool(reduce_groups(opt, p))))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
