@@ -108,7 +108,7 @@ def buckets_off(off: bool):
         yield
         return
     real = driver.step_buckets, driver.flatten
-    driver.step_buckets, driver.flatten = (lambda opt, *scaler: False), (lambda opt: None)
+    driver.step_buckets, driver.flatten = (lambda opt, *ctx: False), (lambda opt, *fresh: None)
     try:
         yield
     finally:
