@@ -28,8 +28,10 @@ import lowprec
 from tests._fallback import fallbacks_are_errors
 
 #: First dimensions that 2 or 3 ranks split unevenly, an odd flat length, a parameter above the
-#: fused step's small-parameter batch size (65536 elements), one kept replicated.
-SHAPES = {"w": (5, 12), "b": (7,), "big": (300, 256), "emb": (9, 33), "rep": (6, 4)}
+#: fused step's small-parameter batch size (65536 elements), one kept replicated, and two of one
+#: shape that 2, 3 and 4 ranks split evenly (a rule's sums over the ranks, gathered: sq, sq2).
+SHAPES = {"w": (5, 12), "b": (7,), "big": (300, 256), "emb": (9, 33), "rep": (6, 4),
+          "sq": (6, 8), "sq2": (6, 8)}
 REPLICATED = ("rep",)
 STEPS = 4
 

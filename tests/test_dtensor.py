@@ -213,6 +213,10 @@ def check_sharded(cfg, ranks, name, unsharded):
             # whose sums add every rank's, each a bucket of one, stepped in the parameters'
             # order)
             assert got["bucketed"] >= 2, (rank, got["bucketed"])
+        if cfg["cls"] in ("Lamb", "StableAdamW"):
+            # (shards whose sums add every rank's, gathered where every rank's shard has one
+            # shape, so that every rank cuts the same pieces: "sq" and "sq2")
+            assert got["gathered_shards"] >= 2, (rank, got["gathered_shards"])
         if cfg["kw"].get("master") == "stochastic" and cfg["cls"] in ("AdamW", "SGD"):
             # (stochastic rounding's shards gathered too, each word keyed by its index in its
             # parameter: "w" and "big", whose shards start on even elements)

@@ -105,11 +105,13 @@ class Stages:
     shards: dict[int, Any] = field(default_factory=dict)
     seeds_checked: tuple[Any, ...] = ()
     #: For the length of a step on DTensor shards (``shards.local_shards``): each local tensor's
-    #: offset in its parameter, the process groups a loss scaler's skip agrees over, and those
-    #: each shard's whole-tensor sums add over. None between steps.
+    #: offset in its parameter, the process groups a loss scaler's skip agrees over, those each
+    #: shard's whole-tensor sums add over, and the local tensors whose shards have one shape on
+    #: every rank (``shards.even_shards``). None between steps.
     shard_offsets: dict[int, int] | None = None
     shard_reduce: list[ProcessGroup] | None = None
     shard_groups: dict[int, list[ProcessGroup]] | None = None
+    shard_even: set[int] | None = None
     #: The groups' constant coefficients as tensors, and the index tensors and seeds' halves of
     #: stochastic rounding's keys, kept from step to step (``param_step.step_numbers_many``,
     #: ``compiled.step_keys``).

@@ -151,16 +151,20 @@ def _kind(
     keyed = storage.needs_random_bits
     # (a DTensor's shard keeps its state in tensors of its own: torch 2.13 cannot deep-copy a
     # DTensor over a view of a flat buffer, as copy.deepcopy(opt.state_dict()) does)
-    offsets = core.stages(opt).shard_offsets or {}
-    shard = id(p) in offsets
+    st = core.stages(opt)
+    offsets = st.shard_offsets or {}
     start = offsets.get(id(p), 0)
+    # (a shard whose sums add every rank's: in buckets of its mesh's groups alone)
+    groups = reduce_groups(opt, p) if rule.norms else []
+    shard = ("shard", *map(id, groups)) if id(p) in offsets else False
     # A bucket of one: an odd size (the next tensor's words off their pair boundary); random
     # bits keyed per word without BF16 pairs; a shard keyed from an odd offset (its words are
-    # not its parameter's) or past int32 indices, or whose sums add every rank's; codes with
-    # random keys or norms (never on pairs, nor rows).
+    # not its parameter's) or past int32 indices, or whose sums add every rank's where its
+    # shards' shapes differ between ranks (each would cut other pieces); codes with random keys
+    # or norms (never on pairs, nor rows).
     alone = (p.numel() % 2 or (keyed and not storage.pairs_ok(p.dtype))
              or (shard and keyed and (start % 2 or start + p.numel() > update._INT32_MAX))
-             or (shard and rule.norms and bool(reduce_groups(opt, p))))
+             or (groups and id(p) not in (st.shard_even or ())))
     step = state.get("step")  # (on the CPU, or on the parameter's device after a scaled step)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0
             or (step.device.type != "cpu" and step.device != p.device)):

@@ -35,7 +35,7 @@ class _Shard:
     local state dict (kept so its bucket holds), its first element's flat index (stochastic
     rounding's key) and the process groups its shards span."""
 
-    __slots__ = ("groups", "local", "lstate", "offset", "p", "placements", "verdict")
+    __slots__ = ("even", "groups", "local", "lstate", "offset", "p", "placements", "verdict")
 
     def __init__(self, p: DTensor, lp: torch.Tensor) -> None:
         self.p, self.local = p, lp
@@ -46,6 +46,7 @@ class _Shard:
         mesh = p.device_mesh
         self.groups = [mesh.get_group(d) for d, pl in enumerate(self.placements)
                        if not pl.is_replicate()]
+        self.even = even_shards(p)
         # (options checked, the error a step must raise or None, whether it rounds randomly)
         self.verdict: tuple[Any, ...] | None = None
 
@@ -168,6 +169,7 @@ def local_shards(opt: Stepped) -> Iterator[None]:
             state[k] = v
     params = [list(ps) for ps in saved_params]
     offsets: dict[int, int] = {}
+    even: set[int] = set()
     groups_of: dict[int, list[ProcessGroup]] = {}
     reduce: dict[int, ProcessGroup] = {}
     for gi, pi, shard in work:
@@ -182,6 +184,8 @@ def local_shards(opt: Stepped) -> Iterator[None]:
         state[lp] = lstate
         params[gi][pi] = lp
         offsets[id(lp)] = shard.offset or 0
+        if shard.even:
+            even.add(id(lp))
         if shard.groups:
             groups_of[id(lp)] = shard.groups
         for group in shard.groups:  # (a loss scaler's skip must agree over these)
@@ -196,13 +200,14 @@ def local_shards(opt: Stepped) -> Iterator[None]:
         st = core.stages(opt)
         st.shard_offsets, st.shard_reduce, st.shard_groups = (offsets, list(reduce.values()),
                                                                groups_of)
+        st.shard_even = even
         yield
     finally:
         for group, ps in zip(groups, saved_params, strict=True):
             group["params"] = ps
         opt.state = saved_state
         st = core.stages(opt)
-        st.shard_offsets = st.shard_reduce = st.shard_groups = None
+        st.shard_offsets = st.shard_reduce = st.shard_groups = st.shard_even = None
         for k, v in state.items():
             if v and id(k) not in offsets and k not in saved_state:
                 saved_state[k] = v  # (state a plain parameter got in this step)
@@ -217,6 +222,21 @@ def local_shards(opt: Stepped) -> Iterator[None]:
                 if is_dtensor(d) and _aliases(v, local(d)):
                     continue
                 dstate[k] = wrap_state(k, v, lp, p)
+
+
+def even_shards(p: DTensor) -> bool:
+    """Whether every rank's shard of ``p`` has one shape (each sharded dimension divides evenly
+    over its mesh dimensions); from shape and placements alone, alike on every rank. Such shards'
+    whole-tensor sums may be added over the ranks a piece at a time: every rank cuts the same
+    pieces (``driver._kind``)."""
+    sizes = list(p.shape)
+    for i, pl in enumerate(p.placements):
+        if pl.is_shard():
+            dim = cast(Any, pl).dim
+            if sizes[dim] % p.device_mesh.size(i):
+                return False
+            sizes[dim] //= p.device_mesh.size(i)
+    return True
 
 
 def _aliases(a: Any, b: torch.Tensor) -> bool:
