@@ -229,13 +229,16 @@ def even_shards(p: DTensor) -> bool:
     over its mesh dimensions); from shape and placements alone, alike on every rank. Such shards'
     whole-tensor sums may be added over the ranks a piece at a time: every rank cuts the same
     pieces (``driver._kind``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
     sizes = list(p.shape)
     for i, pl in enumerate(p.placements):
-        if pl.is_shard():
-            dim = cast(Any, pl).dim
-            if sizes[dim] % p.device_mesh.size(i):
-                return False
-            sizes[dim] //= p.device_mesh.size(i)
+        if isinstance(pl, Replicate):
+            continue
+        # (a strided or partial placement: not known alike everywhere, so alone)
+        if type(pl) is not Shard or sizes[pl.dim] % p.device_mesh.size(i):
+            return False
+        sizes[pl.dim] //= p.device_mesh.size(i)
     return True
 
 
