@@ -10,6 +10,7 @@ notice or carry through (``CHANGES``) is applied to both.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import pathlib
@@ -697,3 +698,27 @@ def test_state_memory_stays_the_states_size_when_gradients_come_and_go(mixed):
     tensors = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_parameter_whose_first_gradient_comes_later_joins_a_bucket():
+    """A parameter without a gradient at the first step (no state then) gets its state where a
+    bucket takes it when its first gradient comes: before, it stayed outside the buckets and took
+    the eager step of a parameter on its own at every later step. The steps equal the full
+    step's, bit for bit."""
+    def steps(ctx):
+        gen = torch.Generator().manual_seed(0)
+        params = [(torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16).requires_grad_()
+                  for s in SHAPES]
+        opt = _adamw_kahan(params)
+        with ctx:
+            for step in range(4):
+                for i, p in enumerate(params):
+                    p.grad = None if (step == 0 and i == 1) else torch.randn(
+                        p.shape, generator=gen).to(torch.bfloat16)
+                opt.step()
+        return params, opt
+
+    params, opt = steps(contextlib.nullcontext())
+    ref, ref_opt = steps(full_steps())
+    assert id(params[1]) in driver.buckets_of(opt).where
+    assert_same(params, opt, ref, ref_opt)

@@ -415,7 +415,7 @@ class UpdateMonitor:
             state = core.init_state(rule, group, p, storage, preview=True)
         step = int(state["step"]) + 1
         sbufs = {k: state[k] for k in storage.buffers(p)}
-        late = [k for k in rule.buffers(p) if state.get(k) is None]  # (step_late)
+        late = [k for k in rule.buffers(p) if state.get(k) is None]  # (first_use)
         if late:
             state = {**state}
             for k in late:

@@ -69,7 +69,7 @@ class _Bucket:
 
     __slots__ = (
         "counts", "device_index", "entries", "flat_params", "flat_state", "flats", "gather_state",
-        "group", "index_tensors", "indices", "keyed", "kind", "layouts", "made", "marks", "names",
+        "group", "indices", "keyed", "kind", "layouts", "made", "marks", "names",
         "norms", "offsets", "params", "per", "prepared", "ptrs", "qstate", "run", "run_keys",
         "sbufs", "scratch", "shapes", "shards", "sizes", "split_views", "starts", "states", "steps",
         "storage", "version", "views"
@@ -147,7 +147,6 @@ class _Bucket:
         self.version = None  # (count_marks: not read yet)
         self.shapes = [p.shape for p in self.params]
         self.prepared: dict[Any, _Fused] = {}
-        self.index_tensors: dict[tuple[int, int], torch.Tensor] = {}
         self.layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # (the run being stepped, and its parameters' random keys: _keys)
         self.run: tuple[int, int] = (0, 0)
@@ -206,7 +205,9 @@ class _Bucket:
         moved: list[tuple[int, int]] = []
         try:
             for i, j in self.runs(grads, self.count_marks()) if runs is None else runs:
-                step = self._device_numbers(opt, memo, i)
+                # (the numbers made on the counts' device from the run's first count)
+                step = param_step.step_numbers(opt, self.group, self.params[i], self.indices[i],
+                                               self.storage, self.states[i], None, memo)[3]
                 self.run, self.run_keys = (i, j), {}
                 done = i
                 try:
@@ -254,7 +255,6 @@ class _Bucket:
         for st, view in zip(self.states, self.steps, strict=True):
             st["step"] = view
         self.made = self._made()
-        self.index_tensors.clear()
         self.layouts.clear()
         self.version = None
 
@@ -284,13 +284,6 @@ class _Bucket:
                 for k in range(a, b):
                     self.marks[k] = fresh.setdefault(self.marks[k], top + len(fresh))
         self.version = self.counts._version
-
-    def _device_numbers(self, opt: Stepped, memo: Memo, k: int
-                        ) -> dict[str, torch.Tensor]:
-        """The step's numbers made on the counts' device from parameter ``k``'s count."""
-        p = self.params[k]
-        return param_step.step_numbers(opt, self.group, p, self.indices[k], self.storage,
-                                         self.states[k], None, memo)[3]
 
     def _pieces(self, i: int, j: int) -> list[tuple[int, int]]:
         """Parameters ``i`` to ``j`` in pieces of a compiled call each: a parameter of
@@ -366,12 +359,10 @@ class _Bucket:
                      if self.keyed or self.norms else [(0, hi - lo, -1)])
             for first, last, k in spans:
                 sl = slice(first, last)
-                sb, mb = ({n: state[n][param_step._block_slice(sl, per[n])] for n in ns}
-                          for ns in names)
+                sb, mb = (param_step.cut({n: state[n] for n in ns}, sl, self.per) for ns in names)
                 key_lo, key_hi = self._keys(opt, k, k + 1)[0] if self.keyed else (0, 0)
                 param_step.eager_step(rule, storage, p[sl], g[sl], sb, mb, step, key_lo, key_hi,
-                                      extra, self.qstate, per, offset=self.starts[k] if k >= 0
-                                      else 0,
+                                      extra, self.qstate, offset=self.starts[k] if k >= 0 else 0,
                                       shards=self.shards)
         if not one:
             torch._foreach_copy_(self.flat_params[a:b], self._split(p, a, b))
@@ -393,7 +384,8 @@ class _Bucket:
         if not self.run_keys:
             # (the run's counts are equal: its own slice, the keys' kernel's shape)
             lo, hi = compiled.step_keys(opt, self.group, self.params[i], self.counts[i:j],
-                                        self._index(i, j))
+                                        param_step.index_tensor(opt, self.counts.device,
+                                                                tuple(self.indices[i:j])))
             self.run_keys = {-1: (lo, hi)}
         if b - a == 1:
             if a not in self.run_keys:
@@ -408,14 +400,6 @@ class _Bucket:
                                       tuple(s // 2 for s in self.starts[a:b]))
             layout = self.layouts[a, b] = (owner.to(device), idx.to(device))
         return (lo[a - i:b - i], hi[a - i:b - i]), {"owner": layout[0], "idx": layout[1]}
-
-    def _index(self, a: int, b: int) -> torch.Tensor:
-        """The indices of parameters ``a`` to ``b`` as a tensor on the counts' device (kept)."""
-        index = self.index_tensors.get((a, b))
-        if index is None:
-            index = self.index_tensors[a, b] = torch.tensor(
-                self.indices[a:b], dtype=torch.int64, device=self.counts.device)
-        return index
 
     def _state(self, a: int, b: int) -> dict[str, torch.Tensor]:
         """The state of parameters ``a`` to ``b``, one flat tensor per buffer: views of the flat

@@ -11,6 +11,7 @@ step flows", tells the whole path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass
@@ -54,12 +55,9 @@ def run(opt: Stepped, ctx: StepContext) -> None:
     # (lowprec.step_in_backward: this call ends its step, and steps only what it left)
     if in_backward is not None and not in_backward._end_step(ctx.grad_scale, ctx.found_inf):
         return
-    with in_step():  # (a tensor hyperparameter's value is not read on the host)
-        if core.stages(opt).has_dtensors:
-            with local_shards(opt):
-                stages(opt, ctx)
-        else:
-            stages(opt, ctx)
+    shards = local_shards(opt) if core.stages(opt).has_dtensors else contextlib.nullcontext()
+    with in_step(), shards:  # (a tensor hyperparameter's value is not read on the host)
+        stages(opt, ctx)
 
 
 def stages(opt: Stepped, ctx: StepContext) -> None:
@@ -69,12 +67,13 @@ def stages(opt: Stepped, ctx: StepContext) -> None:
         return
     late: list[WorkItem] = []
     work = core.collect(opt, late)  # (raises before anything is written)
+    fresh = new_state(opt, [item for item in work if not opt.state[item[1]]])
     if not late:
-        flatten(opt, new_state(opt, [item for item in work if not opt.state[item[1]]]))
+        flatten(opt, fresh)
         if step_buckets(opt, ctx):
             return
     full_step(opt, ctx, work, late)
-    flatten(opt)
+    flatten(opt, fresh)
 
 
 def new_state(opt: Stepped, work: list[WorkItem]) -> set[int]:
@@ -110,19 +109,16 @@ def new_state(opt: Stepped, work: list[WorkItem]) -> set[int]:
 def full_step(
     opt: Stepped, ctx: StepContext, work: list[WorkItem], late: list[WorkItem]
 ) -> None:
-    """Every parameter of ``work`` on its own (the reference the buckets are tested against): the
-    buffers an option turned on (``late``: ``param_step.step_late``), then the others."""
+    """Every parameter of ``work`` on its own, eager (the reference the buckets are tested
+    against); those in ``late`` create the buffers an option turned on (``first_use``)."""
     memo = Memo()
     got = _scaling(opt, ctx, work)
     if got is True:
         return
-    scaling = got or None
-    if late:
-        param_step.step_late(opt, late, scaling)
-        ids = {id(p) for _, p, _, _ in late}
-        work = [item for item in work if id(item[1]) not in ids]
+    late_ids = {id(p) for _, p, _, _ in late}
     for group, p, index, storage in work:
-        param_step.step_param(opt, group, p, index, storage, scaling, memo)
+        param_step.step_param(opt, group, p, index, storage, got or None, memo,
+                              first_use=id(p) in late_ids)
 
 
 def _scaling(opt: Stepped, ctx: StepContext, work: list[WorkItem]) -> _Scaling | bool:
@@ -279,10 +275,9 @@ def laid_out(opt: Stepped) -> bool:
 def step_buckets(opt: Stepped, ctx: StepContext) -> bool:
     """A step through the buckets: validate as the full step does, check the loss scaler's gradients
     first (``_scaling``), make the numbers of every run's first count at once, per group, on the
-    device, then step each bucket and each parameter stepped on its own. False, having
-    written nothing, where anything the buckets rely on changed. Buckets whose whole-tensor sums add
-    every rank's (``_Bucket.shards``) and the parameters on their own go last, in the parameters'
-    order, so that every rank makes its all-reduces in one order."""
+    device, then step each bucket and each parameter stepped on its own, in the parameters' order
+    (every rank makes its all-reduces in one order). False, having written nothing, where anything
+    the buckets rely on changed."""
     layout = buckets_of(opt)
     if layout is None or not layout.same_groups(opt):
         return False
@@ -304,14 +299,15 @@ def step_buckets(opt: Stepped, ctx: StepContext) -> bool:
         p = group["params"][pi]
         if p.grad is None:
             continue
+        if not opt.state.get(p):
+            return False  # (its first gradient: its state is made where a bucket takes it)
         storage = storages[gi][pi]
         rule = param_step.group_rule(opt, group, memo)
         if core.check_param(opt, rule, group, p, storage, (gi, pi), expected):
-            return False  # (buffers to create: the full step's param_step.step_late)
+            return False  # (buffers to create: the full step's first_use)
         rest.append((group, p, index, storage))
     scaling: _Scaling | None = None
-    counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest
-               if "step" in opt.state[p]]
+    counted = [(group, p, index, storage, opt.state[p]) for group, p, index, storage in rest]
     firsts: list[tuple[dict[str, Any], torch.Tensor, int, MasterStorage, dict[str, Any]]] = []
     if ctx.scaled:
         work = [(b.group, p, i, b.storage) for b, (gs, _) in zip(layout.buckets, grads, strict=True)
@@ -333,15 +329,12 @@ def step_buckets(opt: Stepped, ctx: StepContext) -> bool:
     for items, keys in ((counted, True), (firsts, False)):  # (on the device, at once per group;
         if items:  # a bucket makes its pieces' random keys itself)
             param_step.step_numbers_many(opt, items, scaling, memo, keys)
-    last: list[tuple[int, _Bucket | WorkItem, Any]] = []
-    for bucket, (gs, alone), rs in zip(layout.buckets, grads, runs, strict=True):
-        if bucket.shards:
-            last.append((bucket.indices[0], bucket, (gs, alone, rs)))
-        else:
-            bucket.step(opt, gs, memo, scaling, alone, rs)
-    last += [(item[2], item, None) for item in rest]
-    last.sort(key=operator.itemgetter(0))
-    for _, what, got in last:
+    # (in the parameters' order, the same on every rank: the all-reduces of shards' sums)
+    order: list[tuple[int, _Bucket | WorkItem, Any]] = [
+        (b.indices[0], b, (gs, alone, rs))
+        for b, (gs, alone), rs in zip(layout.buckets, grads, runs, strict=True)]
+    order += [(item[2], item, None) for item in rest]
+    for _, what, got in sorted(order, key=operator.itemgetter(0)):
         if isinstance(what, _Bucket):
             what.step(opt, got[0], memo, scaling, got[1], got[2])
         else:

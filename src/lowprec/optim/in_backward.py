@@ -155,13 +155,11 @@ class StepInBackward:
         if where is not None:
             where[0].step_one(opt, where[1], memo)
             return
-        state = opt.state.get(it.p)
-        work = (it.group, it.p, it.index, it.storage)
-        if state and core.check_state(opt.rule(it.group), state, it.group, it.p, it.storage,
-                                      it.where):
-            param_step.step_late(opt, [work], None)  # (buffers an option turned on since)
-            return
-        param_step.step_param(opt, *work, None, memo)
+        state = opt.state[it.p]  # (made by _begin)
+        late = bool(core.check_state(opt.rule(it.group), state, it.group, it.p, it.storage,
+                                     it.where))  # (buffers an option turned on since)
+        param_step.step_param(opt, it.group, it.p, it.index, it.storage, None, memo,
+                              first_use=late)
 
     @torch.no_grad()
     def _flush(self) -> None:

@@ -2,8 +2,8 @@
 
 ``step_param`` steps a parameter no bucket takes: a whole-tensor rule compiled in its shape
 (``_step_whole_fused``) where it can, else eagerly (``eager_step``, which the buckets' eager pieces
-run too: in chunks, a rule's whole-tensor sums first). ``step_late`` creates the buffers an option
-turned on and takes their first step. Every step makes its numbers (coefficients, random keys, the
+run too: in chunks, a rule's whole-tensor sums first); with ``first_use``, it creates the buffers an
+option turned on and takes their first step. Every step makes its numbers (coefficients, random keys, the
 loss scaler's inputs) on the parameters' device from the step counts kept there, for many
 parameters at once (``step_numbers_many``), and reads no value on the host; a ``Memo`` shares
 them within one ``step()``.
@@ -25,7 +25,6 @@ from lowprec.optim.storage import MasterStorage
 from lowprec.optim.update import _param_sums, _param_update
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lowprec.optim._typing import WorkItem
     from lowprec.optim.core import Rule, Stepped
 
 #: A parameter's numbers for a step, made on its device (``step_numbers``): its step number,
@@ -44,13 +43,20 @@ class Memo:
         self.numbers: dict[int, _StepNumbers] = {}
 
 
-def _block_slice(sl: slice, per: int | None = None) -> slice:
-    """The blocks' scales of elements ``sl`` (which start on a block); ``per`` 2: the bytes of their
-    4-bit codes."""
+def _per(quantized: tuple[tuple[str, str], ...]) -> dict[str, int]:
+    """Elements of a parameter per element of each of its quantized buffers (1 where absent):
+    its blocks' scales, and 4-bit codes (two a byte)."""
+    per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}
+    per.update({k: 2 for k, f in quantized if f.endswith("4")})
+    return per
+
+
+def cut(d: dict[str, torch.Tensor], sl: slice, per: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Flat buffers ``d``'s entries for elements ``sl`` (starting on a block where quantized):
+    ``per``, elements per entry (``_per``)."""
     if sl.start is None:
-        return sl
-    per = per or qstate.BLOCK
-    return slice(sl.start // per, -(-sl.stop // per))
+        return d
+    return {k: v[sl.start // per.get(k, 1):-(-sl.stop // per.get(k, 1))] for k, v in d.items()}
 
 
 def _constant(opt: Stepped, group: dict[str, Any], device: torch.device, name: str,
@@ -77,19 +83,6 @@ def _aligned_views(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     padded = t.new_zeros((t.numel(), per))
     padded[:, 0] = t
     return tuple(v.detach() for v in padded[:, 0].unbind())
-
-
-def step_late(opt: Stepped, late: list[WorkItem], scaling: _Scaling | None) -> None:
-    """Step the parameters whose state lacks buffers the rule now keeps (``core.collect``'s
-    ``late``): create them, then take an eager step with the coefficients of their first use."""
-    for group, p, index, storage in late:
-        state = opt.state[p]
-        dtype = core.state_dtype(group, p, storage)
-        rule = opt.rule(group)
-        for name in rule.buffers(p):
-            if state.get(name, None) is None:
-                state.update(core.new_buffer(rule, group, p, name, dtype))
-        step_param(opt, group, p, index, storage, scaling, Memo(), first_use=True)
 
 
 def group_rule(opt: Stepped, group: dict[str, Any], memo: Memo) -> Rule:
@@ -141,13 +134,7 @@ def step_numbers_many(
         steps = _aligned_views(step)
         keyed = keys and any(storage.needs_random_bits for _, _, storage in members)
         if keyed:
-            # (kept: a host list copied to a GPU waits for the work queued before it)
-            indices = tuple(i for _, i, _ in members)
-            cache = core.stages(opt).index_tensors
-            index = cache.get((device, indices))
-            if index is None:
-                index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64,
-                                                              device=device)
+            index = index_tensor(opt, device, tuple(i for _, i, _ in members))
             los, his = map(_aligned_views,
                            compiled.step_keys(opt, group, members[0][0], counts, index))
         per: dict[str, Any] = {}  # (in _coefficients' order: a compiled call's key)
@@ -164,31 +151,42 @@ def step_numbers_many(
             memo.numbers[id(p)] = (steps[i], lo_i, hi_i, coeffs, extra)
 
 
+def index_tensor(opt: Stepped, device: torch.device, indices: tuple[int, ...]) -> torch.Tensor:
+    """Parameters' ``indices`` (stochastic rounding's keys) as an int64 tensor on ``device``, kept:
+    a host list copied to a GPU waits for the work queued before it."""
+    cache = core.stages(opt).index_tensors
+    index = cache.get((device, indices))
+    if index is None:
+        index = cache[device, indices] = torch.tensor(indices, dtype=torch.int64, device=device)
+    return index
+
+
 def step_param(
     opt: Stepped,
     group: dict[str, Any],
     p: torch.Tensor,
     index: int,
     storage: MasterStorage,
-    scaling: _Scaling | None = None,
-    memo: Memo | None = None,
+    scaling: _Scaling | None,
+    memo: Memo,
     first_use: bool = False,
 ) -> None:
     """One parameter's step: a whole-tensor rule compiled (``_step_whole_fused``), else eager
-    (``eager_step``). ``first_use``: the first step of buffers created late (``step_late``)."""
-    memo = Memo() if memo is None else memo
+    (``eager_step``). ``first_use``: the buffers an option turned on since its last step are
+    created here and take the coefficients of their first use."""
     grad = cast(torch.Tensor, p.grad)  # (present: a work item's parameter)
     rule = group_rule(opt, group, memo)
     state = opt.state[p]
-    if not state:
-        state.update(core.init_state(rule, group, p, storage))
+    if first_use:
+        dtype = core.state_dtype(group, p, storage)
+        for name in rule.buffers(p):
+            if state.get(name) is None:
+                state.update(core.new_buffer(rule, group, p, name, dtype))
     sbufs = {k: state[k] for k in storage.buffers(p)}
     mbufs = core.state_tensors(rule, state, p)
     quantized = core.qformats(rule, group, state, p)  # (codes: rows of qstate.BLOCK elements)
-    qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
-    flags = rule.flags
     step, lo, hi, coeffs, numbers_extra = step_numbers(opt, group, p, index, storage, state,
-                                                         scaling, memo)
+                                                       scaling, memo)
     extra: dict[str, Any] = numbers_extra
     if first_use:
         coeffs = rule.first_use(step)
@@ -199,36 +197,25 @@ def step_param(
     offsets = core.stages(opt).shard_offsets
     if offsets and storage.needs_random_bits:
         start = offsets.get(id(p), 0)
-    tensors = (p, grad, *sbufs.values(), *mbufs.values())
     # (flat views, where the writes land, need contiguous tensors)
-    contiguous = all(t.is_contiguous() for t in tensors)
-    per = {qstate.scale_key(k): qstate.BLOCK for k, _ in quantized}  # (elements per entry)
-    per.update({k: 2 for k, f in quantized if f.endswith("4")})  # (4-bit codes: 2 a byte)
-
-    def flat(d: dict[str, torch.Tensor], sl: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Flat views of ``d``'s tensors, elements ``sl`` (a quantized buffer's: their blocks)."""
-        return {k: v.view(-1)[_block_slice(sl, per[k]) if k in per else sl]
-                for k, v in d.items()}
-
+    contiguous = all(t.is_contiguous() for t in (p, grad, *sbufs.values(), *mbufs.values()))
     if rule.whole:  # (one call in the parameter's shape: Muon, Adafactor)
         if not (rule.compiles and not quantized and not first_use and contiguous
                 and p.numel() > 1 and _fused_enabled(opt, group, p)
                 and _step_whole_fused(opt, rule, p, storage, sbufs, mbufs, coeffs, lo, hi,
                                       extra, scaling)):
-            shape: dict[str, Any] = {"shape": p.shape} if quantized else {}
+            kw: dict[str, Any] = {"qstate": quantized, "shape": p.shape} if quantized else {}
             _param_update(p, grad, sbufs, mbufs, coeffs, lo, hi, storage=storage,
-                          math=rule.math, flags=flags, offset=start, **extra, **qkw,
-                          **shape)
-        advance(state, step, scaling, p.device)
-        return
+                          math=rule.math, flags=rule.flags, offset=start, **extra, **kw)
     # (flat where it is cut in chunks or holds codes; else the tensors as they are: one pass)
-    if contiguous and (quantized or p.numel() > update._eager_chunk(p.device)):
-        eager_step(rule, storage, p.view(-1), grad.view(-1), flat(sbufs), flat(mbufs), coeffs,
-                   lo, hi, extra, quantized, per, offset=start, shards=shards)
+    elif contiguous and (quantized or p.numel() > update._eager_chunk(p.device)):
+        flat = {k: v.view(-1) for k, v in sbufs.items()}, {k: v.view(-1) for k, v in mbufs.items()}
+        eager_step(rule, storage, p.view(-1), grad.view(-1), *flat, coeffs, lo, hi, extra,
+                   quantized, offset=start, shards=shards)
     else:
         eager_step(rule, storage, p, grad, sbufs, mbufs, coeffs, lo, hi, extra, quantized,
                    offset=start, shards=shards)
-    advance(state, step, scaling, p.device)
+    state["step"].add_(1 if scaling is None else scaling.taken_on(p.device))
 
 
 def eager_step(
@@ -243,7 +230,6 @@ def eager_step(
     hi: int | torch.Tensor,
     extra: dict[str, Any],
     quantized: tuple[tuple[str, str], ...] = (),
-    per: dict[str, int] | None = None,
     *,
     offset: int = 0,
     shards: Sequence[Any] = (),
@@ -251,10 +237,9 @@ def eager_step(
     """The eager step of ``p`` (a parameter, or a bucket's piece). Flat and longer than
     ``update._eager_chunk``, it goes in chunks (their temporaries stay in cache, the peak memory a
     few MB over what the step keeps): bit-identical to one pass, since the rules are elementwise and
-    the random bits keyed by index (``offset``: ``p``'s first element's). ``per``: elements of ``p``
-    per element of a buffer (codes' scales, 4-bit codes). A rule with norms first takes its
-    whole-tensor sums (FP64) in a read-only pass, added over ``shards``' ranks."""
-    per = per or {}
+    the random bits keyed by index (``offset``: ``p``'s first element's). A rule with norms first
+    takes its whole-tensor sums (FP64) in a read-only pass, added over ``shards``' ranks."""
+    per = _per(quantized)
     qkw: dict[str, Any] = {"qstate": quantized} if quantized else {}
     n, chunk = p.numel(), update._eager_chunk(p.device)
     Piece = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
@@ -262,9 +247,7 @@ def eager_step(
 
     def at(sl: slice) -> Piece:
         """Elements ``sl``, their state and the first one's index."""
-        def cut(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {k: v[_block_slice(sl, per[k]) if k in per else sl] for k, v in d.items()}
-        return p[sl], grad[sl], cut(sbufs), cut(mbufs), offset + sl.start
+        return p[sl], grad[sl], cut(sbufs, sl, per), cut(mbufs, sl, per), offset + sl.start
 
     pieces: list[Piece] = ([at(slice(i, min(i + chunk, n))) for i in range(0, n, chunk)]
                            if p.dim() == 1 and n > chunk
@@ -313,13 +296,3 @@ def _step_whole_fused(
         _disable_fused(opt, e)
         return False
     return True
-
-
-def advance(
-    state: dict[str, Any], step: int | torch.Tensor, scaling: _Scaling | None,
-    device: torch.device,
-) -> None:
-    if scaling is None:
-        state["step"].fill_(step)
-    else:  # one more step unless this one was skipped, decided on the device
-        state["step"].add_(scaling.taken_on(device))
