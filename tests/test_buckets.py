@@ -341,7 +341,7 @@ def test_buckets_with_quantized_state_equal_the_step_without_them(state_dtype, s
 @pytest.mark.parametrize("mode", ["skip", "unscale"])
 def test_buckets_under_a_loss_scaler_on_the_device(mode, device):
     """A scaler's inputs on the parameters' device (on a GPU: the counts stay there and the
-    buckets make the step's numbers there, ``_device_numbers``): ``found_inf`` alone (the
+    buckets make the step's numbers there): ``found_inf`` alone (the
     gradients unscaled already, as after GradScaler's ``unscale_``) or with ``grad_scale``. A
     step the flag marks is skipped through the buckets, bit for bit with the full step, and the
     counts stay."""

@@ -84,8 +84,8 @@ def test_a_context_says_how_the_kernels_take_the_scalers_inputs(monkeypatch):
 
 def test_a_buffer_an_option_turns_on_takes_the_full_step_once(monkeypatch):
     """SGD's momentum turned on after the first steps: its buffer is created by the full step
-    (``param_step.step_late``, as torch.optim creates it), and the buckets take the next steps
-    again, laid out with it."""
+    (``param_step.step_param``'s ``first_use``, as torch.optim creates it), and the buckets take
+    the next steps again, laid out with it."""
     taken = _watch(monkeypatch)
     params = _params()
     opt = SGD(params, lr=1e-2, momentum=0.0, master="kahan", fused=False)
