@@ -82,13 +82,19 @@ def _blocks(
     """Flat tensors as rows of ``qstate.BLOCK`` elements (4-bit codes: a block's two halves), the
     quantized buffers' scales as a column: the shapes the encoders and decoders take."""
     four = qstate_mod.four_bit(qstate)
-    role = {k: "codes" for k, _ in qstate}
-    role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+    role = _roles(qstate)
     # (told that the size is a multiple of the block, the compiler indexes rows without a modulo)
     torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = qstate_mod.rows
     return (rows(p, four), rows(grad, four), {k: rows(v, four) for k, v in sbufs.items()},
             {k: rows(v, four, role.get(k, "values")) for k, v in mbufs.items()})
+
+
+def _roles(qstate: QFormats) -> dict[str, str]:
+    """Each quantized buffer's ``qstate.rows`` role, ``"codes"``, and its scales', ``"scale"``."""
+    role = {k: "codes" for k, _ in qstate}
+    role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+    return role
 
 
 def _param_sums(
