@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from lowprec.numerics import COMPILED_AS_EAGER, _fold_counters, _seed_halves, stream_key_halves
 from lowprec.optim import core
@@ -30,6 +31,7 @@ from lowprec.optim.update import (
     _param_sums_pairs,
     _param_update,
     _param_update_pairs,
+    _roles,
 )
 from lowprec.optim.vector_casts import vector_casts
 
@@ -40,18 +42,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from lowprec.optim.core import Rule, Stepped
 
 # Failures of torch.compile that leave nothing written (no C++ compiler, no Triton, an
-# unsupported op): the step falls back to eager with a warning.
-_COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError)
-try:  # the Dynamo/Inductor error classes, where this PyTorch has them
-    from torch._dynamo import exc as _dynamo_exc
-
-    # (FailOnRecompileLimitHit derives from Exception alone)
-    _COMPILE_ERRORS = (*_COMPILE_ERRORS, *(
-        getattr(_dynamo_exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
-        if isinstance(getattr(_dynamo_exc, name, None), type)
-    ))
-except ImportError:  # pragma: no cover
-    pass
+# unsupported op): the step falls back to eager with a warning. (Dynamo's errors derive from
+# RuntimeError, but for FailOnRecompileLimitHit: from Exception alone.)
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError, OSError, ImportError, FailOnRecompileLimitHit)
 
 _KERNELS: dict[Any, _Kernel] = {}
 #: Rows of a block per compiled call of a parameter with 8-bit state, per device type (another
@@ -75,17 +69,16 @@ def _key_tensors(
 def _compiled_kernel(
     rule: Rule, storage: MasterStorage, flags: dict[str, bool], *, scaled: str | bool = False,
     fn: Callable[..., Any] = _param_update, extra_key: tuple[Any, ...] = (),
-    options: dict[str, Any] | None = None, signature: tuple[Any, ...] = (), fullgraph: bool = True,
+    signature: tuple[Any, ...] = (), fullgraph: bool = True,
 ) -> _Kernel:
     """``fn`` (default ``_param_update``) compiled for one variant, cached in ``_KERNELS``.
 
     The key holds everything that changes the generated code: the rule's math (not its optimizer),
-    storage, flags, scaler mode, ``signature`` (device type and dtypes), ``options``. Each variant
-    compiles its own copy of the code object, so Dynamo keeps a cache and recompile budget per
-    variant. Shapes are dynamic. ``fullgraph`` False: the rule may break the graph
-    (``Rule.graph_breaks``)."""
+    storage, flags, scaler mode, ``signature`` (device type and dtypes). Each variant compiles its
+    own copy of the code object, so Dynamo keeps a cache and recompile budget per variant. Shapes
+    are dynamic. ``fullgraph`` False: the rule may break the graph (``Rule.graph_breaks``)."""
     key = (rule.math, rule.norm_terms, storage.name, tuple(sorted(flags.items())), scaled,
-           fn.__name__, extra_key, tuple(sorted((options or {}).items())), signature, fullgraph)
+           fn.__name__, extra_key, signature, fullgraph)
     kernel = _KERNELS.get(key)
     if kernel is None:
         code = fn.__code__
@@ -108,7 +101,7 @@ def _compiled_kernel(
         kernel = _Kernel(torch.compile(
             variant, dynamic=True, fullgraph=fullgraph,
             options={"emulate_precision_casts": True, "cpp.dynamic_threads": True,
-                     **hash_ops, **COMPILED_AS_EAGER, **(options or {})},
+                     **hash_ops, **COMPILED_AS_EAGER},
         ), name)
         _KERNELS[key] = kernel
     return kernel
@@ -329,14 +322,16 @@ def _disable_fused(opt: Stepped, error: BaseException) -> None:
                   f"gives the same results more slowly. {how}", RuntimeWarning, stacklevel=4)
 
 
-def _step_view(f: _Fused, t: torch.Tensor) -> torch.Tensor:
-    """The view of ``t`` (a parameter or its gradient) that ``f``'s kernel takes: flat, words of
-    pairs, or rows of a block; always a new view, detached (handed a leaf, or a view of a BF16
-    parameter with an FP32 gradient, Dynamo fails)."""
-    if f.qkw:  # (8-bit or 4-bit state: rows of a block; see prepare_fused)
-        return qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"])).detach()
-    v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
-    # (rows: a bucket's parameters of one size)
+def _step_view(f: _Fused, t: torch.Tensor, role: str = "values") -> torch.Tensor:
+    """The view of ``t`` (the parameter, its gradient or a buffer) that ``f``'s kernels take: rows
+    of a block where the state has codes (``qstate.rows``, as ``role``), else flat or words of
+    pairs, as ``f.rows`` rows where set (a bucket's parameters of one size; never with codes).
+    Always a new view, detached: Dynamo guards a view's base (``_unviewed``), and handed a leaf, or
+    a view of a BF16 parameter with an FP32 gradient, it fails."""
+    if f.qkw:  # (4-bit: a block's two halves; each quantized buffer's scales a column)
+        v = qstate_mod.rows(t, qstate_mod.four_bit(f.qkw["qstate"]), role)
+    else:
+        v = t.view(-1) if f.pairs is None else _pair_words(t, f.n)
     return (v.view(f.rows, -1) if f.rows else v).detach()
 
 
@@ -414,50 +409,29 @@ def prepare_fused(
             f"torch {torch.__version__}'s Inductor C++ code turns x.to({p.dtype}).float() "
             "into x, which zeroes master='kahan''s compensation in this kernel; fixed in torch "
             f"{'.'.join(map(str, _CPU_ROUND_TRIPS_KEPT))}")
-    f.n = n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
+    f.n = p.numel() & ~1  # (on pairs, an odd last element takes the eager step)
     f.base, f.start, f.shards = None, start, tuple(shards)
     if start:
         # (bfloat16 hashes pairs: the first pair's index; start is even there)
         f.base = torch.tensor(start // 2 if p.dtype == torch.bfloat16 else start,
                               dtype=torch.int64)
-    four = qstate_mod.four_bit(qstate)
-    if qstate:
-        # (rows of a block, 4-bit: its two halves; each quantized buffer's scales a column)
-        role = {k: "codes" for k, _ in qstate}
-        role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
-        f.views = ({k: qstate_mod.rows(v, four) for k, v in sbufs.items()},
-                   {k: qstate_mod.rows(v, four, role.get(k, "values"))
-                    for k, v in mbufs.items()})
-    elif pairs is None:
-        f.views = ({k: v.view(-1) for k, v in sbufs.items()},
-                   {k: v.view(-1) for k, v in mbufs.items()})
-    else:
-        f.views = ({k: _pair_words(v, n) for k, v in sbufs.items()},
-                   {k: _pair_words(v, n) for k, v in mbufs.items()})
-    if rows:
-        f.views = tuple({k: v.view(rows, -1) for k, v in d.items()} for d in f.views)
-    f.views = _unviewed(f.views)
+    role = _roles(qstate)
+    f.views = ({k: _step_view(f, v) for k, v in sbufs.items()},
+               {k: _step_view(f, v, role.get(k, "values")) for k, v in mbufs.items()})
     # (the parameter's view is made by each call: one kept here would keep its storage alive
     # after `p.data = ...`; whole-tensor sums are a pass of their own, so the update keeps no
-    # full-size temporaries)
-    f.sums_kernel = None
-    signature = _signature(p, grad, sbufs, mbufs)
-    # (4-bit codes: a kernel of their own, not a recompilation of the 8-bit one's)
-    codes_key = (("state", qstate_mod.FOUR_BIT),) if four else ()
-    rows_key = (("rows", "rows"),) if rows else ()  # (kernels of their own: 2-d tensors)
-    if rule.norms:
-        f.sums_kernel = _compiled_kernel(
-            rule, storage, flags, scaled=scaled,
-            fn=_param_sums if pairs is None else _param_sums_pairs,
-            extra_key=(*(codes_key if pairs is None else pairs), *rows_key),
-            signature=signature,
-        )
-    f.kernel = _compiled_kernel(
-        rule, storage, flags, scaled=scaled,
+    # full-size temporaries. Kernels of their own: pairs, 4-bit codes (not a recompilation of the
+    # 8-bit one's), rows (2-d tensors).)
+    variant = pairs or ((("state", qstate_mod.FOUR_BIT),) if qstate_mod.four_bit(qstate) else ())
+    rows_key = (("rows", "rows"),) if rows else ()
+    kernel = functools.partial(_compiled_kernel, rule, storage, flags, scaled=scaled,
+                               signature=_signature(p, grad, sbufs, mbufs))
+    f.sums_kernel = kernel(
+        fn=_param_sums if pairs is None else _param_sums_pairs, extra_key=(*variant, *rows_key),
+    ) if rule.norms else None
+    f.kernel = kernel(
         fn=_param_update if pairs is None else _param_update_pairs,
-        extra_key=(*(codes_key if pairs is None else pairs),
-                   *((("keys", "batched"),) if keyed else ()), *rows_key),
-        signature=signature,
+        extra_key=(*variant, *((("keys", "batched"),) if keyed else ()), *rows_key),
     )
     return f
 
@@ -478,6 +452,8 @@ def run_fused(
     storage, flags, pairs, n, p, math = f.storage, f.flags, f.pairs, f.n, f.p, f.rule.math
     sv, mv = f.views
     pv, gv = _step_view(f, p), _step_view(f, grad)
+    words: dict[str, Any] = {} if pairs is None else {"dtypes": pairs}
+    # (on pairs, an odd last element takes the eager step, with its own index for the random bits)
     tail = slice(n, None) if pairs is not None and n < p.numel() else None
     def flat(d: dict[str, torch.Tensor], sl: slice) -> dict[str, torch.Tensor]:
         return {k: v.view(-1)[sl] for k, v in d.items()}
@@ -485,26 +461,16 @@ def run_fused(
         c32 = dict(c32)  # the sums below are this parameter's own
         kw: dict[str, Any] = dict(storage=storage, norm_terms=f.rule.norm_terms, flags=flags,
                   inv_scale=extra.get("inv_scale"), **({"rows": True} if f.rows else {}))
-        if pairs is None:
-            c32["sums"] = all_reduce_sums(f.sums_kernel(pv, gv, sv, mv, c32, **kw), f.shards)
-        else:
-            c32["sums"] = f.sums_kernel(pv, gv, sv, mv, c32, dtypes=pairs, **kw)
-            if tail is not None:
-                c32["sums"] = c32["sums"] + _param_sums(
-                    p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
-                    flat(f.mbufs, tail), coeffs, **kw,
-                )
-            c32["sums"] = all_reduce_sums(c32["sums"], f.shards)
+        sums = f.sums_kernel(pv, gv, sv, mv, c32, **words, **kw)
+        if tail is not None:
+            sums = sums + _param_sums(p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail),
+                                      flat(f.mbufs, tail), coeffs, **kw)
+        c32["sums"] = all_reduce_sums(sums, f.shards)
         coeffs = {**coeffs, "sums": c32["sums"]}  # (for the eager last element)
     if f.base is not None:
         extra = {**extra, "base": f.base}
-    if pairs is None:
-        f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi),
-                 storage=storage, math=math, flags=flags, **extra)
-        return
-    # (an odd last element takes the eager step, with its own index for the random bits)
     f.kernel(pv, gv, sv, mv, c32, *_key_tensors(lo, hi), storage=storage, math=math,
-             flags=flags, dtypes=pairs, **extra)
+             flags=flags, **words, **extra)
     if tail is not None:
         _param_update(
             p.view(-1)[tail], grad.view(-1)[tail], flat(f.sbufs, tail), flat(f.mbufs, tail),

@@ -82,13 +82,19 @@ def _blocks(
     """Flat tensors as rows of ``qstate.BLOCK`` elements (4-bit codes: a block's two halves), the
     quantized buffers' scales as a column: the shapes the encoders and decoders take."""
     four = qstate_mod.four_bit(qstate)
-    role = {k: "codes" for k, _ in qstate}
-    role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+    role = _roles(qstate)
     # (told that the size is a multiple of the block, the compiler indexes rows without a modulo)
     torch._check(p.numel() % qstate_mod.BLOCK == 0)
     rows = qstate_mod.rows
     return (rows(p, four), rows(grad, four), {k: rows(v, four) for k, v in sbufs.items()},
             {k: rows(v, four, role.get(k, "values")) for k, v in mbufs.items()})
+
+
+def _roles(qstate: QFormats) -> dict[str, str]:
+    """Each quantized buffer's ``qstate.rows`` role, ``"codes"``, and its scales', ``"scale"``."""
+    role = {k: "codes" for k, _ in qstate}
+    role.update({qstate_mod.scale_key(k): "scale" for k, _ in qstate})
+    return role
 
 
 def _param_sums(
@@ -195,7 +201,21 @@ def _param_update(
     new_q = {}  # (quantized buffers: their codes and scales, written as they are)
     for k, f in qstate:
         new_q[k], new_q[qstate_mod.scale_key(k)] = qstate_mod.encode_as(new_m.pop(k), f)
-    if skip is not None:  # a skipped step writes back what was there, bit for bit
+    _write(p, grad, sbufs, mbufs, new_p, new_s, new_m, new_q,
+           None if inv_scale is None else unscaled, skip)
+
+
+def _write(
+    p: torch.Tensor, grad: torch.Tensor, sbufs: dict[str, torch.Tensor],
+    mbufs: dict[str, torch.Tensor], new_p: torch.Tensor, new_s: dict[str, torch.Tensor],
+    new_m: dict[str, torch.Tensor], new_q: dict[str, torch.Tensor],
+    unscaled: torch.Tensor | None, skip: torch.Tensor | None,
+) -> None:
+    """A step's writes, once everything is computed: the rule's buffers (``new_m`` in FP32,
+    ``new_q`` as kept: codes and scales, or words of pairs), the storage's, the parameter, and
+    the gradient ``unscaled`` where given. ``skip`` (0-d bool): write back what was there, bit
+    for bit."""
+    if skip is not None:
         new_p = torch.where(skip, p, new_p)
         new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
         new_m = {k: torch.where(skip, mbufs[k].float(), v) for k, v in new_m.items()}
@@ -205,7 +225,7 @@ def _param_update(
     for k, v in new_s.items():
         sbufs[k].copy_(v)
     p.copy_(new_p)
-    if inv_scale is not None:
+    if unscaled is not None:
         grad.copy_(unscaled)
 
 
@@ -322,18 +342,8 @@ def _param_update_pairs(
             key_lo, key_hi = key_lo[owner], key_hi[owner]  # type: ignore[index]
         bits = hash_bits(idx if base is None else idx + base, key_lo, key_hi)
     new_p, new_s = storage.store_pairs(new_we, new_wo, p, sbufs, bits)
-    new_m = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
-    if skip is not None:  # a skipped step writes back what was there, bit for bit
-        new_p = torch.where(skip, p, new_p)
-        new_s = {k: torch.where(skip, sbufs[k], v) for k, v in new_s.items()}
-        new_m = {k: torch.where(skip, mbufs[k], v) for k, v in new_m.items()}
-    for k, v in new_m.items():
-        mbufs[k].copy_(v)
-    for k, v in new_s.items():
-        sbufs[k].copy_(v)
-    p.copy_(new_p)
-    if unscaled is not None:  # (the gradient written back unscaled: _param_update)
-        grad.copy_(unscaled)
+    words = {k: _pack_pairs(m_even[k], m_odd[k], kinds[k]) for k in m_even}
+    _write(p, grad, sbufs, mbufs, new_p, new_s, {}, words, unscaled, skip)
 
 
 _WORDS = {2: torch.int32, 4: torch.int64}
