@@ -21,7 +21,13 @@ from torch.optim import Optimizer
 
 from lowprec.optim import kept, qstate
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_state
-from lowprec.optim.options import _check_state_dtype, _default_mode, _state_dtype_value
+from lowprec.optim.options import (
+    _check_nonnegative,
+    _check_state_dtype,
+    _default_mode,
+    _state_dtype_value,
+    _validate_betas,
+)
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -135,13 +141,26 @@ class OptimizerCore(Optimizer):
 
     # ------------------------------------------------------------------ subclass interface
 
+    #: The hyperparameters that the default ``_validate_hparams`` checks are numbers >= 0, and
+    #: whether it checks the group's ``betas`` (a pair, each in [0, 1)).
+    _nonnegative_hparams: tuple[str, ...] = ()
+    _has_betas = False
+
     def _validate_hparams(self, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for invalid hyperparameters in ``group``."""
+        """Raise ``ValueError`` for invalid hyperparameters in ``group`` (default: those that
+        ``_nonnegative_hparams`` and ``_has_betas`` name)."""
+        _check_nonnegative(group, *self._nonnegative_hparams)
+        if self._has_betas:
+            _validate_betas(group["betas"])
+
+    #: The state tensors the rule keeps for every parameter (what the default ``_math_buffers``
+    #: returns).
+    _buffer_names: tuple[str, ...] = ()
 
     def _math_buffers(self, group: dict[str, Any], p: torch.Tensor | None = None) -> tuple[str, ...]:
-        """Names of the state tensors the rule keeps for ``p`` (for None: the group's; Adafactor's
-        depend on ``p``'s number of dimensions)."""
-        return ()
+        """Names of the state tensors the rule keeps for ``p`` (for None: the group's; default:
+        ``_buffer_names``; Adafactor's depend on ``p``'s number of dimensions)."""
+        return self._buffer_names
 
     def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
         """A buffer's shape where it is not ``p``'s (kept in FP32 whatever ``state_dtype`` says);
