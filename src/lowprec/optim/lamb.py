@@ -157,5 +157,4 @@ class Lamb(LowPrecisionOptimizer):
         return dict(l2=_l2(group["weight_decay"]))
 
     _math = staticmethod(lamb_math)
-    _elementwise = False  # the trust ratio needs whole-tensor norms...
-    _norm_terms = staticmethod(lamb_norm_terms)  # ...summed over chunks, or compiled
+    _norm_terms = staticmethod(lamb_norm_terms)  # (the trust ratio's whole-tensor norms)

@@ -181,5 +181,4 @@ class StableAdamW(LowPrecisionOptimizer):
         )
 
     _math = staticmethod(stable_adamw_math)
-    _elementwise = False  # the RMS is over the whole tensor...
-    _norm_terms = staticmethod(stable_adamw_norm_terms)  # ...summed over chunks, or compiled
+    _norm_terms = staticmethod(stable_adamw_norm_terms)  # (the RMS over the whole tensor)
