@@ -479,14 +479,16 @@ def check_state(
         if name in missing or scale_of.get(name) in missing:
             continue
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-            got = (
-                f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            )
             raise ValueError(
                 f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
-                f"{got}; the state does not belong to this parameter or these options."
+                f"{_described(t)}; the state does not belong to this parameter or these options."
             )
     return missing
+
+
+def _described(t: object) -> str:
+    """A state entry as an error names it: a tensor's shape and dtype, anything else's repr."""
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
 
 
 def init_state(
