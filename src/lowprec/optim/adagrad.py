@@ -12,7 +12,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _l2, _lr
+from lowprec.optim.options import _l2, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -91,17 +91,9 @@ class Adagrad(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(
-            group, "lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"
-        )
-
+    _nonnegative_hparams = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    _buffer_names = ("sum",)
     _nonnegative_buffers = ("sum",)
-
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        return ("sum",)
 
     def _init_math_buffer(self, name: str, param: torch.Tensor, group: dict[str, Any]) -> float:
         return float(group["initial_accumulator_value"])

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lowprec.optim.adamw import adamw_coefficients, adamw_math
+from lowprec.optim.adamw import AdamW, adamw_coefficients, adamw_math
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
+from lowprec.optim.options import _l2, _moment_hparams
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -73,25 +73,14 @@ class Adam(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(group, "lr", "eps", "weight_decay")
-        _validate_betas(group["betas"])
-
-    _nonnegative_buffers = ("exp_avg_sq", "max_exp_avg_sq")
-
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        names = ("exp_avg", "exp_avg_sq")
-        return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
+    _nonnegative_hparams = ("lr", "eps", "weight_decay")
+    _has_betas = True
+    _nonnegative_buffers = AdamW._nonnegative_buffers
+    _math_buffers = AdamW._math_buffers
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        return adamw_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-            weight_decay=group["weight_decay"], step=step,
-            decoupled=bool(group["decoupled_weight_decay"]),
-        )
+        return adamw_coefficients(**_moment_hparams(group), step=step,
+                                  decoupled=bool(group["decoupled_weight_decay"]))
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         # (without L2 decay, AdamW's flags: AdamW's kernels)

@@ -13,7 +13,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _check_nonnegative, _moment_hparams, _validate_betas
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -132,6 +132,7 @@ class AdamW(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
+    # (Explicit methods that read no overridable attribute: Muon's AdamW groups call them on a Muon)
     def _validate_hparams(self, group: dict[str, Any]) -> None:
         _check_nonnegative(group, "lr", "eps", "weight_decay")
         _validate_betas(group["betas"])
@@ -152,11 +153,7 @@ class AdamW(LowPrecisionOptimizer):
         return (*names, "max_exp_avg_sq") if group["amsgrad"] else names
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        return adamw_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
-            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-        )
+        return adamw_coefficients(**_moment_hparams(group), step=step)
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(amsgrad=group["amsgrad"], l2=False)

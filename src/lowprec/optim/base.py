@@ -26,7 +26,6 @@ from lowprec.optim.options import (
     _COMMON_DEFAULTS,
     _TORCH_ONLY_OPTIONS,
     _check_torch_options,
-    _step_tensor,
     fill_docs,
 )
 from lowprec.optim.shards import warn_fp32_shards
@@ -107,38 +106,23 @@ class LowPrecisionOptimizer(OptimizerCore):
             TypeError: Not a dict, parameters in a set, or a parameter that is not a tensor.
             ValueError: A parameter given twice, or an invalid option (naming the group).
         """
+        # (torch.optim's checks follow in super(): no set, tensors, names for all or none)
         if not isinstance(param_group, dict):
             raise TypeError(f"a parameter group must be a dict, got {type(param_group).__name__}.")
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("parameters must be an ordered collection (a list), not a set.")
-        else:
-            params = list(params or [])
-        param_group = dict(param_group)
-        if any(isinstance(p, tuple) for p in params):
-            # ((name, parameter) pairs: the names kept as "param_names", as torch.optim 2.6 does)
-            if not all(isinstance(p, tuple) and len(p) == 2 for p in params):
-                raise ValueError(
-                    "give every parameter of a group with its name, as (name, tensor) pairs "
-                    "(e.g. list(model.named_parameters())), or none of them."
-                )
-            param_group["param_names"] = [name for name, _ in params]
-            params = [p for _, p in params]
-        seen: set[int] = set()
-        for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer parameters must be tensors, got {type(p).__name__}.")
-            if id(p) in seen:
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):
+            params = list(params)  # (an iterator read once, here)
+            # (refused before torch's checks, which only warn of it)
+            ids = [id(p[1] if isinstance(p, tuple) else p) for p in params]
+            if len(set(ids)) != len(ids):
                 raise ValueError(
                     "a parameter appears twice in one parameter group; pass each parameter once "
                     "(e.g. deduplicate tied weights with a dict keyed by id)."
                 )
-            seen.add(id(p))
-        group = {**param_group, "params": params}
-        super().add_param_group(group)
+        # (a copy: torch keeps the dict it is given as the group, and writes into it)
+        super().add_param_group({**param_group, "params": params})
         added = self.param_groups[-1]
+        params = added["params"]
         try:
             if added.get("seed") is None:
                 # (what torch.manual_seed set: the same on every rank seeded alike, and reading
@@ -166,10 +150,6 @@ class LowPrecisionOptimizer(OptimizerCore):
         for group in self.param_groups:
             for key, value in {**_COMMON_DEFAULTS, **own}.items():
                 group.setdefault(key, value)
-            for st in (self.state.get(p) for p in group["params"]):
-                if st and "step" in st and not isinstance(st["step"], torch.Tensor):
-                    # (a count saved as a number, as torch before 1.12: made a tensor)
-                    st["step"] = _step_tensor(st["step"], "a parameter's state")
 
     # ------------------------------------------------------------------ the step (driver)
 

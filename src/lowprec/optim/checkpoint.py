@@ -142,10 +142,9 @@ def _convert_master(
     for name, dtype in old.buffers(lp).items():
         t = st.get(name)
         if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != dtype:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(
-                f"{where}: its state was saved with master={old.name!r}, whose {name!r} "
-                f"should be a {tuple(p.shape)} {dtype} tensor, got {got}; so it cannot be "
+                f"{where}: its state was saved with master={old.name!r}, whose {name!r} should "
+                f"be a {tuple(p.shape)} {dtype} tensor, got {core._described(t)}; so it cannot be "
                 f"converted to this optimizer's master={storage.name!r}. Load a checkpoint "
                 "of this model's parameters."
             )
@@ -238,10 +237,9 @@ def _adopt_state(
             continue
         shape = rule.buffer_shape(name, p) or p.shape
         if not isinstance(t, torch.Tensor) or t.shape != shape:
-            got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
             raise ValueError(
-                f"{where}: state {name!r} should be a {tuple(shape)} tensor, got {got}; "
-                "the state does not belong to this parameter."
+                f"{where}: state {name!r} should be a {tuple(shape)} tensor, got "
+                f"{core._described(t)}; the state does not belong to this parameter."
             )
         # (8-bit state: the FP32 moments, which _cast_math_buffers encodes next)
         dtype = torch.float32 if state[name].dtype == torch.uint8 else state[name].dtype

@@ -21,7 +21,13 @@ from torch.optim import Optimizer
 
 from lowprec.optim import kept, qstate
 from lowprec.optim.dtensor import is_dtensor, local, mark_blocks, wrap_state
-from lowprec.optim.options import _check_state_dtype, _default_mode, _state_dtype_value
+from lowprec.optim.options import (
+    _check_nonnegative,
+    _check_state_dtype,
+    _default_mode,
+    _state_dtype_value,
+    _validate_betas,
+)
 from lowprec.optim.storage import MASTER_CHOICES, MasterStorage, resolve_master
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,9 +43,9 @@ __all__ = ["OptimizerCore", "Rule", "Stages", "Stepped", "check_grad", "check_pa
 
 @dataclass(frozen=True, eq=False)
 class Rule:
-    """A group's update rule as the step takes it (``OptimizerCore.rule``): its math, flags, kind
-    and buffers. ``kind``: ``"elementwise"``; ``"norms"`` (elementwise but for whole-tensor sums of
-    ``norm_terms``: two passes, a bucket's parameters of one size as rows); or ``"whole"`` (each
+    """A group's update rule as the step takes it (``OptimizerCore.rule``): its math, flags and
+    buffers. Elementwise, unless ``norms`` (elementwise but for whole-tensor sums of
+    ``norm_terms``: two passes, a bucket's parameters of one size as rows) or ``whole`` (each
     parameter in its own shape, one call: compiled where ``compiles``, as two graphs around a call
     it must not trace where ``graph_breaks``). Kernels are keyed by ``math``, not the optimizer."""
 
@@ -48,7 +54,6 @@ class Rule:
     #: kernel. Not coefficients: a select on a 0-d coefficient in every element made the compiled
     #: step 5-15% slower (docs/architecture.md).
     flags: dict[str, Any]
-    kind: str
     #: The rule's per-step scalars at a step number (host int, or the counts' tensor).
     coefficients: Callable[[int | torch.Tensor], dict[str, Any]]
     #: Those of a parameter's first step with buffers an option turned on since its last.
@@ -63,17 +68,11 @@ class Rule:
     initial: Callable[[str, torch.Tensor], float]
     #: Raises ``ValueError`` or ``TypeError`` for the group's invalid hyperparameters.
     validate: Callable[[], None]
+    norms: bool = False
+    whole: bool = False
     norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
     compiles: bool = False
     graph_breaks: bool = False
-
-    @property
-    def norms(self) -> bool:
-        return self.kind == "norms"
-
-    @property
-    def whole(self) -> bool:
-        return self.kind == "whole"
 
 
 class Stepped(Protocol):
@@ -135,13 +134,26 @@ class OptimizerCore(Optimizer):
 
     # ------------------------------------------------------------------ subclass interface
 
+    #: The hyperparameters that the default ``_validate_hparams`` checks are numbers >= 0, and
+    #: whether it checks the group's ``betas`` (a pair, each in [0, 1)).
+    _nonnegative_hparams: tuple[str, ...] = ()
+    _has_betas = False
+
     def _validate_hparams(self, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for invalid hyperparameters in ``group``."""
+        """Raise ``ValueError`` for invalid hyperparameters in ``group`` (default: those that
+        ``_nonnegative_hparams`` and ``_has_betas`` name)."""
+        _check_nonnegative(group, *self._nonnegative_hparams)
+        if self._has_betas:
+            _validate_betas(group["betas"])
+
+    #: The state tensors the rule keeps for every parameter (what the default ``_math_buffers``
+    #: returns).
+    _buffer_names: tuple[str, ...] = ()
 
     def _math_buffers(self, group: dict[str, Any], p: torch.Tensor | None = None) -> tuple[str, ...]:
-        """Names of the state tensors the rule keeps for ``p`` (for None: the group's; Adafactor's
-        depend on ``p``'s number of dimensions)."""
-        return ()
+        """Names of the state tensors the rule keeps for ``p`` (for None: the group's; default:
+        ``_buffer_names``; Adafactor's depend on ``p``'s number of dimensions)."""
+        return self._buffer_names
 
     def _buffer_shape(self, name: str, p: torch.Tensor) -> tuple[int, ...] | None:
         """A buffer's shape where it is not ``p``'s (kept in FP32 whatever ``state_dtype`` says);
@@ -163,17 +175,13 @@ class OptimizerCore(Optimizer):
         ``_math``, never chunks, pairs or buckets; a sharded DTensor is refused)."""
         return False
 
-    #: The rule is elementwise (no reduction over the tensor), so the eager step may process a
-    #: large tensor in chunks. LAMB's trust ratio needs whole-tensor norms and sets this False.
-    _elementwise = True
-
-    #: For a rule that is not elementwise: ``(w, g, bufs, c, **flags) -> tuple of FP32 tensors``
-    #: whose whole-tensor sums of squares the rule needs (LAMB: ``w`` and its update). The step
+    #: For a rule elementwise but for whole-tensor sums of squares: ``(w, g, bufs, c, **flags) ->
+    #: tuple of FP32 tensors`` whose sums the rule needs (LAMB: ``w`` and its update). The step
     #: goes through the tensor twice, first summing the squares (``numerics.sum_squares``: FP64,
     #: so whole, chunked, compiled and pairs sums give the same FP32 norms), then updating with
     #: the sums passed to ``_math`` as ``c["sums"]``. The eager step does it chunk by chunk, the
-    #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: one
-    #: pass, unchunked.
+    #: fused step as a compiled pass of its own: neither keeps full-size temporaries. None: an
+    #: elementwise rule (one pass, which the eager step may take in chunks).
     _norm_terms: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     #: The update rule's buffers that are never negative (second moments, sums of squares):
@@ -205,23 +213,23 @@ class OptimizerCore(Optimizer):
         raise NotImplementedError
 
     def rule(self, group: dict[str, Any]) -> Rule:
-        """The update rule of ``group`` as the step takes it: its math, flags and kind.
+        """The update rule of ``group`` as the step takes it: its math, flags and buffers.
 
         Args:
             group: One of ``param_groups``.
         """
-        norms = self._norm_terms is not None
-        kind = ("whole" if self._whole(group) or not (self._elementwise or norms)
-                else "norms" if norms else "elementwise")
+        whole = self._whole(group)
         flags = {**self._flags(group), "maximize": bool(group.get("maximize", False))}
-        return Rule(self._group_math(group), flags, kind,
+        return Rule(self._group_math(group), flags,
                     functools.partial(self._coefficients, group),
                     functools.partial(self._first_use_coefficients, group),
                     functools.partial(self._math_buffers, group), self._buffer_shape,
                     self._nonnegative_buffers,
                     lambda name, p: self._init_math_buffer(name, p, group),
-                    functools.partial(self._validate_hparams, group), self._norm_terms,
-                    self._whole_compiles, self._whole_graph_breaks)
+                    functools.partial(self._validate_hparams, group),
+                    norms=self._norm_terms is not None and not whole, whole=whole,
+                    norm_terms=self._norm_terms, compiles=self._whole_compiles,
+                    graph_breaks=self._whole_graph_breaks)
 
     def _first_use_coefficients(
         self, group: dict[str, Any], step: int | torch.Tensor
@@ -471,14 +479,16 @@ def check_state(
         if name in missing or scale_of.get(name) in missing:
             continue
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-            got = (
-                f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            )
             raise ValueError(
                 f"{where}: state {name!r} should be a {tuple(shape)} {dtype} tensor, got "
-                f"{got}; the state does not belong to this parameter or these options."
+                f"{_described(t)}; the state does not belong to this parameter or these options."
             )
     return missing
+
+
+def _described(t: object) -> str:
+    """A state entry as an error names it: a tensor's shape and dtype, anything else's repr."""
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
 
 
 def init_state(

@@ -28,13 +28,7 @@ def is_dtensor(t: object) -> TypeIs[DTensor]:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's elements of DTensor ``t`` (else ``t``): the same object
     every call, since the step writes into it (``to_local()`` hands a fresh view each time)."""
-    if not is_dtensor(t):
-        return t
-    lt = getattr(t, "_local_tensor", None)
-    if isinstance(lt, torch.Tensor):
-        return lt
-    with torch.no_grad():  # pragma: no cover - a DTensor without the attribute
-        return t.to_local()
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def wrap_like(t: torch.Tensor, p: DTensor) -> DTensor:
@@ -45,20 +39,15 @@ def wrap_like(t: torch.Tensor, p: DTensor) -> DTensor:
         )
 
 
-def _param_shaped(name: str, value: Any, lp: torch.Tensor) -> bool:
-    """Whether state entry ``name`` of shard ``lp`` is a per-element buffer (kept as a DTensor
-    placed as the parameter), not the step count or an option."""
-    return isinstance(value, torch.Tensor) and name != "step" and value.shape == lp.shape
-
-
 def wrap_state(name: str, value: Any, lp: torch.Tensor, p: DTensor) -> Any:
     """State entry ``name`` of shard ``lp`` as ``p``'s state keeps it: a per-element buffer, or
     the scales of an 8-bit one (a row per row of the shard: ``qstate.scale_shape``), as a
     DTensor placed as ``p``; anything else as it is."""
-    if _param_shaped(name, value, lp):
+    if not isinstance(value, torch.Tensor) or name == "step":  # (the count, an option)
+        return value
+    if value.shape == lp.shape:
         return wrap_like(value, p)
-    if (isinstance(value, torch.Tensor) and name != "step" and qstate.qualifies(lp)
-            and value.shape == qstate.scale_shape(lp)):
+    if qstate.qualifies(lp) and value.shape == qstate.scale_shape(lp):
         shape = qstate.scale_shape(p)
         with torch.no_grad():
             # (torch annotates shape as a torch.Size; any tuple of ints is one to it)

@@ -18,7 +18,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
+from lowprec.optim.options import _l2, _moment_hparams
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -145,27 +145,16 @@ class Lamb(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(group, "lr", "eps", "weight_decay")
-        _validate_betas(group["betas"])
-
+    _nonnegative_hparams = ("lr", "eps", "weight_decay")
+    _has_betas = True
+    _buffer_names = ("exp_avg", "exp_avg_sq")
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
-
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        return lamb_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
-            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-        )
+        return lamb_coefficients(**_moment_hparams(group), step=step)
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(l2=_l2(group["weight_decay"]))
 
     _math = staticmethod(lamb_math)
-    _elementwise = False  # the trust ratio needs whole-tensor norms...
-    _norm_terms = staticmethod(lamb_norm_terms)  # ...summed over chunks, or compiled
+    _norm_terms = staticmethod(lamb_norm_terms)  # (the trust ratio's whole-tensor norms)

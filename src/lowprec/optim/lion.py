@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _as_float, _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _as_float, _lr
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -122,15 +122,14 @@ class Lion(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
+    _nonnegative_hparams = ("lr", "weight_decay")
+    _has_betas = True
+
     def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(group, "lr", "weight_decay")
-        _validate_betas(group["betas"])
+        super()._validate_hparams(group)
         _resolve_max_lr(group)
 
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        return ("exp_avg",)
+    _buffer_names = ("exp_avg",)
 
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
         beta1, beta2 = group["betas"]

@@ -27,9 +27,11 @@ class _Scaling:
     (checked before the first write: a skipped step leaves every parameter unchanged)."""
 
     def __init__(self, inv_scale: torch.Tensor | None, skip: torch.Tensor) -> None:
-        self._inv: dict[torch.device, torch.Tensor] = (
-            {} if inv_scale is None else {inv_scale.device: inv_scale})
-        self._skip = {skip.device: skip}
+        #: The kernels' arguments (``kernel_args``) by name, each by the devices it was copied to.
+        self._args: dict[str, dict[torch.device, torch.Tensor]] = {}
+        if inv_scale is not None:
+            self._args["inv_scale"] = {inv_scale.device: inv_scale}
+        self._args["skip"] = {skip.device: skip}
         self._taken: dict[torch.device, torch.Tensor] = {}
         #: "unscale" (unscale the gradients, write them back, skip on inf/NaN) or "skip"
         #: (already unscaled, e.g. by ``unscale_``). Part of a compiled kernel's key.
@@ -56,26 +58,21 @@ class _Scaling:
         found = _add_found(bad, found_inf, reduce)
         return cls(inv, found.reshape(()) != 0)
 
-    def inv_scale_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv:
-            self._inv[device] = next(iter(self._inv.values())).to(device, non_blocking=True)
-        return self._inv[device]
-
-    def skip_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._skip:
-            self._skip[device] = next(iter(self._skip.values())).to(device, non_blocking=True)
-        return self._skip[device]
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """Kernel argument ``name`` on ``device`` (copied there once)."""
+        copies = self._args[name]
+        if device not in copies:
+            copies[device] = next(iter(copies.values())).to(device, non_blocking=True)
+        return copies[device]
 
     def kernel_args(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The keyword arguments a step's kernel takes on ``device``: the skip flag, and the
         inverse scale where the gradients carry one (``mode``)."""
-        if not self._inv:
-            return {"skip": self.skip_on(device)}
-        return {"inv_scale": self.inv_scale_on(device), "skip": self.skip_on(device)}
+        return {name: self._on(name, device) for name in self._args}
 
     def taken_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._taken:
-            self._taken[device] = (~self.skip_on(device)).float()
+            self._taken[device] = (~self._on("skip", device)).float()
         return self._taken[device]
 
 

@@ -133,6 +133,14 @@ def _l2(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or value != 0
 
 
+def _moment_hparams(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's ``lr``, ``betas`` (as ``beta1`` and ``beta2``), ``eps`` and ``weight_decay``, as
+    the ``*_coefficients`` of Adam's family (AdamW, LAMB, RAdam, StableAdamW) take them."""
+    beta1, beta2 = group["betas"]
+    return dict(lr=_lr(group), beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                weight_decay=group["weight_decay"])
+
+
 def _check_nonnegative(group: dict[str, Any], *names: str) -> None:
     for name in names:
         if not _unread(group[name], name) and _as_float(group[name], name) < 0:

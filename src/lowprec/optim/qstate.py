@@ -202,17 +202,13 @@ def decode4(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Ten
 
 def encode_as(x: torch.Tensor, f: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``encode`` or ``encode4`` for format ``f`` (``x`` as ``rows`` gives it)."""
-    if f[1:] == "4":
-        return encode4(x, is_signed(f))
-    return encode(x, is_signed(f))
+    return (encode4 if f[1:] == "4" else encode)(x, is_signed(f))
 
 
 def decode_as(codes: torch.Tensor, scale: torch.Tensor, f: str) -> torch.Tensor:
     """``decode`` or ``decode4`` for format ``f`` (``codes`` and ``scale`` as ``rows`` gives
     them)."""
-    if f[1:] == "4":
-        return decode4(codes, scale, is_signed(f))
-    return decode(codes, scale, is_signed(f))
+    return (decode4 if f[1:] == "4" else decode)(codes, scale, is_signed(f))
 
 
 def codes_shape(p: torch.Tensor, bits: int) -> tuple[int, ...]:

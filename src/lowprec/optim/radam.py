@@ -16,7 +16,7 @@ import torch
 
 from lowprec.numerics import plus_l2, sqrt_rn
 from lowprec.optim.base import LowPrecisionOptimizer
-from lowprec.optim.options import _check_nonnegative, _l2, _lr, _validate_betas
+from lowprec.optim.options import _l2, _moment_hparams
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -133,24 +133,14 @@ class RAdam(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
-    def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(group, "lr", "eps", "weight_decay")
-        _validate_betas(group["betas"])
-
+    _nonnegative_hparams = ("lr", "eps", "weight_decay")
+    _has_betas = True
+    _buffer_names = ("exp_avg", "exp_avg_sq")
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
-
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
-        return radam_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
-            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-            decoupled=bool(group["decoupled_weight_decay"]),
-        )
+        return radam_coefficients(**_moment_hparams(group), step=step,
+                                  decoupled=bool(group["decoupled_weight_decay"]))
 
     def _flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return dict(l2=not group["decoupled_weight_decay"] and _l2(group["weight_decay"]))

@@ -22,7 +22,7 @@ import torch
 from lowprec.numerics import sqrt_rn, sum_squares
 from lowprec.optim.base import LowPrecisionOptimizer
 from lowprec.optim.lion import _resolve_max_lr
-from lowprec.optim.options import _check_nonnegative, _lr, _validate_betas
+from lowprec.optim.options import _moment_hparams
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.optim.optimizer import ParamsT
@@ -164,26 +164,21 @@ class StableAdamW(LowPrecisionOptimizer):
         super().__init__(params, defaults, foreach=foreach, capturable=capturable,
                          differentiable=differentiable)
 
+    _nonnegative_hparams = ("lr", "eps", "weight_decay")
+    _has_betas = True
+
     def _validate_hparams(self, group: dict[str, Any]) -> None:
-        _check_nonnegative(group, "lr", "eps", "weight_decay")
-        _validate_betas(group["betas"])
+        super()._validate_hparams(group)
         _resolve_max_lr(group)
 
+    _buffer_names = ("exp_avg", "exp_avg_sq")
     _nonnegative_buffers = ("exp_avg_sq",)
 
-    def _math_buffers(
-        self, group: dict[str, Any], p: torch.Tensor | None = None
-    ) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
-
     def _coefficients(self, group: dict[str, Any], step: int | torch.Tensor) -> dict[str, Any]:
-        beta1, beta2 = group["betas"]
         return stable_adamw_coefficients(
-            lr=_lr(group), beta1=float(beta1), beta2=float(beta2),
-            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+            **_moment_hparams(group), step=step,
             max_lr=float(group["max_lr"]) if group["decouple_lr"] else None,
         )
 
     _math = staticmethod(stable_adamw_math)
-    _elementwise = False  # the RMS is over the whole tensor...
-    _norm_terms = staticmethod(stable_adamw_norm_terms)  # ...summed over chunks, or compiled
+    _norm_terms = staticmethod(stable_adamw_norm_terms)  # (the RMS over the whole tensor)

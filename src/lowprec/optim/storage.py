@@ -25,7 +25,6 @@ from lowprec.numerics import (
 __all__ = ["MASTER_CHOICES", "STORAGES", "MasterStorage", "convert", "resolve_master"]
 
 _HIGH = (torch.float32, torch.float64)
-_LOW = (torch.bfloat16, torch.float16)
 
 
 class MasterStorage:
@@ -379,12 +378,9 @@ def resolve_master(master: str, dtype: torch.dtype) -> MasterStorage:
         raise ValueError(f"unknown master={master!r}; choose one of {', '.join(MASTER_CHOICES)}.")
     if dtype in _HIGH:
         return STORAGES["none"]
-    if master == "split":
-        STORAGES["split"].check(dtype)
-        return STORAGES["split"]
-    if master == "auto":
-        return STORAGES["kahan"]
-    return STORAGES[master]
+    storage = STORAGES["kahan" if master == "auto" else master]
+    storage.check(dtype)  # (split refuses float16)
+    return storage
 
 
 def convert(
