@@ -461,7 +461,7 @@ def check_state(
     expected: dict[str, torch.dtype] | None = None,
 ) -> tuple[str, ...]:
     """Raise ``ValueError`` unless ``state`` was made for ``p`` under these options; returns the
-    rule's buffers it lacks (created at the next step: ``param_step.step_late``)."""
+    rule's buffers it lacks (created at the next step: ``param_step.step_param``'s ``first_use``)."""
     if isinstance(where, tuple):  # (group, parameter): formatted only for an error
         where = f"parameter group {where[0]}, parameter {where[1]}"
     if state.get("master") != storage.name:
