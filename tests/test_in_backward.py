@@ -297,3 +297,22 @@ def test_later_steps_run_the_bucket_s_prepared_call_and_notice_changes(monkeypat
         assert mine == (1 if step in (0, 2) else 0), (step, prepared)
     assert not full  # (every parameter in a bucket)
     assert_same(list(model.parameters()), opt, list(ref_model.parameters()), ref)
+
+
+def test_each_hook_makes_stochastic_roundings_keys_once(monkeypatch):
+    """A parameter stepped in its hook through its bucket makes its random keys once, in the
+    bucket (``_Bucket._keys``): its step's other numbers are made without keys. Before, every hook
+    made them twice, one of them unused (an extra compiled call per parameter and step)."""
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 256, bias=False))
+    model = model.bfloat16()
+    opt = lowprec.AdamW(model.parameters(), lr=1e-3, master="stochastic", seed=1)
+    lowprec.step_in_backward(model, opt)
+    calls = []
+    real = compiled.step_keys
+    monkeypatch.setattr(compiled, "step_keys", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    for _ in range(2):
+        calls.clear()
+        model(x).float().square().mean().backward()
+        opt.step()
+        assert len(calls) == 2  # (one per parameter, each above in_backward._SMALL elements)

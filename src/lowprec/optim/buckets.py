@@ -205,9 +205,11 @@ class _Bucket:
         moved: list[tuple[int, int]] = []
         try:
             for i, j in self.runs(grads, self.count_marks()) if runs is None else runs:
-                # (the numbers made on the counts' device from the run's first count)
+                # (the numbers made on the counts' device from the run's first count; the
+                # random keys the bucket makes itself: _keys)
                 step = param_step.step_numbers(opt, self.group, self.params[i], self.indices[i],
-                                               self.storage, self.states[i], None, memo)[3]
+                                               self.storage, self.states[i], None, memo,
+                                               keys=False)[3]
                 self.run, self.run_keys = (i, j), {}
                 done = i
                 try:

@@ -102,12 +102,14 @@ def step_numbers(
     state: dict[str, Any],
     scaling: _Scaling | None,
     memo: Memo,
+    keys: bool = True,
 ) -> _StepNumbers:
     """A parameter's numbers for a step, made on its device from its count: its step number
-    (FP64), random key halves, FP32 coefficients and the loss scaler's tensors."""
+    (FP64), random key halves (``keys`` False: zeros), FP32 coefficients and the loss scaler's
+    tensors."""
     done = memo.numbers.get(id(p))
     if done is None:  # (not made with its group's others: e.g. its state is new this step)
-        step_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo)
+        step_numbers_many(opt, [(group, p, index, storage, state)], scaling, memo, keys)
         done = memo.numbers[id(p)]
     return done
 
